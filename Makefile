@@ -1,0 +1,40 @@
+# tpkit: every target sets itself up on a fresh machine (venv, pinned CPU torch, the package).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+# Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cu128"
+TORCH_PIP_ARGS ?=
+NPROC ?= 2
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.tpkit-installed-$(TORCH_VERSION)
+
+.PHONY: install test demo lint format bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip || true
+	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+demo: install
+	PATH="$(abspath $(BIN)):$$PATH" bash launch/torchrun.sh --nproc $(NPROC) examples/demo.py
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
+
+format: install
+	$(BIN)/ruff format src tests benchmarks examples
+	$(BIN)/ruff check --fix src tests benchmarks examples
+
+bench: install
+	$(BIN)/python -m benchmarks $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

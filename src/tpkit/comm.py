@@ -1,0 +1,97 @@
+"""Megatron's communication primitives as tiny autograd functions on local tensors.
+
+torch's DTensor styles issue the same collectives through per-op dispatch; these do it once per
+layer on plain tensors, which is what makes no-grad decode cheap (no DTensor dispatch per op) and
+keeps a block at exactly two all-reduces forward and two backward.
+
+- ``copy_to_tp`` (Megatron's *f*): identity forward, all-reduce backward. Put before a
+  column-parallel layer: each rank's input gradient is a partial sum over its columns.
+- ``reduce_from_tp`` (Megatron's *g*): all-reduce forward, identity backward. Put after a
+  row-parallel layer: each rank's output is a partial sum over its rows.
+- ``gather_from_tp``: all-gather along the last dim forward, keep own slice backward (gathered
+  logits). Handles torch.chunk-style uneven splits (e.g. GPT-2's 50257-token vocabulary).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+def _all_reduce(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    dist.all_reduce(t, group=group)
+    return t
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        return _all_reduce(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def chunk_sizes(size: int, parts: int) -> list[int]:
+    """Sizes torch.chunk (and DTensor's Shard) gives: ceil-sized chunks, the tail shorter or 0."""
+    chunk = -(-size // parts)
+    return [max(0, min(chunk, size - r * chunk)) for r in range(parts)]
+
+
+def chunk_offset(size: int, parts: int, rank: int) -> int:
+    return min(size, rank * -(-size // parts))
+
+
+def _gather_last(x: torch.Tensor, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
+    width = max(sizes)
+    x = x.contiguous()
+    if x.shape[-1] < width:
+        x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    parts = [torch.empty_like(x) for _ in sizes]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat([p[..., :s] for p, s in zip(parts, sizes)], dim=-1)
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sizes: list[int], rank: int, group: ProcessGroup):
+        ctx.start, ctx.size = sum(sizes[:rank]), sizes[rank]
+        return _gather_last(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[..., ctx.start : ctx.start + ctx.size].contiguous(), None, None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient backward (Megatron's f)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _CopyToTP.apply(x, group)
+    return x
+
+
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """All-reduce (sum) forward, identity backward (Megatron's g). In-place when no grad is needed."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _ReduceFromTP.apply(x, group)
+    return _all_reduce(x if x.is_contiguous() else x.contiguous(), group)
+
+
+def gather_from_tp(x: torch.Tensor, sizes: list[int], rank: int, group: ProcessGroup):
+    """All-gather along the last dim (uneven ``sizes`` allowed); backward keeps this rank's slice."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _GatherFromTP.apply(x, sizes, rank, group)
+    return _gather_last(x, sizes, group)

@@ -1,0 +1,159 @@
+"""Process group and DeviceMesh from torchrun's environment.
+
+torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; everything here reads them, so the same script runs
+under `torchrun --nproc-per-node N`, `tpkit run`, `tpkit.launch` or plain `python` (world size 1).
+The mesh is always 2D and named ``("dp", "tp")`` with tp innermost: ranks of one TP group are
+contiguous, which is what accelerate's data loader and NVLink topology both assume.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+#: Default process-group timeout. Short enough that a rank that never arrives at a collective
+#: fails loudly within minutes instead of hanging a job for torch's default 10 to 30 minutes.
+DEFAULT_TIMEOUT_S = float(os.environ.get("TPKIT_TIMEOUT", "300"))
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What torchrun told this process. World size 1 when not launched by torchrun."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def dist_env() -> DistEnv:
+    """Read RANK / WORLD_SIZE / LOCAL_RANK (or the live process group, if one exists)."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        return DistEnv(rank, world, int(os.environ.get("LOCAL_RANK", rank)))
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return DistEnv(rank, world, int(os.environ.get("LOCAL_RANK", rank)))
+
+
+def default_device_type() -> str:
+    """cuda when this process can see a GPU, else cpu. Nothing in tpkit assumes CUDA."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_backend(device_type: str) -> str:
+    """nccl for CUDA, gloo otherwise; TPKIT_BACKEND overrides."""
+    override = os.environ.get("TPKIT_BACKEND")
+    if override:
+        return override
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def init_distributed(
+    backend: str | None = None,
+    device_type: str | None = None,
+    timeout_s: float | None = None,
+) -> DistEnv:
+    """Initialise the default process group from torchrun's env if it is not up yet.
+
+    Returns the environment. With world size 1 and no group, nothing is initialised: single-process
+    use needs no process group at all.
+    """
+    env = dist_env()
+    if not env.is_distributed or dist.is_initialized():
+        return env
+    device_type = device_type or default_device_type()
+    if device_type == "cuda":
+        torch.cuda.set_device(env.local_rank % max(torch.cuda.device_count(), 1))
+    dist.init_process_group(
+        backend=backend or default_backend(device_type),
+        timeout=datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S),
+    )
+    return dist_env()
+
+
+def resolve_sizes(tp_size: int | None, dp_size: int | None, world_size: int) -> tuple[int, int]:
+    """Fill in tp/dp from the world size; raise a ValueError naming the numbers when they clash.
+
+    Pure arithmetic: it runs before any collective so every rank raises the same error.
+    """
+    if tp_size is not None and tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}.")
+    if dp_size is not None and dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}.")
+    if tp_size is None:
+        tp_size = world_size // (dp_size or 1)
+    if world_size % tp_size != 0:
+        raise ValueError(
+            f"tp_size={tp_size} does not divide the world size {world_size}; use a tp_size among "
+            f"{_divisors(world_size)} or launch {tp_size * max(1, world_size // tp_size)} ranks."
+        )
+    if dp_size is None:
+        dp_size = world_size // tp_size
+    if dp_size * tp_size != world_size:
+        raise ValueError(
+            f"dp_size={dp_size} x tp_size={tp_size} = {dp_size * tp_size} ranks, but the world size "
+            f"is {world_size}; launch {dp_size * tp_size} ranks or set dp_size={world_size // tp_size}."
+        )
+    return tp_size, dp_size
+
+
+def build_mesh(
+    tp_size: int,
+    dp_size: int = 1,
+    device_type: str | None = None,
+) -> DeviceMesh:
+    """A ``("dp", "tp")`` DeviceMesh over the default group, tp innermost (contiguous ranks)."""
+    return init_device_mesh(
+        device_type or default_device_type(), (dp_size, tp_size), mesh_dim_names=("dp", "tp")
+    )
+
+
+def tp_submesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The TP dimension of a mesh: ``mesh["tp"]`` for a named 2D mesh, the mesh itself if 1D."""
+    if mesh.ndim == 1:
+        return mesh
+    if mesh.mesh_dim_names is None or "tp" not in mesh.mesh_dim_names:
+        raise ValueError(
+            f"A {mesh.ndim}D mesh needs a dimension named 'tp' (got names {mesh.mesh_dim_names}); "
+            "build it with tpkit.build_mesh(tp_size, dp_size) or init_device_mesh(..., "
+            "mesh_dim_names=('dp', 'tp'))."
+        )
+    return mesh["tp"]
+
+
+def sync_rng(tp_mesh: DeviceMesh) -> None:
+    """Make every rank of the TP group share the RNG state of its TP-rank 0.
+
+    Replicated activations (dropout after a row-parallel layer, sampling in generate) must draw the
+    same random numbers on every TP rank. Broadcasting rank 0's *state* (not a fresh seed) leaves
+    rank 0's stream untouched, so a seeded TP run draws exactly what the unsharded run draws.
+    """
+    if tp_mesh.size() == 1:
+        return
+    group = tp_mesh.get_group()
+    src = dist.get_global_rank(group, 0)
+    device = torch.device(tp_mesh.device_type, _current_index(tp_mesh.device_type))
+    cpu_state = torch.get_rng_state().to(device)
+    dist.broadcast(cpu_state, src=src, group=group)
+    torch.set_rng_state(cpu_state.cpu())
+    if tp_mesh.device_type == "cuda":
+        cuda_state = torch.cuda.get_rng_state().to(device)
+        dist.broadcast(cuda_state, src=src, group=group)
+        torch.cuda.set_rng_state(cuda_state.cpu())
+
+
+def _current_index(device_type: str) -> int:
+    return torch.cuda.current_device() if device_type == "cuda" else 0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,165 @@
+"""`tensor_parallel()`: plan -> validate -> mesh -> apply styles. The one line of tpkit.
+
+Order matters and is visible here: everything that can fail (sizes, plan, divisibility, device
+map) runs before the first collective, identically on every rank; only then is the process group
+and mesh built, the RNG synced across the TP group, and the plan applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from tpkit.mesh import (
+    build_mesh,
+    default_device_type,
+    dist_env,
+    init_distributed,
+    resolve_sizes,
+    sync_rng,
+    tp_submesh,
+)
+from tpkit.plan import Plan, PlanLike, derive_plan, validate
+from tpkit.styles import ReplicateStyle, make_style, shard_param
+
+
+@dataclass
+class TPState:
+    """What tpkit attached to a parallelized model (``model._tpkit``)."""
+
+    mesh: DeviceMesh
+    tp_mesh: DeviceMesh
+    plan: Plan
+    tp_size: int
+    dp_size: int
+
+
+def _launch_hint(n: int) -> str:
+    return (
+        f"Tensor parallelism runs one process per rank. Launch {n} ranks with\n"
+        f"    torchrun --nproc-per-node {n} your_script.py\n"
+        f"or from Python / a notebook: tpkit.launch(fn, nproc={n})."
+    )
+
+
+def _pick_device(device_ids: Sequence | None, local_rank: int, device_type: str) -> torch.device:
+    if device_ids:
+        if local_rank >= len(device_ids):
+            raise ValueError(
+                f"device_ids has {len(device_ids)} entries but this is local rank {local_rank}; "
+                "give one device per rank on this node, or leave device_ids unset."
+            )
+        return torch.device(device_ids[local_rank])
+    if device_type == "cuda":
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    return torch.device(device_type)
+
+
+def _model_device(model: nn.Module) -> torch.device | None:
+    for p in model.parameters():
+        return p.device
+    return None
+
+
+def tensor_parallel(
+    model: nn.Module,
+    device_ids: Sequence[str | int | torch.device] | None = None,
+    *,
+    tp_size: int | None = None,
+    plan: PlanLike = "auto",
+    mesh: DeviceMesh | None = None,
+) -> nn.Module:
+    """Split ``model`` over the ranks of its tensor-parallel group, in place, and return it.
+
+    Run on every rank (``torchrun --nproc-per-node N script.py``) with identical weights. Each
+    parameter becomes a DTensor on ``mesh["tp"]``: sharded where the plan says so, replicated
+    otherwise; the model keeps its class, ``forward``, ``generate`` and ``save_pretrained``.
+
+    Args:
+        model: any ``nn.Module``; a transformers model uses its ``base_model_tp_plan``.
+        device_ids: the familiar ``["cuda:0", "cuda:1"]``: local rank i uses ``device_ids[i]``.
+        tp_size: ranks per TP group; default the world size (or the mesh's "tp" size).
+        plan: ``"auto"`` (transformers plan, else inferred), ``"config"``, ``"infer"``, or a
+            ``{pattern: style}`` dict / `Plan` / YAML path merged over the auto plan.
+        mesh: a DeviceMesh to use instead of building ``("dp", "tp")`` from the world size.
+
+    Outside torchrun (world size 1) the model is returned unchanged (moved to ``device_ids[0]``
+    when given).
+    """
+    env = dist_env()
+    if mesh is None and not env.is_distributed:
+        distinct = {str(d) for d in device_ids or ()}
+        if len(distinct) > 1:
+            raise RuntimeError(
+                f"device_ids={list(device_ids)} asks for {len(distinct)} devices, but this is a single "
+                "process. " + _launch_hint(len(distinct))
+            )
+        if tp_size not in (None, 1):
+            raise ValueError(f"tp_size={tp_size} needs {tp_size} processes. " + _launch_hint(tp_size))
+        return model.to(device_ids[0]) if device_ids else model
+
+    if mesh is not None:
+        tp_mesh = tp_submesh(mesh)
+        tp, dp = tp_mesh.size(), mesh.size() // tp_mesh.size()
+        if tp_size not in (None, tp):
+            raise ValueError(f"tp_size={tp_size} disagrees with the mesh's tp dimension ({tp}).")
+        device_type = mesh.device_type
+    else:
+        tp, dp = resolve_sizes(tp_size, None, env.world_size)
+        device_type = default_device_type()
+    device = _pick_device(device_ids, env.local_rank, device_type)
+
+    the_plan = derive_plan(model, plan)
+    validate(model, the_plan, tp)  # before any collective, on every rank alike
+
+    if mesh is None:
+        init_distributed(device_type=device_type)
+        mesh = build_mesh(tp, dp, device_type)
+        tp_mesh = tp_submesh(mesh)
+    current = _model_device(model)
+    if current is not None and current.type != "meta" and current != device:
+        model.to(device)
+    if tp == 1:
+        return model
+    sync_rng(tp_mesh)
+    apply_plan(model, the_plan, tp_mesh)
+    model._tpkit = TPState(mesh=mesh, tp_mesh=tp_mesh, plan=the_plan, tp_size=tp, dp_size=dp)
+    return model
+
+
+def apply_plan(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
+    """Apply a validated plan on a 1D TP mesh: parameter entries, then module styles, then
+    ``Replicate()`` for every parameter nothing named, then re-tie tied parameters."""
+    ties = _tied_groups(model)
+    modules = dict(model.named_modules())
+    targets = plan.resolve(model)
+    styled: set[str] = set()
+    for t in targets:
+        if t.kind == "param":
+            owner, pname = t.name.rsplit(".", 1) if "." in t.name else ("", t.name)
+            shard_param(modules[owner], pname, t.style, tp_mesh)
+    for t in targets:
+        if t.kind == "module":
+            make_style(t.style)._apply(modules[t.name], tp_mesh)
+            styled.add(t.name)
+    for name, module in modules.items():
+        if name not in styled and any(p is not None for p in module._parameters.values()):
+            ReplicateStyle()._apply(module, tp_mesh)
+    for group in ties:
+        first_mod, first_name = group[0]
+        shared = first_mod._parameters[first_name]
+        for mod, pname in group[1:]:
+            mod._parameters[pname] = shared
+
+
+def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    by_id: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for pname, p in module._parameters.items():
+            if p is not None:
+                by_id.setdefault(id(p), []).append((module, pname))
+    return [g for g in by_id.values() if len(g) > 1]

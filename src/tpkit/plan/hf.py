@@ -1,0 +1,60 @@
+"""Translate transformers' own TP plans (``config.base_model_tp_plan`` + the class ``_tp_plan``)
+into a tpkit `Plan`.
+
+transformers merges them on the instance (``model.tp_plan``), with the base model's prefix and
+an ``embed_tokens: embedding_rowwise`` entry; we read that when it exists and rebuild the same merge
+otherwise (bare base models, older versions). Style strings keep their meaning; aliases are mapped
+by `spec.canonical_style`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tpkit.plan.spec import Plan
+
+
+def _config_plan(model: nn.Module) -> dict[str, str]:
+    config = getattr(model, "config", None)
+    plan = getattr(config, "base_model_tp_plan", None) if config is not None else None
+    if not plan and config is not None and hasattr(config, "get_text_config"):
+        plan = getattr(config.get_text_config(), "base_model_tp_plan", None)
+    return dict(plan or {})
+
+
+def _base_prefix(model: nn.Module) -> str:
+    """Dotted path from ``model`` to its base model ("" when model is the base model)."""
+    base = getattr(model, "base_model", model)
+    if base is model:
+        return ""
+    for name, module in model.named_modules():
+        if module is base:
+            return name
+    return ""
+
+
+def hf_plan(model: nn.Module) -> Plan | None:
+    """The model's transformers plan as a `Plan`, or None when it ships none.
+
+    Entries coming from the config are marked source "config", the class-level ones (``lm_head``)
+    "class". The input embedding is sharded by vocab when the plan does not name it.
+    """
+    base_entries = _config_plan(model)
+    if not base_entries:
+        return None
+    prefix = _base_prefix(model)
+    join = (lambda k: f"{prefix}.{k}") if prefix else (lambda k: k)
+    plan = Plan()
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    if isinstance(embed, nn.Embedding):
+        for name, module in model.named_modules():
+            if module is embed and not any(name == join(k) for k in base_entries):
+                plan.set(name, "vocab_parallel", "config")
+                break
+    for key, style in base_entries.items():
+        plan.set(join(key), style, "config")
+    for cls in reversed(type(model).__mro__):
+        for key, style in (getattr(cls, "_tp_plan", None) or {}).items():
+            if isinstance(key, str):
+                plan.set(key, style, "class")
+    return plan

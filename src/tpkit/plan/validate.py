@@ -1,0 +1,154 @@
+"""Every check that can fail, run before the first collective and identically on every rank.
+
+Each problem becomes one line of a single ``ValueError`` that names the module, the numbers and the
+fix, so a bad configuration is one clear error on all ranks instead of a reshape crash in forward or
+a hang in a collective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from torch import nn
+
+from tpkit.plan.spec import Plan, ParamLayout, param_layout
+
+# Attributes that attention modules (or their configs) use for head counts.
+HEAD_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+    "n_head_kv",
+)
+# Styles whose split dimension is a vocabulary: torch.chunk-style uneven splits are handled.
+UNEVEN_OK = {"vocab_parallel", "colwise_gather_output"}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _use(values: Iterable[int]) -> str:
+    g = 0
+    for v in values:
+        g = math.gcd(g, v)
+    options = _divisors(g) if g else [1]
+    if len(options) == 1:
+        return "use tp_size 1"
+    return "use tp_size " + ", ".join(map(str, options[:-1])) + f" or {options[-1]}"
+
+
+def param_layouts(model: nn.Module, plan: Plan) -> dict[str, tuple[str, ParamLayout, nn.Module]]:
+    """Full parameter name -> (style, layout, owning module) for every parameter the plan shards
+    or replicates explicitly; duplicates (tied parameters) appear under each of their names."""
+    module_style: dict[str, str] = {}
+    param_style: dict[str, str] = {}
+    for t in plan.resolve(model):
+        (module_style if t.kind == "module" else param_style)[t.name] = t.style
+    out = {}
+    for mod_name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            style = param_style.get(full) or module_style.get(mod_name) or "replicate"
+            out[full] = (style, param_layout(style, pname, p.ndim, module), module)
+    return out
+
+
+def _constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:
+    """(owner name, label, count) for every number that must be a multiple of tp_size."""
+    out: list[tuple[str, str, int]] = []
+    layouts = param_layouts(model, plan)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for full, (style, layout, module) in layouts.items():
+        if not layout.sharded or style in UNEVEN_OK:
+            continue
+        size = params[full].shape[layout.dim]
+        what = "output features" if style != "rowwise" else "input features"
+        if layout.split_factor > 1:
+            what = f"{what} per packed part ({layout.split_factor} parts)"
+            size //= layout.split_factor
+        out.append((f"{full} ({style})", f"the {what} ({size})", size))
+    out += _head_constraints(model, plan)
+    return out
+
+
+def _head_constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:
+    """Head counts of every module whose projections the plan splits by output."""
+    modules = dict(model.named_modules())
+    owners: dict[str, nn.Module] = {}
+    for t in plan.resolve(model):
+        if t.kind == "module" and t.style in ("colwise", "packed_colwise") and "." in t.name:
+            parent = t.name.rsplit(".", 1)[0]
+            owners.setdefault(parent, modules[parent])
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    out, seen = [], set()
+    for name, module in owners.items():
+        sources = [module, getattr(module, "config", None)]
+        if any(k in name.rsplit(".", 1)[-1].lower() for k in ("attn", "attention")):
+            sources.append(config)
+        for src in sources:
+            for attr in HEAD_ATTRS:
+                value = getattr(src, attr, None) if src is not None else None
+                if isinstance(value, int) and value > 0 and (attr, value) not in seen:
+                    seen.add((attr, value))
+                    out.append((name, f"{attr}={value}", value))
+    return out
+
+
+def validate(model: nn.Module, plan: Plan, tp_size: int) -> None:
+    """Raise one ValueError listing every problem with applying ``plan`` at ``tp_size``."""
+    problems = _device_map_problems(model)
+    problems += _pattern_problems(model, plan)
+    if not problems and tp_size > 1:
+        constraints = _constraints(model, plan)
+        fix = _use(c[2] for c in constraints)
+        for owner, label, count in constraints:
+            if count % tp_size:
+                problems.append(f"tp_size={tp_size} does not divide {label} of {owner}; {fix}.")
+        problems += _tied_problems(model, plan)
+    if problems:
+        raise ValueError("Cannot apply tensor parallelism:\n- " + "\n- ".join(problems))
+
+
+def _device_map_problems(model: nn.Module) -> list[str]:
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map:
+        return []
+    devices = sorted({str(d) for d in device_map.values()})
+    return [
+        f"the model was loaded with a device_map (devices {devices}); tensor parallelism places "
+        "the shards itself. Load it without device_map, or with tpkit.from_pretrained(path)."
+    ]
+
+
+def _pattern_problems(model: nn.Module, plan: Plan) -> list[str]:
+    user = [p for p in plan.unmatched(model) if plan.source(p) == "user"]
+    return [
+        f"plan pattern {p!r} (style {plan[p]!r}) matches no module or parameter of "
+        f"{type(model).__name__}; check the name against `tpkit plan` or model.named_modules()."
+        for p in user
+    ]
+
+
+def _tied_problems(model: nn.Module, plan: Plan) -> list[str]:
+    layouts = param_layouts(model, plan)
+    by_id: dict[int, list[str]] = {}
+    for full, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(full)
+    problems = []
+    for names in by_id.values():
+        kinds = {layouts[n][1] for n in names}
+        if len(names) > 1 and len(kinds) > 1:
+            styles = ", ".join(f"{n} ({layouts[n][0]})" for n in names)
+            problems.append(
+                f"tied parameters would be split differently: {styles}; give them styles that split "
+                "the same dimension (vocab_parallel with colwise_gather_output) or untie them."
+            )
+    return problems

@@ -1,7 +1,7 @@
 """tpkit: one-line tensor parallelism for any PyTorch or Hugging Face model, on DTensor.
 
-    import tpkit                                   # torchrun --nproc-per-node 2 script.py
-    model = tpkit.tensor_parallel(model)           # every rank holds ~1/N of the weights
+import tpkit                                   # torchrun --nproc-per-node 2 script.py
+model = tpkit.tensor_parallel(model)           # every rank holds ~1/N of the weights
 """
 
 from tpkit.mesh import build_mesh, dist_env, init_distributed

@@ -99,7 +99,9 @@ def tensor_parallel(
                 "process. " + _launch_hint(len(distinct))
             )
         if tp_size not in (None, 1):
-            raise ValueError(f"tp_size={tp_size} needs {tp_size} processes. " + _launch_hint(tp_size))
+            raise ValueError(
+                f"tp_size={tp_size} needs {tp_size} processes. " + _launch_hint(tp_size)
+            )
         return model.to(device_ids[0]) if device_ids else model
 
     if mesh is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from torch import nn
 
 from tpkit.plan.hf import hf_plan
-from tpkit.plan.spec import STYLES, Plan, ParamLayout, Target, param_layout
+from tpkit.plan.spec import STYLES, ParamLayout, Plan, Target, param_layout
 from tpkit.plan.validate import validate
 
 PlanLike = str | Path | Mapping[str, str] | Plan | None

@@ -25,7 +25,10 @@ from torch import nn
 STYLES: dict[str, tuple[str, str]] = {
     "colwise": ("Y_i = X W_i: output features split, output stays sharded", ""),
     "rowwise": ("Y = sum_i X_i W_i: input features split, output all-reduced", "all_reduce"),
-    "colwise_gather_output": ("output features split, output all-gathered (e.g. lm_head)", "all_gather"),
+    "colwise_gather_output": (
+        "output features split, output all-gathered (e.g. lm_head)",
+        "all_gather",
+    ),
     "vocab_parallel": ("embedding rows split by vocab, output all-reduced", "all_reduce"),
     "packed_colwise": ("fused [gate; up] output split per part (strided)", ""),
     "moe_tp_experts": ("experts run their own shards, output all-reduced", "all_reduce"),
@@ -50,7 +53,13 @@ ALIASES: dict[str, str] = {
 
 # Styles whose module-level application leaves parameters to their own entries.
 MODULE_ONLY_STYLES = {"moe_tp_experts"}
-SHARDING_STYLES = {"colwise", "rowwise", "colwise_gather_output", "vocab_parallel", "packed_colwise"}
+SHARDING_STYLES = {
+    "colwise",
+    "rowwise",
+    "colwise_gather_output",
+    "vocab_parallel",
+    "packed_colwise",
+}
 
 
 def canonical_style(style: str) -> str:
@@ -242,7 +251,9 @@ class Plan(Mapping[str, str]):
             text = Path(text).read_text()
         data = yaml.safe_load(text) or {}
         if not isinstance(data, Mapping):
-            raise ValueError(f"A YAML plan must be a mapping of pattern -> style, got {type(data)}.")
+            raise ValueError(
+                f"A YAML plan must be a mapping of pattern -> style, got {type(data)}."
+            )
         return cls.from_dict(data, source=source)
 
     # -- explanation -----------------------------------------------------------------------
@@ -268,7 +279,9 @@ def _param_rows(plan: Plan, model: nn.Module) -> Iterable[tuple[str, nn.Module, 
                 continue
             seen.add(id(p))
             full = f"{mod_name}.{p_name}" if mod_name else p_name
-            style, source = param_style.get(full) or module_style.get(mod_name) or ("replicate", "-")
+            style, source = (
+                param_style.get(full) or module_style.get(mod_name) or ("replicate", "-")
+            )
             if style in MODULE_ONLY_STYLES:
                 style = "replicate"
             yield full, module, style, p, source

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from tpkit.plan.spec import Plan, ParamLayout, param_layout
+from tpkit.plan.spec import ParamLayout, Plan, param_layout
 
 # Attributes that attention modules (or their configs) use for head counts.
 HEAD_ATTRS = (
@@ -64,7 +64,7 @@ def _constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:
     out: list[tuple[str, str, int]] = []
     layouts = param_layouts(model, plan)
     params = dict(model.named_parameters(remove_duplicate=False))
-    for full, (style, layout, module) in layouts.items():
+    for full, (style, layout, _module) in layouts.items():
         if not layout.sharded or style in UNEVEN_OK:
             continue
         size = params[full].shape[layout.dim]

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# One node, N ranks: a thin wrapper over torchrun with tpkit's defaults.
+#   launch/torchrun.sh --nproc 2 examples/demo.py [script args...]
+# NPROC / OMP_NUM_THREADS / PYTHON may also be set in the environment.
+set -euo pipefail
+nproc="${NPROC:-2}"
+if [[ "${1:-}" == "--nproc" ]]; then nproc="$2"; shift 2; fi
+if [[ $# -lt 1 ]]; then echo "usage: $0 [--nproc N] script.py [args...]" >&2; exit 2; fi
+# One thread per rank unless told otherwise: N ranks x all cores oversubscribes the CPU.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec "${PYTHON:-python}" -m torch.distributed.run --standalone --nproc-per-node "$nproc" "$@"

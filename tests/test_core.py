@@ -1,0 +1,171 @@
+"""tensor_parallel() on models that ship a transformers plan: parity with the unsharded model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from tests.models import FACTORIES, batch, build, forward_backward_diffs, full, pair
+
+TOL = 1e-5
+
+
+# ---- checks (run on every rank) --------------------------------------------------------------
+def check_parity(name: str) -> dict:
+    ref, model = pair(name)
+    not_dtensor = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    diffs = forward_backward_diffs(ref, model, batch(ref.config.vocab_size))
+    return {**diffs, "not_dtensor": not_dtensor, "type": type(model).__name__}
+
+
+def _is_replicated_param(name: str) -> bool:
+    return "norm" in name or name.endswith("mlp.gate.weight")  # norms, MoE router
+
+
+def check_param_bytes(name: str) -> dict:
+    ref, model = pair(name)
+    tp = dist.get_world_size()
+    total = sum(p.numel() * p.element_size() for p in ref.parameters())
+    replicated = sum(
+        p.numel() * p.element_size() for n, p in ref.named_parameters() if _is_replicated_param(n)
+    )
+    local = sum(
+        p.to_local().numel() * p.element_size() for p in model.parameters()
+    )  # parameters() deduplicates tied weights
+    model(
+        input_ids=batch(ref.config.vocab_size), labels=batch(ref.config.vocab_size)
+    ).loss.backward()
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    return {
+        "local": local,
+        "expected": (total - replicated) / tp + replicated,
+        "embed_sharded": embed.placements[0] != Replicate(),
+        "embed_grad_sharded": embed.grad.placements[0] != Replicate(),
+        "head_sharded": head.placements[0] != Replicate(),
+        "tied_still_tied": (head is embed)
+        == (ref.get_output_embeddings().weight is ref.get_input_embeddings().weight),
+    }
+
+
+def check_training_drift(name: str, steps: int = 4) -> dict:
+    """Replicated parameters that see sharded activations (q_norm) must not drift over steps."""
+    ref, model = pair(name)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        x = batch(ref.config.vocab_size, seed=step)
+        for m, o in ((ref, opt_r), (model, opt)):
+            o.zero_grad()
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            o.step()
+            losses.append(loss.item())
+    ref_params = dict(ref.named_parameters())
+    param_diff = max(
+        (full(p) - ref_params[n]).abs().max().item() for n, p in model.named_parameters()
+    )
+    # the replicated shards of every rank must be bitwise equal
+    local_norm = torch.cat(
+        [p.to_local().flatten() for n, p in model.named_parameters() if "norm" in n]
+    )
+    gathered = [torch.empty_like(local_norm) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local_norm)
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(losses[0::2], losses[1::2])),
+        "param_diff": param_diff,
+        "replicas_equal": all(torch.equal(gathered[0], g) for g in gathered),
+    }
+
+
+def check_rng_synced() -> bool:
+    import tpkit
+
+    torch.manual_seed(100 + dist.get_rank())  # ranks start out different
+    tpkit.tensor_parallel(build("llama"))
+    draw = torch.rand(8)
+    gathered = [torch.empty_like(draw) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, draw)
+    return all(torch.equal(gathered[0], g) for g in gathered)
+
+
+def check_raises(name: str, **kwargs) -> str:
+    import tpkit
+
+    try:
+        tpkit.tensor_parallel(build(name), **kwargs)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+# ---- tests ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_parity_tp2(ranks2, name):
+    for r in ranks2.run(check_parity, name):
+        assert r["not_dtensor"] == []
+        assert r["type"] == type(FACTORIES[name]()).__name__  # the class is kept
+        assert r["logits"] <= TOL and r["grad"] <= TOL and r["loss"] <= TOL, r
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "llama_tied", "qwen3_moe"])
+def test_parity_tp4(ranks4, name):
+    cfg_kv = FACTORIES[name]().config.num_key_value_heads
+    assert cfg_kv % 4 == 0
+    for r in ranks4.run(check_parity, name):
+        assert r["logits"] <= TOL and r["grad"] <= TOL and r["loss"] <= TOL, r
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen3_moe"])
+def test_local_param_bytes_are_a_tp_share(ranks2, name):
+    for r in ranks2.run(check_param_bytes, name):
+        assert abs(r["local"] - r["expected"]) <= 0.05 * r["expected"], r
+        assert r["embed_sharded"] and r["embed_grad_sharded"] and r["head_sharded"], r
+        assert r["tied_still_tied"], r
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_training_does_not_drift(ranks2, name):
+    for r in ranks2.run(check_training_drift, name):
+        assert r["loss_diff"] <= TOL and r["param_diff"] <= 1e-4, r
+        assert r["replicas_equal"], r
+
+
+def test_rng_synced_across_tp_group(ranks2):
+    assert all(ranks2.run(check_rng_synced))
+
+
+def test_kv_heads_not_divisible_raises_on_every_rank(ranks4):
+    messages = ranks4.run(check_raises, "mistral")  # 2 KV heads on 4 ranks
+    for msg in messages:
+        assert "tp_size=4 does not divide num_key_value_heads=2" in msg
+        assert "model.layers.0.self_attn" in msg and "use tp_size 1 or 2" in msg
+
+
+def test_world_not_divisible_raises(ranks4):
+    for msg in ranks4.run(check_raises, "llama", tp_size=3):
+        assert "tp_size=3 does not divide the world size 4" in msg
+
+
+def test_single_process_returns_model_unchanged():
+    import tpkit
+
+    ref = build("llama")
+    model = tpkit.tensor_parallel(copy.deepcopy(ref))
+    x = batch(ref.config.vocab_size)
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    torch.testing.assert_close(model(input_ids=x).logits, ref(input_ids=x).logits, rtol=0, atol=0)
+
+
+def test_single_process_many_devices_shows_torchrun():
+    import tpkit
+
+    with pytest.raises(RuntimeError, match="torchrun --nproc-per-node 2"):
+        tpkit.tensor_parallel(build("llama"), ["cuda:0", "cuda:1"])
+    with pytest.raises(ValueError, match="tpkit.launch"):
+        tpkit.tensor_parallel(build("llama"), tp_size=2)

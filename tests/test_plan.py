@@ -1,0 +1,134 @@
+"""Plan data, transformers plans and validation: pure analysis, no process group."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from tests.models import build
+from tpkit.plan import Plan, derive_plan, hf_plan, validate
+from tpkit.plan.spec import local_shape, matches, param_layout
+
+
+def test_wildcard_matches_one_component():
+    assert matches("model.layers.*.mlp.up_proj", "model.layers.11.mlp.up_proj")
+    assert not matches("model.layers.*.mlp.up_proj", "model.layers.1.2.mlp.up_proj")
+    assert not matches("layers.*.mlp", "model.layers.0.mlp")
+
+
+def test_later_entries_win_and_merge_overrides_entry_by_entry():
+    base = Plan({"a.*": "colwise", "a.b": "rowwise"}, source="config")
+    assert base.style_for("a.b") == ("rowwise", "a.b")
+    merged = base.merged({"a.*": "replicate"})
+    assert merged.style_for("a.c") == ("replicate", "a.*")
+    assert merged.style_for("a.b") == ("replicate", "a.*")  # user entry now last
+    assert merged.source("a.*") == "user" and merged.source("a.b") == "config"
+
+
+def test_yaml_round_trip(tmp_path):
+    plan = Plan({"x.*.q": "colwise", "lm_head": "gather_output"})
+    path = tmp_path / "plan.yaml"
+    path.write_text(plan.to_yaml())
+    back = Plan.from_yaml(path)
+    assert back.to_dict() == {"x.*.q": "colwise", "lm_head": "colwise_gather_output"}
+
+
+def test_unknown_style_is_a_clear_error():
+    with pytest.raises(ValueError, match="Unknown tensor-parallel style 'diagonal'"):
+        Plan({"a": "diagonal"})
+
+
+def test_param_layouts_follow_weight_conventions():
+    lin = nn.Linear(4, 8)
+    assert param_layout("colwise", "weight", 2, lin).dim == 0
+    assert param_layout("colwise", "bias", 1, lin).dim == 0
+    assert param_layout("rowwise", "weight", 2, lin).dim == 1
+    assert not param_layout("rowwise", "bias", 1, lin).sharded
+    packed = param_layout("packed_colwise", "gate_up_proj", 3)
+    assert (packed.dim, packed.split_factor) == (1, 2)
+    assert local_shape((101, 64), param_layout("vocab_parallel", "weight", 2), 2, 1) == (50, 64)
+
+
+def test_hf_plan_adds_embedding_and_head():
+    plan = hf_plan(build("llama"))
+    assert plan["model.embed_tokens"] == "vocab_parallel"
+    assert plan["lm_head"] == "colwise_gather_output"
+    assert plan["model.layers.*.self_attn.o_proj"] == "rowwise"
+    assert plan.source("lm_head") == "class"
+
+
+def test_user_dict_overrides_the_config_plan():
+    model = build("llama")
+    plan = derive_plan(model, {"model.layers.*.mlp.down_proj": "replicate"})
+    assert plan.style_for("model.layers.0.mlp.down_proj")[0] == "replicate"
+    assert plan.style_for("model.layers.0.mlp.up_proj")[0] == "colwise"
+
+
+def test_explain_reports_shapes_and_collectives():
+    model = build("llama")
+    text = derive_plan(model).explain(model, tp_size=2)
+    assert "model.layers.0.self_attn.q_proj.weight" in text and "(64, 64) -> (32, 64)" in text
+    assert "collectives per forward:" in text and "5 all_reduce" in text and "1 all_gather" in text
+
+
+# ---- validation: every case is one ValueError naming module, numbers and the fix -------------
+def test_heads_not_divisible():
+    model = build("llama")  # 4 heads
+    with pytest.raises(ValueError) as exc:
+        validate(model, derive_plan(model), 3)
+    msg = str(exc.value)
+    assert "tp_size=3 does not divide num_attention_heads=4 of model.layers.0.self_attn" in msg
+    assert "use tp_size 1, 2 or 4" in msg
+
+
+def test_kv_heads_not_divisible():
+    model = build("mistral")  # 2 KV heads
+    with pytest.raises(
+        ValueError, match="num_key_value_heads=2 of model.layers.0.self_attn; use tp_size 1 or 2"
+    ):
+        validate(model, derive_plan(model), 4)
+
+
+def test_width_not_divisible():
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 8))
+    plan = derive_plan(model, {"0": "colwise", "2": "rowwise"})
+    with pytest.raises(
+        ValueError, match=r"tp_size=4 does not divide the output features \(6\) of 0.weight"
+    ):
+        validate(model, plan, 4)
+    validate(model, plan, 2)  # 6 splits in two
+
+
+def test_world_size_not_divisible():
+    from tpkit.mesh import resolve_sizes
+
+    with pytest.raises(ValueError, match="tp_size=3 does not divide the world size 4"):
+        resolve_sizes(3, None, 4)
+
+
+def test_device_map_conflicts():
+    model = build("llama")
+    model.hf_device_map = {"model": 0, "lm_head": "cpu"}
+    with pytest.raises(ValueError, match="loaded with a device_map"):
+        validate(model, derive_plan(model), 2)
+
+
+def test_pattern_matching_nothing():
+    model = build("llama")
+    with pytest.raises(
+        ValueError, match="plan pattern 'model.layers.*.mlp.fc9'.*matches no module"
+    ):
+        validate(model, derive_plan(model, {"model.layers.*.mlp.fc9": "colwise"}), 2)
+
+
+def test_tied_weights_split_differently():
+    model = build("llama_tied")
+    plan = derive_plan(model, {"lm_head": "replicate"})
+    with pytest.raises(ValueError, match="tied parameters would be split differently"):
+        validate(model, plan, 2)
+
+
+def test_validation_passes_for_a_good_plan():
+    for name in ("llama", "qwen3", "qwen3_moe", "llama_tied"):
+        model = build(name)
+        validate(model, derive_plan(model), 2)  # no exception

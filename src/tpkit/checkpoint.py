@@ -131,6 +131,7 @@ def save_checkpoint(
         (tmp / EXTRA_FILE).write_text(extra_json)
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
+            config.architectures = [type(model).__name__]  # as save_pretrained records it
             config.save_pretrained(str(tmp / CONFIG_DIR))
     _barrier()
     if _rank() == 0:
@@ -193,11 +194,10 @@ def export_checkpoint(
     )
     weights = full[MODEL_KEY]
     config = transformers.AutoConfig.from_pretrained(str(checkpoint_dir / CONFIG_DIR))
-    from tpkit.load import _model_class
+    from tpkit.load import _instantiate, _model_class
 
-    cls = _model_class(config, model_cls)
     with torch.device("meta"):
-        model = cls._from_config(config)
+        model = _instantiate(_model_class(config, model_cls), config)
     model.load_state_dict(weights, strict=False, assign=True)
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]

@@ -188,6 +188,14 @@ def _model_class(config, model_cls):
     return transformers.AutoModelForCausalLM
 
 
+def _instantiate(cls, config, dtype: torch.dtype | None = None) -> nn.Module:
+    """A model of ``cls`` (a concrete class or an Auto class) from ``config``."""
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    if hasattr(cls, "_from_config"):
+        return cls._from_config(config, **kwargs)
+    return cls.from_config(config, **kwargs)
+
+
 def _resolve_dtype(dtype, config) -> torch.dtype:
     dtype = dtype if dtype not in (None, "auto") else getattr(config, "dtype", None)
     if isinstance(dtype, str):
@@ -231,7 +239,7 @@ def from_pretrained(
     dtype = _resolve_dtype(dtype, config)
     index = CheckpointIndex(path)
     with init_empty_weights(include_buffers=False):
-        model = cls._from_config(config, dtype=dtype)
+        model = _instantiate(cls, config, dtype)
     prefix = getattr(model, "base_model_prefix", "")
     owners = _param_owners(model)
     keys = {}

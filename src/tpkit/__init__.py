@@ -10,6 +10,7 @@ from tpkit.checkpoint import (
     save_checkpoint,
     save_tensor_parallel,
 )
+from tpkit.launch import launch
 from tpkit.load import (
     convert_state_dict,
     from_pretrained,
@@ -39,6 +40,7 @@ __all__ = [
     "derive_plan",
     "dist_env",
     "init_distributed",
+    "launch",
     "tensor_parallel",
     "validate",
 ]

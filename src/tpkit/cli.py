@@ -51,6 +51,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from tpkit.launch import run_script
+
+    return run_script(
+        [args.script, *args.args],
+        args.nproc,
+        nnodes=args.nnodes,
+        rdzv_endpoint=args.rdzv_endpoint,
+        backend=args.backend,
+        threads=args.threads,
+        module=args.module,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tpkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +75,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan", help="a YAML plan merged over the automatic one")
     p.add_argument("--model-cls", help="transformers class name, e.g. LlamaForCausalLM")
     p.set_defaults(fn=cmd_plan)
+
+    p = sub.add_parser(
+        "run",
+        help="run a script on N ranks: torchrun with tpkit's defaults",
+        description="torchrun with tpkit's defaults: OMP_NUM_THREADS = cores / ranks (unless set), "
+        "TPKIT_BACKEND from --backend, every output line prefixed [rankN]:. One node runs "
+        "--standalone; --nnodes/--rdzv-endpoint use a c10d rendezvous (same command on each node).",
+    )
+    p.add_argument("--nproc", type=int, help="ranks on this node (default: GPUs, or 2 on CPU)")
+    p.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for an elastic range")
+    p.add_argument("--rdzv-endpoint", help="host:port of one node, the same on every node")
+    p.add_argument("--backend", choices=["gloo", "nccl"], help="sets TPKIT_BACKEND")
+    p.add_argument("--threads", type=int, help="OpenMP threads per rank")
+    p.add_argument("-m", "--module", action="store_true", help="script is a module name")
+    p.add_argument("script", help="the script (or module, with -m) every rank runs")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    p.set_defaults(fn=cmd_run)
 
     args = parser.parse_args(argv)
     return args.fn(args)

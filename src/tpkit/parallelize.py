@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tpkit.debug import debug_enabled, install_debug_checks
 from tpkit.mesh import (
     build_mesh,
     default_device_type,
@@ -130,6 +131,8 @@ def tensor_parallel(
     sync_rng(tp_mesh)
     apply_plan(model, the_plan, tp_mesh)
     model._tpkit = TPState(mesh=mesh, tp_mesh=tp_mesh, plan=the_plan, tp_size=tp, dp_size=dp)
+    if debug_enabled():  # TPKIT_DEBUG=1: inputs and replicated params agree at every forward
+        install_debug_checks(model, tp_mesh)
     return model
 
 

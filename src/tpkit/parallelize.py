@@ -25,7 +25,7 @@ from tpkit.mesh import (
     tp_submesh,
 )
 from tpkit.plan import Plan, PlanLike, derive_plan, validate
-from tpkit.styles import ReplicateStyle, make_style, shard_param
+from tpkit.styles import ReplicateStyle, apply_fixups, make_style, shard_param
 
 
 @dataclass
@@ -138,7 +138,8 @@ def tensor_parallel(
 
 def apply_plan(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
     """Apply a validated plan on a 1D TP mesh: parameter entries, then module styles, then
-    ``Replicate()`` for every parameter nothing named, then re-tie tied parameters."""
+    ``Replicate()`` for every parameter nothing named, then the plan's fix-ups (per-rank head
+    counts, per-head inputs sliced), then re-tie tied parameters."""
     ties = _tied_groups(model)
     modules = dict(model.named_modules())
     targets = plan.resolve(model)
@@ -154,6 +155,10 @@ def apply_plan(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
     for name, module in modules.items():
         if name not in styled and any(p is not None for p in module._parameters.values()):
             ReplicateStyle()._apply(module, tp_mesh)
+    for name, module in modules.items():
+        fixups = plan.fixups_for(name) if plan.fixups else None
+        if fixups:
+            apply_fixups(module, fixups, tp_mesh)  # per-rank head counts the module reads
     for group in ties:
         first_mod, first_name = group[0]
         shared = first_mod._parameters[first_name]

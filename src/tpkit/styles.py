@@ -18,7 +18,9 @@ The math, per style (X input, W weight split over ranks i):
 - rowwise:               Y = sum_i X_i W_i + b (output all-reduced: g; bias added once, after)
 - colwise_gather_output: Y = [X W_0, ..., X W_{t-1}] (all-gather of the last dim)
 - vocab_parallel:        E[x] = sum_i E_i[x - off_i] masked to rank i's rows (g)
-- packed_colwise:        like colwise, each of the packed parts split separately
+- packed_colwise:        like colwise, each of the packed parts split separately ([gate; up])
+- packed_qkv_colwise:    the same with 3 parts (GPT-2's c_attn = [q; k; v])
+- colwise_embedding:     E_i = E[:, cols_i] (a per-head bias table such as T5's [buckets, heads])
 - moe_tp_experts:        every expert runs its own shard; outputs summed (f on inputs, g on output)
 - replicate:             local compute on replicated parameters
 - replicated_with_grad_allreduce: replicate, but the parameter gradient is all-reduced (it acts on
@@ -112,6 +114,9 @@ class TPStyle(ParallelStyle):
             if p is not None:
                 layout = param_layout(self.name, pname, p.ndim, module)
                 distribute_param(module, pname, layout, device_mesh)
+        if isinstance(getattr(module, "nf", None), int) and isinstance(module.weight, DTensor):
+            # GPT-2's Conv1D shapes its output from ``nf``: make it this rank's width
+            module.nf = module.weight.to_local().shape[-1]
         self._setup(module)
         module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
         module.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
@@ -183,6 +188,17 @@ class ColwiseStyle(TPStyle):
 
 class PackedColwiseStyle(ColwiseStyle):
     name = "packed_colwise"
+
+
+class PackedQKVColwiseStyle(ColwiseStyle):
+    name = "packed_qkv_colwise"
+
+
+class ColwiseEmbeddingStyle(ColwiseStyle):
+    """Embedding whose columns are split (T5's relative attention bias: one column per head);
+    its integer input needs no f, its output stays sharded like a column linear's."""
+
+    name = "colwise_embedding"
 
 
 class GatherOutputStyle(ColwiseStyle):
@@ -273,6 +289,8 @@ STYLE_CLASSES: dict[str, type[TPStyle]] = {
         ReplicateGradAllReduceStyle,
         ColwiseStyle,
         PackedColwiseStyle,
+        PackedQKVColwiseStyle,
+        ColwiseEmbeddingStyle,
         GatherOutputStyle,
         RowwiseStyle,
         VocabParallelStyle,
@@ -290,3 +308,45 @@ def shard_param(module: nn.Module, pname: str, style: str, mesh: DeviceMesh) -> 
     """Apply a plan entry that names a single parameter (e.g. ``experts.gate_up_proj``)."""
     p = module._parameters[pname]
     return distribute_param(module, pname, param_layout(style, pname, p.ndim, module), mesh)
+
+
+def apply_fixups(module: nn.Module, fixups: dict[str, Any], mesh: DeviceMesh) -> None:
+    """Make a module's own code see this rank's share of the heads.
+
+    ``divide``: integer attributes the module reads (``num_heads``, ``split_size``, ...) become
+    their value / tp. ``head_inputs``: inputs computed for all heads outside the module (BLOOM's
+    ``alibi``, [batch*heads, 1, k]) are sliced to this rank's contiguous heads, along dim 0
+    (batch*heads) or dim 1 (heads), by a forward pre-hook. Done once: a module already fixed up
+    is left alone.
+    """
+    if getattr(module, "_tpkit_fixed", False):
+        return
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    heads = None
+    for attr in fixups.get("divide", []):
+        value = getattr(module, attr)
+        if attr in ("num_heads", "num_attention_heads", "n_head", "n_heads") and heads is None:
+            heads = value
+        setattr(module, attr, value // tp)
+    head_inputs = dict(fixups.get("head_inputs") or {})
+    if head_inputs and heads:
+        per = heads // tp
+
+        def slice_heads(mod, args, kwargs):
+            for key, dim in head_inputs.items():
+                kind, k = key.split(":", 1)
+                t = args[int(k)] if kind == "arg" and int(k) < len(args) else kwargs.get(k)
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if dim == 0:
+                    t = t.unflatten(0, (-1, heads))[:, rank * per : (rank + 1) * per].flatten(0, 1)
+                elif t.shape[1] == heads:
+                    t = t[:, rank * per : (rank + 1) * per]
+                if kind == "arg":
+                    args = (*args[: int(k)], t, *args[int(k) + 1 :])
+                else:
+                    kwargs = {**kwargs, k: t}
+            return args, kwargs
+
+        module.register_forward_pre_hook(slice_heads, with_kwargs=True)
+    module._tpkit_fixed = True

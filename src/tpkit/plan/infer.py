@@ -1,14 +1,599 @@
-"""Infer a `Plan` for a model that ships none (placeholder until dataflow inference lands)."""
+"""Infer a `Plan` for a model that ships none, from its dataflow.
+
+One forward runs on the meta device (parameters and buffers swapped for meta tensors, nothing is
+computed or allocated) while a ``TorchFunctionMode`` tags every tensor with the *linear-like*
+modules (``nn.Linear``, GPT-2's ``Conv1D``, ``nn.Embedding``) whose outputs reach it without
+passing through another one. The hidden states entering each repeated block (the elements of the
+outermost ``nn.ModuleList`` s) are the *residual stream*. From the tags:
+
+- a linear whose input comes only from other linears (never straight from the stream) and whose
+  output is added back into the stream is **row-parallel**; the linears feeding it are
+  **column-parallel** (Megatron's pairing: q/k/v -> o, up/gate -> down, c_fc -> c_proj, ...);
+- a column candidate whose output is also needed whole (a LayerNorm over its full width, a
+  non-row consumer, the stream) or is sliced unevenly along its features (Falcon's multi-query
+  ``query_key_value``) stays replicated, and so does its row partner; the plan notes why;
+- the output of a column linear split into k equal parts along its features (GPT-2 ``c_attn`` ->
+  q|k|v, fused gate_up -> gate|up) gets a *packed* style that splits each part; a split *after*
+  a per-head reshape (BLOOM / GPT-NeoX ``query_key_value``, Falcon GQA) is per-head interleaved
+  and plain colwise is right;
+- an ``nn.Embedding`` inside a block whose output reaches a row linear (T5's relative attention
+  bias ``[buckets, heads]``) is split by heads (``colwise_embedding``);
+- a module with 1-D parameters acting per head on a column output (Qwen3 ``q_norm``) gets
+  ``replicated_with_grad_allreduce``;
+- the input embedding is vocab-parallel, the output head ``colwise_gather_output``;
+- head-count attributes (``num_heads``, ``n_head``, ``embed_dim``, ``split_size``, ...) on the
+  modules that own a column/row pair are listed as plan *fix-ups*, divided by tp when applied,
+  and untagged per-head inputs of those modules (BLOOM's ``alibi``) are sliced to the rank's heads.
+
+Each column/row pair is a *group* with the counts that must divide tp (features, heads);
+`validate` turns an inferred group that does not divide into replicated entries with a note.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from tpkit.plan.spec import Plan
 
+STREAM = "<stream>"
+#: Attributes that count heads: divided by tp on modules that own a column/row pair.
+HEAD_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_head_kv",
+    "n_kv_heads",
+)
+#: Attributes that hold a width; divided only when they equal a split width of the pair.
+WIDTH_ATTRS = (
+    "embed_dim",
+    "hidden_size",
+    "hidden_size_per_partition",
+    "inner_dim",
+    "split_size",
+    "all_head_size",
+)
+_TRACE_BATCH, _TRACE_SEQ = 3, 7  # odd sizes, unlikely to coincide with a width or head count
 
-def infer_plan(model: nn.Module) -> Plan:
-    raise ValueError(
-        f"{type(model).__name__} ships no base_model_tp_plan and plan inference is not available "
-        "yet; pass plan={'module.pattern': 'colwise' | 'rowwise' | ...}."
+
+@dataclass
+class _Node:
+    """What the trace learned about one linear-like module."""
+
+    kind: str  # "linear", "conv1d" or "embedding"
+    out: int
+    src: set[str] = field(default_factory=set)
+    consumers: set[str] = field(default_factory=set)
+    per_head_consumers: set[str] = field(default_factory=set)
+    writer: bool = False
+    needs_whole: str = ""  # why its whole output is needed somewhere ("" = never)
+    split: int = 1
+    uneven: str = ""
+
+
+def _kind(module: nn.Module) -> str | None:
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        return "conv1d"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    return None
+
+
+def _out_width(module: nn.Module, kind: str) -> int:
+    w = module.weight
+    return int(w.shape[1] if kind in ("conv1d", "embedding") else w.shape[0])
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+class _Tracer(TorchFunctionMode):
+    """Propagates provenance tags through every torch function call."""
+
+    def __init__(self, nodes: dict[str, _Node]):
+        super().__init__()
+        self.nodes = nodes
+        self.tags: dict[int, frozenset[str]] = {}
+        self.origin: dict[int, tuple[str, int]] = {}  # tensor -> (linear, dim of its features)
+        self.keep: list[torch.Tensor] = []  # ids stay unique while the trace runs
+
+    def tag(self, t: torch.Tensor) -> frozenset[str]:
+        return self.tags.get(id(t), frozenset())
+
+    def set_tag(self, t: torch.Tensor, tags: frozenset[str]) -> None:
+        self.keep.append(t)
+        self.tags[id(t)] = tags
+
+    def into_stream(self, tags: frozenset[str]) -> frozenset[str]:
+        for name in tags:
+            if name in self.nodes:
+                self.nodes[name].writer = True
+        return frozenset({STREAM})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = _tensors((args, kwargs))
+        tags: frozenset[str] = frozenset().union(*(self.tag(t) for t in inputs))
+        if STREAM in tags and len(tags) > 1:
+            tags = self.into_stream(tags)
+        name = getattr(func, "__name__", "")
+        in_place = name.endswith("_") or name in ("__setitem__", "__iadd__", "__imul__")
+        if in_place and args and isinstance(args[0], torch.Tensor):
+            self.set_tag(args[0], tags)
+        outs = _tensors(out)
+        for t in outs:
+            self.set_tag(t, tags)
+        if args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.origin:
+            self._follow_features(name, args, kwargs, out, outs)
+        return out
+
+    # -- where the features of a linear's output go: reshapes, splits, slices ----------------
+    def _follow_features(self, name, args, kwargs, out, outs) -> None:
+        src = args[0]
+        lin, j = self.origin[id(src)]
+        node = self.nodes[lin]
+        if name in ("split", "chunk", "tensor_split", "unbind", "split_with_sizes", "narrow"):
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else (0 if name == "unbind" else 0))
+            if name in ("split", "chunk", "tensor_split", "split_with_sizes") and len(args) <= 2:
+                dim = kwargs.get("dim", 0)
+            if _norm_dim(dim, src.ndim) != j:
+                return
+            sizes = {t.shape[j] for t in outs} if name != "narrow" else {-1}
+            if len(sizes) == 1 and len(outs) > 1 and name != "unbind":
+                node.split = max(node.split, len(outs)) if node.split in (1, len(outs)) else -1
+            else:
+                node.uneven = node.uneven or f"its output is {name}-sliced unevenly by features"
+            return
+        if name == "__getitem__":
+            if self._index_touches(args[1], src.ndim, j):
+                node.uneven = node.uneven or "its output is indexed along its features"
+            return
+        if len(outs) != 1:
+            return
+        new = outs[0]
+        if name in ("view", "reshape", "unflatten", "contiguous", "float", "to", "type_as"):
+            j_new = _feature_dim_after_reshape(tuple(src.shape), j, tuple(new.shape))
+        elif name == "transpose":
+            a, b = (_norm_dim(int(d), src.ndim) for d in args[1:3])
+            j_new = b if j == a else a if j == b else j
+        elif name == "permute":
+            dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+            dims = [_norm_dim(int(d), src.ndim) for d in dims]
+            j_new = dims.index(j) if j in dims else None
+        elif tuple(new.shape) == tuple(src.shape):
+            j_new = j  # elementwise
+        else:
+            j_new = None
+        if j_new is not None:
+            self.origin[id(new)] = (lin, j_new)
+
+    @staticmethod
+    def _index_touches(index: Any, ndim: int, j: int) -> bool:
+        items = index if isinstance(index, tuple) else (index,)
+        if any(i is None or isinstance(i, torch.Tensor) for i in items):
+            return True  # advanced or new-axis indexing: give up conservatively
+        if Ellipsis in items:
+            k = items.index(Ellipsis)
+            items = (*items[:k], *([slice(None)] * (ndim - len(items) + 1)), *items[k + 1 :])
+        if j >= len(items):
+            return False
+        item = items[j]
+        return not (isinstance(item, slice) and item == slice(None))
+
+
+def _feature_dim_after_reshape(old: tuple, j: int, new: tuple) -> int | None:
+    """Where the outermost factor of a feature dimension lands after a view/reshape."""
+    prefix = math.prod(old[:j])
+    acc = 1
+    for i, s in enumerate(new):
+        if acc == prefix and s > 1:
+            return i if old[j] % s == 0 or s % old[j] == 0 else None
+        acc *= s
+        if acc > prefix:
+            return None
+    return None
+
+
+def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The elements of the outermost ModuleLists of same-typed, linear-holding modules."""
+    lists = []
+    for name, mod in model.named_modules():
+        same_type = isinstance(mod, nn.ModuleList) and len({type(m) for m in mod}) == 1
+        nested = any(name.startswith(p + ".") for p, _ in lists)
+        if same_type and not nested and any(_kind(m) for m in mod[0].modules()):
+            lists.append((name, mod))
+    return [(f"{p}.{i}" if p else str(i), m) for p, lst in lists for i, m in enumerate(lst)]
+
+
+def _example_inputs(model: nn.Module) -> tuple[tuple, dict]:
+    shape = (_TRACE_BATCH, _TRACE_SEQ)
+    ids = torch.zeros(shape, dtype=torch.long, device="meta")
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(model, "get_input_embeddings"):
+        kwargs: dict[str, Any] = {"input_ids": ids}
+        if getattr(config, "is_encoder_decoder", False):
+            kwargs["decoder_input_ids"] = ids
+        if "use_cache" in getattr(model.forward, "__code__", type("", (), {})).co_varnames or (
+            getattr(config, "use_cache", None) is not None
+        ):
+            kwargs["use_cache"] = False
+        return (), kwargs
+    for mod in model.modules():
+        kind = _kind(mod)
+        if kind == "embedding":
+            return (ids,), {}
+        if kind:
+            width = mod.weight.shape[0] if kind == "conv1d" else mod.weight.shape[1]
+            dtype = mod.weight.dtype if mod.weight.is_floating_point() else torch.float32
+            return (torch.zeros((*shape, width), dtype=dtype, device="meta"),), {}
+    raise ValueError(f"{type(model).__name__} has no Linear, Conv1D or Embedding to trace.")
+
+
+@contextlib.contextmanager
+def _meta_state(model: nn.Module, fake):
+    """Temporarily swap every parameter and buffer for a fake meta tensor of the same shape.
+
+    Fake tensors (torch's ``FakeTensorMode``) rather than bare meta ones: transformers' code asks
+    ``is_tracing(tensor)`` before data-dependent checks (packed sequences, all-ones masks) and
+    skips them for fake tensors, as it does under torch.compile.
+    """
+    saved = []
+    for mod in model.modules():
+        for store in (mod._parameters, mod._buffers):
+            for k, v in list(store.items()):
+                if v is not None and v.device.type != "meta":
+                    saved.append((store, k, v))
+    memo: dict[int, torch.Tensor] = {}
+    try:
+        for store, k, v in saved:
+            if id(v) not in memo:
+                meta = fake.from_tensor(torch.empty_like(v, device="meta"))
+                memo[id(v)] = (
+                    nn.Parameter(meta, v.requires_grad) if isinstance(v, nn.Parameter) else meta
+                )
+            store[k] = memo[id(v)]
+        yield
+    finally:
+        for store, k, v in saved:
+            store[k] = v
+
+
+def trace(model: nn.Module, example_inputs: tuple | dict | None = None) -> dict[str, Any]:
+    """Run one meta forward of ``model`` and return what the tags say (nodes, modules' inputs)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    nodes = {n: _Node(k, _out_width(m, k)) for n, m in model.named_modules() if (k := _kind(m))}
+    tracer = _Tracer(nodes)
+    blocks = _blocks(model)
+    block_ids = {id(m) for _, m in blocks}
+    module_inputs: dict[str, list[tuple[str, tuple, frozenset]]] = {}
+    per_head_users: dict[str, set[str]] = {}  # 1-D-param module -> linears it acts on
+    hooks = []
+
+    def reset_stream(values: list[torch.Tensor], width: int | None = None) -> None:
+        for t in values:
+            if t.is_floating_point() and (width is None or (t.ndim and t.shape[-1] == width)):
+                tracer.into_stream(tracer.tag(t))
+                tracer.set_tag(t, frozenset({STREAM}))
+
+    def pre(mod, args, kwargs):
+        name = names[id(mod)]
+        if id(mod) in block_ids or mod is model and not blocks:
+            floats = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
+            if floats:
+                reset_stream(floats, floats[0].shape[-1] if mod is not model else None)
+        ins = [(f"arg:{i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ins += [(f"kw:{k}", v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        module_inputs[name] = [
+            (key, tuple(t.shape), tracer.tag(t)) for key, t in ins if t.is_floating_point()
+        ]
+        tags = frozenset().union(*(tracer.tag(t) for _, t in ins))
+        if name in nodes:
+            node = nodes[name]
+            node.src |= tags
+            for src in tags:
+                if src in nodes:
+                    nodes[src].consumers.add(name)
+        elif any(True for _ in mod.parameters(recurse=False)):
+            params = [p for p in mod.parameters(recurse=False)]
+            one_d = all(p.ndim == 1 for p in params)
+            width = max(p.shape[0] for p in params) if one_d else None
+            for src in tags & nodes.keys():
+                node = nodes[src]
+                whole = node.out // max(1, node.split)
+                if not one_d or width in (node.out, whole):
+                    node.needs_whole = node.needs_whole or f"{name} needs its whole output"
+                else:
+                    node.per_head_consumers.add(name)
+                    per_head_users.setdefault(name, set()).add(src)
+
+    def post(mod, args, kwargs, output):
+        name = names[id(mod)]
+        if name in nodes:
+            for t in _tensors(output)[:1]:
+                tracer.set_tag(t, frozenset({name}))
+                tracer.origin[id(t)] = (name, t.ndim - 1)
+        elif id(mod) in block_ids or mod is model and not blocks:
+            # what a block returns in the stream's shape is the stream (not its attention
+            # weights or key/value cache, which a sharded attention keeps per rank)
+            outs = [t for t in _tensors(output) if t.is_floating_point()]
+            for t in outs:
+                if tuple(t.shape) == tuple(outs[0].shape) and tracer.tag(t) & nodes.keys():
+                    tracer.into_stream(tracer.tag(t))
+                    tracer.set_tag(t, frozenset({STREAM}))
+
+    for mod in model.modules():
+        hooks.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(mod.register_forward_hook(post, with_kwargs=True))
+    if example_inputs is None:
+        args, kwargs = _example_inputs(model)
+    elif isinstance(example_inputs, Mapping):
+        args, kwargs = (), dict(example_inputs)
+    else:
+        args, kwargs = tuple(example_inputs), {}
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    args, kwargs = tree_map(
+        lambda t: fake.from_tensor(t.to("meta")) if isinstance(t, torch.Tensor) else t,
+        (args, kwargs),
     )
+    try:
+        with _meta_state(model, fake), torch.no_grad(), fake, tracer:
+            model(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {
+        "nodes": nodes,
+        "blocks": [n for n, _ in blocks],
+        "module_inputs": module_inputs,
+        "per_head_users": per_head_users,
+        "batch": _TRACE_BATCH,
+    }
+
+
+def _pairs(nodes: dict[str, _Node], exclude: set[str]) -> tuple[dict[str, set[str]], dict]:
+    """Row linear -> its column sources, after removing every pair that cannot be split."""
+    why: dict[str, str] = {}
+    rows = {
+        n: {s for s in v.src}
+        for n, v in nodes.items()
+        if v.kind != "embedding"
+        and n not in exclude
+        and v.writer
+        and v.src
+        and all(s in nodes and s not in exclude for s in v.src)
+    }
+    for n, v in nodes.items():
+        if n not in rows and n not in exclude and v.kind != "embedding":
+            if STREAM in v.src and v.writer:
+                why[n] = "reads and writes the residual stream: no column partner"
+            elif not v.writer and not v.consumers:
+                why.setdefault(n, "its output reaches no row-parallel partner")
+    changed = True
+    while changed:
+        changed = False
+        cols = set().union(*rows.values()) if rows else set()
+        for c in sorted(cols):
+            v = nodes[c]
+            reason = (
+                (v.writer and "its output also goes to the residual stream")
+                or v.needs_whole
+                or (v.uneven and v.uneven)
+                or (v.split < 0 and "its output is split in inconsistent ways")
+                or (v.kind == "embedding" and v.src and "it is an embedding fed by activations")
+                or next(
+                    (f"{k} also needs its whole output" for k in v.consumers if k not in rows), ""
+                )
+                or next(
+                    (f"its input comes from column-parallel {s}" for s in v.src if s in cols), ""
+                )
+            )
+            if reason:
+                why[c] = reason
+                for r in [r for r, s in rows.items() if c in s]:
+                    why[r] = f"its input comes from {c}, which cannot be split: {reason}"
+                    del rows[r]
+                    changed = True
+        for r in list(rows):
+            if r in cols:
+                why[r] = "it is fed by column linears but also feeds row linears"
+                del rows[r]
+                changed = True
+    return rows, why
+
+
+def _generic(name: str) -> str:
+    return ".".join("*" if p.isdigit() else p for p in name.split("."))
+
+
+def _collapse(entries: dict[str, Any], all_names: list[str]) -> dict[str, Any]:
+    """Replace per-layer names by ``*`` patterns where every layer agrees."""
+    groups: dict[str, list[str]] = {}
+    for n in entries:
+        groups.setdefault(_generic(n), []).append(n)
+    out: dict[str, Any] = {}
+    for pattern, members in groups.items():
+        values = [entries[m] for m in members]
+        everyone = [n for n in all_names if _generic(n) == pattern]
+        if (
+            pattern != members[0]
+            and all(v == values[0] for v in values)
+            and set(everyone) == set(members)
+        ):
+            out[pattern] = values[0]
+        else:
+            out.update({m: entries[m] for m in members})
+    return out
+
+
+def _common_parent(names: list[str]) -> str:
+    parts = [n.split(".")[:-1] for n in names]
+    common = []
+    for comps in zip(*parts):
+        if len(set(comps)) != 1:
+            break
+        common.append(comps[0])
+    return ".".join(common)
+
+
+def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> Plan:
+    """A `Plan` for ``model`` from its dataflow (see the module docstring); source "inferred".
+
+    ``example_inputs`` (positional tuple or kwargs dict, any device) replaces the default trace
+    inputs: ``input_ids`` of shape [3, 7] for transformers models, else a float tensor shaped for
+    the first linear. Raises ValueError when the model cannot be traced on meta.
+    """
+    try:
+        info = trace(model, example_inputs)
+    except Exception as exc:  # noqa: BLE001 - model code may do anything on meta
+        raise ValueError(
+            f"Could not trace {type(model).__name__} on the meta device to infer a plan "
+            f"({type(exc).__name__}: {exc}); pass plan={{'module.pattern': 'colwise' | "
+            "'rowwise' | ...}} or a YAML plan from configs/."
+        ) from exc
+    nodes: dict[str, _Node] = info["nodes"]
+    modules = dict(model.named_modules())
+    styles: dict[str, str] = {}
+    notes: dict[str, str] = {}
+
+    # vocabulary: input embedding (and every module sharing its weight), output head
+    exclude: set[str] = set()
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    embed_weight = getattr(embed, "weight", None)
+    for name, mod in modules.items():
+        if (
+            isinstance(mod, nn.Embedding)
+            and embed_weight is not None
+            and mod.weight is embed_weight
+        ):
+            styles[name] = "vocab_parallel"
+            exclude.add(name)
+        elif head is not None and mod is head and _kind(mod) == "linear":
+            styles[name] = "colwise_gather_output"
+            exclude.add(name)
+
+    # a parameter tied to a vocabulary one elsewhere (BERT's cls.predictions.bias) is laid out
+    # the same way, by a parameter entry
+    owners_of: dict[int, list[tuple[str, str]]] = {}
+    for name, mod in modules.items():
+        for pname, p in mod.named_parameters(recurse=False):
+            owners_of.setdefault(id(p), []).append((name, pname))
+    for tied in owners_of.values():
+        vocab = [styles[n] for n, _ in tied if n in exclude]
+        for name, pname in tied:
+            if vocab and name not in exclude:
+                styles[f"{name}.{pname}"] = vocab[0]
+
+    rows, why = _pairs(nodes, exclude)
+    groups = []
+    fixups: dict[str, dict] = {}
+    for r, cols in rows.items():
+        pair = sorted(cols) + [r]
+        counts = {}
+        for c in sorted(cols):
+            v = nodes[c]
+            if v.kind == "embedding":
+                styles[c] = "colwise_embedding"
+            elif v.split == 2:
+                styles[c] = "packed_colwise"
+            elif v.split == 3:
+                styles[c] = "packed_qkv_colwise"
+            else:
+                styles[c] = "colwise"
+            counts[f"output features of {c}"] = v.out // max(1, v.split)
+            for user in v.per_head_consumers:
+                styles[user] = "replicated_with_grad_allreduce"
+        styles[r] = "rowwise"
+        counts[f"input features of {r}"] = _in_width(modules[r], nodes[r].kind)
+        owners = {n.rsplit(".", 1)[0] for n in pair if "." in n}
+        owners.add(_common_parent(pair))
+        widths = set(counts.values())
+        for owner in sorted(o for o in owners if o in modules):
+            fix = _fixups(modules[owner], widths, info, owner)
+            if fix:
+                fixups[owner] = {**fixups.get(owner, {}), **fix}
+                for attr in fix.get("divide", []):
+                    counts[f"{owner}.{attr}"] = getattr(modules[owner], attr)
+        groups.append({"modules": pair, "owners": sorted(owners & set(fixups)), "counts": counts})
+
+    for name, reason in why.items():
+        if name not in styles:
+            notes[name] = f"replicated: {reason}"
+
+    all_names = list(modules)
+    plan = Plan()
+    for pattern, style in _collapse(styles, all_names).items():
+        plan.set(pattern, style, "inferred")
+    plan.fixups.update(_collapse(fixups, all_names))
+    plan.notes.update(_collapse(notes, all_names))
+    plan.groups.extend(_collapse_groups(groups))
+    return plan
+
+
+def _in_width(module: nn.Module, kind: str) -> int:
+    w = module.weight
+    return int(w.shape[0] if kind == "conv1d" else w.shape[1])
+
+
+def _fixups(owner: nn.Module, widths: set[int], info: dict, owner_name: str) -> dict:
+    divide = []
+    for attr in HEAD_ATTRS + WIDTH_ATTRS:
+        value = owner.__dict__.get(attr)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            continue
+        if attr in HEAD_ATTRS or value in widths:
+            divide.append(attr)
+    if not divide:
+        return {}
+    heads = [owner.__dict__[a] for a in divide if a in HEAD_ATTRS]
+    head_inputs = {}
+    if heads:
+        h, b = heads[0], info["batch"]
+        for key, shape, tags in info["module_inputs"].get(owner_name, []):
+            if tags or len(shape) < 2:
+                continue  # tagged inputs are already sharded (T5's position_bias) or the stream
+            if shape[0] == b * h and shape[0] != b:
+                head_inputs[key] = 0
+            elif len(shape) == 4 and shape[1] == h and shape[0] in (1, b):
+                head_inputs[key] = 1
+    out: dict[str, Any] = {"divide": divide}
+    if head_inputs:
+        out["head_inputs"] = head_inputs
+    return out
+
+
+def _collapse_groups(groups: list[dict]) -> list[dict]:
+    seen: dict[tuple, dict] = {}
+    for g in groups:
+        key = tuple(_generic(m) for m in g["modules"])
+        if key not in seen:
+            counts = {re.sub(r"\.\d+\.", ".*.", k + ".")[:-1]: v for k, v in g["counts"].items()}
+            seen[key] = {
+                "modules": list(key),
+                "owners": [_generic(o) for o in g["owners"]],
+                "counts": counts,
+            }
+    return list(seen.values())

@@ -31,6 +31,8 @@ STYLES: dict[str, tuple[str, str]] = {
     ),
     "vocab_parallel": ("embedding rows split by vocab, output all-reduced", "all_reduce"),
     "packed_colwise": ("fused [gate; up] output split per part (strided)", ""),
+    "packed_qkv_colwise": ("fused [q; k; v] output split per part (strided, 3 parts)", ""),
+    "colwise_embedding": ("embedding columns split (per-head bias), output stays sharded", ""),
     "moe_tp_experts": ("experts run their own shards, output all-reduced", "all_reduce"),
     "replicate": ("parameters replicated, compute on local tensors", ""),
     "replicated_with_grad_allreduce": (
@@ -59,7 +61,11 @@ SHARDING_STYLES = {
     "colwise_gather_output",
     "vocab_parallel",
     "packed_colwise",
+    "packed_qkv_colwise",
+    "colwise_embedding",
 }
+#: How many equal parts a packed style splits separately.
+PACKED_PARTS = {"packed_colwise": 2, "packed_qkv_colwise": 3}
 
 
 def canonical_style(style: str) -> str:
@@ -111,8 +117,10 @@ def param_layout(
     conv1d = _is_conv1d(module)
     if style == "vocab_parallel":
         return ParamLayout(1 if conv1d else 0) if ndim == 2 else REPLICATED
-    if style in ("colwise", "colwise_gather_output", "packed_colwise"):
-        split = 2 if style == "packed_colwise" else 1
+    if style == "colwise_embedding":  # [num_embeddings, dim]: split the dim (e.g. heads)
+        return ParamLayout(1) if ndim == 2 else REPLICATED
+    if style in ("colwise", "colwise_gather_output", *PACKED_PARTS):
+        split = PACKED_PARTS.get(style, 1)
         if is_bias or ndim == 1:
             return ParamLayout(0, split)
         return ParamLayout(ndim - 1 if conv1d else ndim - 2, split)
@@ -158,11 +166,25 @@ class Target:
 
 
 class Plan(Mapping[str, str]):
-    """Ordered ``pattern -> style`` with a source per entry (config, class, inferred, user, ...)."""
+    """Ordered ``pattern -> style`` with a source per entry (config, class, inferred, user, ...).
+
+    Besides the styles a plan carries three kinds of data, all keyed by module pattern:
+
+    - ``fixups``: ``{"divide": [attr, ...], "head_inputs": {"kw:alibi": 0}}`` -- integer
+      attributes the module's code reads (``num_heads``, ``split_size``, ...) divided by tp when
+      the plan is applied, and per-head inputs sliced to the rank's heads (dim 0 = batch*heads,
+      dim 1 = heads);
+    - ``notes``: why a module stays replicated (shown by `explain`);
+    - ``groups``: each inferred column/row pair with the counts that must divide tp, so that
+      validation can leave a pair that does not divide replicated instead of failing.
+    """
 
     def __init__(self, entries: Mapping[str, str] | None = None, source: str = "user"):
         self._styles: dict[str, str] = {}
         self._sources: dict[str, str] = {}
+        self.fixups: dict[str, dict[str, Any]] = {}
+        self.notes: dict[str, str] = {}
+        self.groups: list[dict[str, Any]] = []
         for pattern, style in (entries or {}).items():
             self.set(pattern, style, source)
 
@@ -192,10 +214,34 @@ class Plan(Mapping[str, str]):
         out = Plan()
         for p in self:
             out.set(p, self[p], self._sources[p])
+        out.fixups.update(self.fixups)
+        out.notes.update(self.notes)
+        out.groups.extend(self.groups)
         for p, style in other.items():
             out._styles.pop(p, None)  # re-insert at the end: later entries win when matching
             out.set(p, style, other.source(p) if isinstance(other, Plan) else source)
+            out.notes.pop(p, None)
+        if isinstance(other, Plan):
+            out.fixups.update(other.fixups)
+            out.notes.update(other.notes)
+            out.groups.extend(other.groups)
         return out
+
+    def fixups_for(self, name: str) -> dict[str, Any]:
+        """The fix-ups of every fixups pattern matching module ``name``, later ones winning."""
+        out: dict[str, Any] = {}
+        for pattern, fix in self.fixups.items():
+            if matches(pattern, name):
+                out.update(fix)
+        return out
+
+    def replicate_group(self, group: Mapping[str, Any], why: str) -> None:
+        """Leave one inferred column/row group replicated (its modules and fix-ups), noting why."""
+        for pattern in group["modules"]:
+            self.set(pattern, "replicate", self._sources.get(pattern, "inferred"))
+            self.notes[pattern] = f"replicated: {why}"
+        for owner in group.get("owners", []):
+            self.fixups.pop(owner, None)
 
     # -- resolution ------------------------------------------------------------------------
     def style_for(self, name: str) -> tuple[str, str] | None:
@@ -232,14 +278,26 @@ class Plan(Mapping[str, str]):
 
     @classmethod
     def from_dict(cls, entries: Mapping[str, Any], source: str = "user") -> Plan:
+        """``{pattern: style}``, or ``{plan: {...}, fixups: {...}, notes: {...}}``."""
+        extra = entries
         if "plan" in entries and isinstance(entries["plan"], Mapping):
             entries = entries["plan"]
-        return cls({str(k): str(v) for k, v in entries.items()}, source=source)
+        else:
+            extra = {}
+        plan = cls({str(k): str(v) for k, v in entries.items()}, source=source)
+        plan.fixups.update({str(k): dict(v) for k, v in (extra.get("fixups") or {}).items()})
+        plan.notes.update({str(k): str(v) for k, v in (extra.get("notes") or {}).items()})
+        return plan
 
     def to_yaml(self) -> str:
         import yaml
 
-        return yaml.safe_dump({"plan": self.to_dict()}, sort_keys=False)
+        data: dict[str, Any] = {"plan": self.to_dict()}
+        if self.fixups:
+            data["fixups"] = {k: dict(v) for k, v in self.fixups.items()}
+        if self.notes:
+            data["notes"] = dict(self.notes)
+        return yaml.safe_dump(data, sort_keys=False)
 
     @classmethod
     def from_yaml(cls, text_or_path: str | Path, source: str = "user") -> Plan:
@@ -301,6 +359,8 @@ def explain_model(plan: Plan, model: nn.Module, tp_size: int) -> str:
             rows.append((full, style, f"{tuple(p.shape)} -> {loc}", source))
     n_replicated = sum(1 for *_, s, _p, _src in _param_rows(plan, model) if s == "replicate")
     comms = collectives_per_forward(plan, model)
+    fixups = [(p, ", ".join(f"{k}={v}" for k, v in f.items()), "") for p, f in plan.fixups.items()]
+    notes = [(p, n, "") for p, n in plan.notes.items()]
     lines = [
         _table(("parameter", "style", "global -> local shape", "source"), rows),
         "",
@@ -311,6 +371,11 @@ def explain_model(plan: Plan, model: nn.Module, tp_size: int) -> str:
         "collectives per forward: "
         + (", ".join(f"{n} {kind}" for kind, n in sorted(comms.items())) or "none"),
     ]
+    if fixups:
+        lines += ["", "fix-ups applied per rank (attributes divided by tp_size, inputs sliced):"]
+        lines += [_table(("module", "fix-up", ""), fixups)]
+    if notes:
+        lines += ["", "notes:", _table(("module", "note", ""), notes)]
     return "\n".join(lines)
 
 

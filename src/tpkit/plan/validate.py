@@ -103,11 +103,17 @@ def _head_constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]
 
 
 def validate(model: nn.Module, plan: Plan, tp_size: int) -> None:
-    """Raise one ValueError listing every problem with applying ``plan`` at ``tp_size``."""
+    """Raise one ValueError listing every problem with applying ``plan`` at ``tp_size``.
+
+    An *inferred* column/row group whose counts ``tp_size`` does not divide (e.g. 3 heads at
+    tp=2) is not an error: it is set to ``replicate`` in ``plan`` (in place) with a note saying
+    why, so the rest of the model is still split. User and transformers entries are never changed.
+    """
     problems = _device_map_problems(model)
     problems += _pattern_problems(model, plan)
     if not problems and tp_size > 1:
-        constraints = _constraints(model, plan)
+        settle_inferred_groups(plan, tp_size)
+        constraints = _constraints(model, plan) + _fixup_constraints(model, plan)
         fix = _use(c[2] for c in constraints)
         for owner, label, count in constraints:
             if count % tp_size:
@@ -115,6 +121,35 @@ def validate(model: nn.Module, plan: Plan, tp_size: int) -> None:
         problems += _tied_problems(model, plan)
     if problems:
         raise ValueError("Cannot apply tensor parallelism:\n- " + "\n- ".join(problems))
+
+
+def settle_inferred_groups(plan: Plan, tp_size: int) -> list[str]:
+    """Replicate every inferred group ``tp_size`` does not divide; return the notes written."""
+    written = []
+    for group in plan.groups:
+        live = [p for p in group["modules"] if p in plan and plan.source(p) == "inferred"]
+        if len(live) != len(group["modules"]) or all(plan[p] == "replicate" for p in live):
+            continue  # overridden by the user, or already replicated
+        bad = [f"{label} = {n}" for label, n in group["counts"].items() if n % tp_size]
+        if bad:
+            why = f"tp_size={tp_size} does not divide " + ", ".join(bad)
+            plan.replicate_group(group, why)
+            written.append(why)
+    return written
+
+
+def _fixup_constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:
+    out = []
+    if not plan.fixups:
+        return out
+    for name, module in model.named_modules():
+        for attr in plan.fixups_for(name).get("divide", []):
+            value = getattr(module, attr, None)
+            if not isinstance(value, int):
+                out.append((name, f"attribute {attr} (missing)", 0))
+            else:
+                out.append((name, f"{attr}={value}", value))
+    return out
 
 
 def _device_map_problems(model: nn.Module) -> list[str]:

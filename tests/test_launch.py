@@ -156,29 +156,15 @@ def test_launch_reraises_rank1_error_with_its_traceback_and_stops_rank0():
 
 
 def test_two_torchrun_nodes_on_localhost_tp_forward_parity():
+    """launch/multinode.sh run twice, as two "nodes" of one rank each (c10d rendezvous)."""
     port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
-        "--rdzv-id",
-        f"tpkit-test-{port}",
-        "--local-addr",
-        "127.0.0.1",
-        THIS,
-        "two_nodes",
-    ]
+    cmd = ["bash", str(ROOT / "launch" / "multinode.sh"), "--nnodes", "2", "--nproc", "1"]
+    cmd += ["--endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"tpkit-test-{port}"]
+    cmd += [THIS, "two_nodes"]
+    env = _env(PYTHON=sys.executable)
     nodes = [
         subprocess.Popen(
-            cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         for _ in range(2)
     ]

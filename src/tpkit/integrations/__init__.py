@@ -1,0 +1,6 @@
+"""Fit tpkit models into other libraries' training loops.
+
+- `tpkit.integrations.trainer`: Hugging Face ``Trainer`` / accelerate (``patch_trainer()``).
+
+Core tpkit never imports this package; it imports the core.
+"""

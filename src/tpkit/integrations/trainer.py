@@ -1,0 +1,357 @@
+"""Hugging Face ``Trainer`` for tpkit models: train, ``save_model``, resume, on CPU and GPU.
+
+Usage (``torchrun --nproc-per-node 2 train.py``)::
+
+    import tpkit
+    from accelerate import ParallelismConfig
+    from tpkit.integrations.trainer import patch_trainer
+    from transformers import Trainer, TrainingArguments
+
+    patch_trainer()                                   # once per process, before Trainer(...)
+    model = tpkit.tensor_parallel(model)
+    args = TrainingArguments(..., parallelism_config=ParallelismConfig(tp_size=2))
+    trainer = Trainer(model=model, args=args, train_dataset=ds)
+    trainer.train()                                   # or train(resume_from_checkpoint=...)
+    trainer.save_model("out")                         # a normal checkpoint plain transformers loads
+
+Why a patch function and not a ``TPTrainer`` subclass: user code keeps the stock ``Trainer`` (and
+``Seq2SeqTrainer``, TRL's ``SFTTrainer`` or any other subclass, and scripts that build the Trainer
+themselves) with one extra line. Every patched method first asks whether the Trainer's model is a
+tpkit model (``model._tpkit``) and otherwise calls the original untouched, so other models in the
+same process train exactly as before; ``unpatch_trainer()`` restores everything.
+
+What Trainer and accelerate need, and what this module does about it:
+
+- **No second wrap, no device move, every rank in ``save_model``.** Trainer has exactly this path
+  for models transformers sharded at load time: it keys on ``model.is_distributed_loading_by_
+  transformers``. tpkit sets ``model._is_distributed_loading_by_transformers = True`` (the
+  attribute behind that property) when such a model meets a Trainer.
+- **Resuming.** For those models Trainer refuses any ``save_strategy`` that writes optimizer state
+  ("Resuming is not supported for models sharded at load time"). tpkit lets the check pass and
+  replaces the model/optimizer part of a checkpoint: ``checkpoint-N/tpkit_dcp/`` is a
+  `tpkit.save_checkpoint` (torch DCP) of model and optimizer, reshardable to any (dp, tp) layout;
+  the scheduler, RNG and trainer state are Trainer's own files. ``checkpoint-N/`` also holds the
+  gathered full model (``model.safetensors``), as for any Trainer run.
+- **``save_model``** gathers each DTensor to a full tensor (`tpkit.save_tensor_parallel`), rank 0
+  writes with ``save_pretrained``, the other ranks only take part in the gathers.
+- **ParallelismConfig on CPU.** accelerate rejects a ParallelismConfig unless the run is FSDP2,
+  DeepSpeed or multi-*GPU* (``DistributedType.MULTI_CPU`` is refused). While a Trainer builds
+  its Accelerator for a tpkit model, tpkit accepts MULTI_CPU after the one check that matters
+  (the config's total size equals the number of processes). Nothing else in accelerate changes.
+- **The config must describe the model.** Without a ``parallelism_config`` tpkit fills one in from
+  the model (``tp_size``, ``dp_shard_size``), as Trainer does for transformers' own TP models; a
+  config that disagrees with the model is a ``ValueError`` naming both, because a wrong ``tp_size``
+  would silently give the ranks of one TP group different batches.
+- **Data.** With the config's device mesh accelerate's data loader gives data rank
+  ``rank // tp_size``: the ranks of one TP group get the same batch, dp groups different ones.
+  tpkit's mesh has tp innermost, so the two agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpkit.checkpoint import load_checkpoint, save_checkpoint, save_tensor_parallel
+
+#: Subdirectory of a Trainer checkpoint holding tpkit's DCP checkpoint (model + optimizer).
+DCP_DIR = "tpkit_dcp"
+SCHEDULER_NAME = "scheduler.pt"
+
+_building_accelerator = contextvars.ContextVar("tpkit_building_accelerator", default=False)
+_originals: dict[tuple[type, str], Any] = {}
+
+
+# ---- what a tpkit model is ---------------------------------------------------------------------
+def tp_state(model: Any):
+    """The `TPState` tpkit attached to ``model`` (looking through accelerate, compile and PEFT
+    wrappers), or None for any other model."""
+    for _ in range(6):
+        if model is None:
+            return None
+        state = getattr(model, "_tpkit", None)
+        if state is not None:
+            return state
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None and hasattr(model, "get_base_model"):
+            with contextlib.suppress(Exception):
+                inner = model.get_base_model()
+            if inner is model:
+                inner = None
+        model = inner
+    return None
+
+
+def _is_fsdp_managed(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _unwrap_optimizer(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+# ---- patching ----------------------------------------------------------------------------------
+def _patch(owner: type, name: str, make):
+    key = (owner, name)
+    if key in _originals:
+        return
+    original = owner.__dict__[name]
+    _originals[key] = original
+    wrapper = make(original)
+    functools.update_wrapper(wrapper, original)
+    wrapper._tpkit_patch = True
+    setattr(owner, name, wrapper)
+
+
+def patch_trainer() -> None:
+    """Teach ``transformers.Trainer`` (and every subclass) to train, save and resume tpkit models.
+
+    Idempotent; call it once per process before building the Trainer. Models that tpkit did not
+    parallelize are untouched: every patched method hands them to the original.
+    """
+    from accelerate.parallelism_config import ParallelismConfig
+    from transformers import Trainer
+
+    _patch(Trainer, "__init__", _init)
+    _patch(Trainer, "create_accelerator_and_postprocess", _create_accelerator)
+    _patch(Trainer, "_build_accelerator_args", _build_accelerator_args)
+    _patch(Trainer, "_save", _save)
+    _patch(Trainer, "_save_optimizer_and_scheduler", _save_optimizer_and_scheduler)
+    _patch(Trainer, "_load_from_checkpoint", _load_from_checkpoint)
+    _patch(Trainer, "_load_optimizer_and_scheduler", _load_optimizer_and_scheduler)
+    _patch(Trainer, "_load_rng_state", _load_rng_state)
+    _patch(ParallelismConfig, "_validate_accelerator", _validate_accelerator)
+
+
+def unpatch_trainer() -> None:
+    """Undo `patch_trainer`."""
+    for (owner, name), original in list(_originals.items()):
+        setattr(owner, name, original)
+        del _originals[(owner, name)]
+
+
+def is_patched() -> bool:
+    return bool(_originals)
+
+
+# ---- Trainer.__init__ / accelerator ------------------------------------------------------------
+def _init(original):
+    def __init__(self, model=None, args=None, *rest, **kwargs):
+        state = tp_state(model)
+        if state is None:
+            return original(self, model, args, *rest, **kwargs)
+        if args is None:
+            from transformers import TrainingArguments
+
+            args = TrainingArguments(output_dir="tmp_trainer")
+        # The Trainer path for models that own their placement and gradient reduction.
+        model._is_distributed_loading_by_transformers = True
+        # ... which refuses checkpoints with optimizer state; tpkit writes those itself (DCP).
+        save_only_model = args.save_only_model
+        args.save_only_model = True
+        try:
+            original(self, model, args, *rest, **kwargs)
+        finally:
+            args.save_only_model = save_only_model
+        _install_dp_grad_sync(model, state)
+
+    return __init__
+
+
+def _install_dp_grad_sync(model: nn.Module, state) -> None:
+    """Average gradients over the dp dimension for a model whose dp replicas nothing reduces.
+
+    With FSDP2 on ``mesh["dp"]`` (``sharded=True``) FSDP reduce-scatters the gradients. A model
+    that is TP-sharded and replicated over dp (``dp_size > 1``, no FSDP) gets one hook per
+    parameter that all-reduces its local gradient over the dp group at the end of each gradient
+    accumulation window (accelerate's ``sync_gradients``), as DDP would. Registered once per
+    parameter; a no-op for dp = 1.
+    """
+    if _model_dp(state) == 1 or _is_fsdp_managed(model) or getattr(model, "_tpkit_dp_sync", False):
+        return
+    from accelerate.state import GradientState
+    from torch.distributed.tensor import DTensor
+
+    group = state.mesh["dp"].get_group()
+    size = dist.get_world_size(group)
+
+    def average(param: torch.Tensor) -> None:
+        if param.grad is None or not GradientState().sync_gradients:
+            return
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)  # gloo has no AVG
+        grad.div_(size)
+
+    for param in model.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(average)
+    model._tpkit_dp_sync = True
+
+
+def _create_accelerator(original):
+    def create_accelerator_and_postprocess(self):
+        if tp_state(getattr(self, "model", None)) is None:
+            return original(self)
+        token = _building_accelerator.set(True)
+        try:
+            return original(self)
+        finally:
+            _building_accelerator.reset(token)
+
+    return create_accelerator_and_postprocess
+
+
+def _model_dp(state) -> int:
+    return int(getattr(state, "dp_size", 1) or 1)
+
+
+def _build_accelerator_args(original):
+    def _build_accelerator_args(self, **kwargs):
+        args = original(self, **kwargs)
+        state = tp_state(getattr(self, "model", None))
+        if state is None:
+            return args
+        from accelerate import ParallelismConfig
+
+        tp, dp = state.tp_size, _model_dp(state)
+        pc = args.get("parallelism_config")
+        if pc is None:
+            args["parallelism_config"] = ParallelismConfig(tp_size=tp, dp_shard_size=dp)
+            return args
+        pc_dp = pc.dp_shard_size * pc.dp_replicate_size
+        if pc.tp_size != tp or pc_dp != dp or pc.cp_size != 1 or pc.sp_size != 1:
+            raise ValueError(
+                f"TrainingArguments.parallelism_config (tp_size={pc.tp_size}, dp_shard_size="
+                f"{pc.dp_shard_size}, dp_replicate_size={pc.dp_replicate_size}, cp_size={pc.cp_size}, "
+                f"sp_size={pc.sp_size}) does not describe the tpkit model (tp_size={tp}, dp_size={dp}). "
+                f"Use ParallelismConfig(tp_size={tp}, dp_shard_size={dp}) or leave it unset and tpkit "
+                "fills it in; a wrong tp_size would give the ranks of one TP group different batches."
+            )
+        return args
+
+    return _build_accelerator_args
+
+
+def _validate_accelerator(original):
+    def _validate_accelerator(self, accelerator):
+        from accelerate.utils import DistributedType
+
+        if (
+            _building_accelerator.get()
+            and accelerator.distributed_type == DistributedType.MULTI_CPU
+        ):
+            # accelerate accepts ParallelismConfig only for multi-GPU-like types, FSDP2, DeepSpeed.
+            # The model is already parallelized by tpkit; the mesh only has to match the world.
+            if self.total_size != accelerator.num_processes:
+                raise ValueError(
+                    f"ParallelismConfig total_size ({self.total_size}) does not match num_processes "
+                    f"({accelerator.num_processes})."
+                )
+            return None
+        return original(self, accelerator)
+
+    return _validate_accelerator
+
+
+# ---- saving ------------------------------------------------------------------------------------
+def _save(original):
+    def _save(self, output_dir=None, state_dict=None):
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if tp_state(model) is None:
+            return original(self, output_dir, state_dict)
+        if state_dict is None:
+            with save_tensor_parallel(model, rank0_only=True, cpu_offload=True):
+                state_dict = model.state_dict()  # every rank: the gathers are collectives
+        if self.args.should_save:
+            original(self, output_dir, state_dict)
+        del state_dict
+        _barrier()
+        return None
+
+    return _save
+
+
+def _save_optimizer_and_scheduler(original):
+    def _save_optimizer_and_scheduler(self, output_dir):
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if tp_state(model) is None:
+            return original(self, output_dir)
+        save_checkpoint(os.path.join(output_dir, DCP_DIR), model, _unwrap_optimizer(self.optimizer))
+        if self.args.should_save and self.lr_scheduler is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        _barrier()
+        return None
+
+    return _save_optimizer_and_scheduler
+
+
+# ---- resuming ----------------------------------------------------------------------------------
+def _dcp_dir(checkpoint: str) -> str:
+    path = os.path.join(checkpoint, DCP_DIR)
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise ValueError(
+            f"{checkpoint} has no {DCP_DIR}/ checkpoint: it was not written by a Trainer training a "
+            "tpkit model with tpkit.integrations.trainer.patch_trainer() (or was saved with "
+            "save_only_model=True), so optimizer state cannot be restored."
+        )
+    return path
+
+
+def _load_from_checkpoint(original):
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        target = model if model is not None else self.model
+        target = self.accelerator.unwrap_model(target, keep_torch_compile=False)
+        if tp_state(target) is None:
+            return original(self, resume_from_checkpoint, model)
+        load_checkpoint(_dcp_dir(resume_from_checkpoint), target)  # model only, any layout
+        return None
+
+    return _load_from_checkpoint
+
+
+def _load_optimizer_and_scheduler(original):
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if checkpoint is None or tp_state(model) is None:
+            return original(self, checkpoint)
+        load_checkpoint(_dcp_dir(checkpoint), model, _unwrap_optimizer(self.optimizer))
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+        return None
+
+    return _load_optimizer_and_scheduler
+
+
+def _load_rng_state(original):
+    def _load_rng_state(self, checkpoint):
+        original(self, checkpoint)
+        state = tp_state(self.model)
+        if checkpoint is None or state is None:
+            return
+        # A checkpoint from another layout has no RNG file for some ranks; whatever each rank now
+        # holds, the ranks of one TP group must draw the same numbers (replicated dropout).
+        from tpkit.mesh import sync_rng
+
+        sync_rng(state.tp_mesh)
+
+    return _load_rng_state

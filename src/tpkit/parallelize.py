@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tpkit.debug import debug_enabled, install_debug_checks
+from tpkit.generation import install_generate_guard
 from tpkit.mesh import (
     build_mesh,
     default_device_type,
@@ -131,6 +132,7 @@ def tensor_parallel(
     sync_rng(tp_mesh)
     apply_plan(model, the_plan, tp_mesh)
     model._tpkit = TPState(mesh=mesh, tp_mesh=tp_mesh, plan=the_plan, tp_size=tp, dp_size=dp)
+    install_generate_guard(model)
     if debug_enabled():  # TPKIT_DEBUG=1: inputs and replicated params agree at every forward
         install_debug_checks(model, tp_mesh)
     return model

@@ -81,19 +81,15 @@ def main_two_nodes() -> None:
 
 def main_skip_collective() -> None:
     import tpkit
+    from tpkit.launch import ensure_ranks
 
+    ensure_ranks(2)  # started as plain `python`: re-executes itself under torchrun
     tpkit.init_distributed()
     if dist.get_rank() == 1:
+        print("skipping the all_reduce", flush=True)
         time.sleep(60)  # skips the all_reduce; torchrun stops it once rank 0 fails
         return
     dist.all_reduce(torch.ones(4))
-
-
-def main_whoami() -> None:
-    from tpkit.launch import ensure_ranks
-
-    ensure_ranks(2)
-    print(f"WHOAMI {os.environ['RANK']}/{os.environ['WORLD_SIZE']}", flush=True)
 
 
 # ---- checks run in the shared 2-rank harness ---------------------------------------------------
@@ -189,37 +185,72 @@ def test_two_torchrun_nodes_on_localhost_tp_forward_parity():
 
 
 def test_skipped_collective_times_out_naming_collective_and_missing_rank():
-    """Via `tpkit run`: rank 1 skips an all_reduce; rank 0 fails after TPKIT_TIMEOUT, not never."""
+    """Plain `python script.py` that calls ensure_ranks(2): it re-executes under torchrun (via
+    tpkit run's command line); rank 1 then skips an all_reduce and rank 0 fails after
+    TPKIT_TIMEOUT seconds, naming the collective and rank 1, instead of hanging."""
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "tpkit.cli", "run", "--nproc", "2", THIS, "skip_collective"],
+        [sys.executable, THIS, "skip_collective"],
         env=_env(TPKIT_TIMEOUT="5"),
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=150,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
-    assert time.monotonic() - start < 100, out
-    assert "[rank0]:" in out  # tpkit run prefixes every line with its rank
+    assert time.monotonic() - start < 120, out
+    assert "[rank1]:skipping the all_reduce" in out  # every line carries its rank
     assert "timed out after 5 s in all_reduce" in out, out
     assert "Rank(s) [1] did not arrive" in out, out
     assert "test_launch.py" in out  # where the collective was called
 
 
-def test_ensure_ranks_relaunches_a_plain_python_command_under_torchrun():
-    proc = subprocess.run(
-        [sys.executable, THIS, "whoami"],
-        env=_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=90,
+class _Exec(Exception):
+    pass
+
+
+def _captured_exec(argv: list[str], monkeypatch) -> tuple[list[str], dict[str, str]]:
+    from tpkit import cli
+
+    def fake_execve(path, args, env):
+        raise _Exec(args, env)
+
+    monkeypatch.setattr(os, "execve", fake_execve)
+    with pytest.raises(_Exec) as info:
+        cli.main(argv)
+    return info.value.args
+
+
+def test_tpkit_run_is_torchrun_with_tpkit_defaults(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cmd, env = _captured_exec(
+        ["run", "--nproc", "2", "--backend", "gloo", "s.py", "--x", "1"], monkeypatch
     )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    assert "WHOAMI 0/2" in out and "WHOAMI 1/2" in out, out
+    assert cmd[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--standalone",
+        "--tee",
+        "3",
+        "s.py",
+        "--x",
+        "1",
+    ]
+    assert env["TPKIT_BACKEND"] == "gloo"
+    assert int(env["OMP_NUM_THREADS"]) >= 1
+    assert env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] == "[rank${rank}]:"
+
+
+def test_tpkit_run_several_nodes_uses_c10d_rendezvous(monkeypatch):
+    argv = ["run", "--nproc", "8", "--nnodes", "2", "--rdzv-endpoint", "node0:29500", "-m", "pkg"]
+    cmd, env = _captured_exec(argv, monkeypatch)
+    joined = " ".join(cmd)
+    assert "--nnodes 2 --rdzv-backend c10d --rdzv-endpoint node0:29500" in joined
+    assert "--standalone" not in joined
+    assert joined.endswith("--tee 3 -m pkg")
 
 
 def test_debug_mode_names_the_input_that_differs(ranks2):

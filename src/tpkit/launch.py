@@ -90,7 +90,7 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None, **kwarg
     (return CPU tensors or plain values, not a sharded model). If a rank raises, the same exception
     is raised here with that rank's traceback as its ``__cause__``, after every rank has stopped.
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -114,7 +114,10 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None, **kwarg
         max_restarts=0,
         monitor_interval=0.1,
         start_method=method,
-        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(workdir, "logs")),
+        # Tee each rank's output through this process's sys.stdout/sys.stderr, each line
+        # prefixed [rankN]:, so it shows in the notebook cell, not in the kernel's terminal.
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(workdir, "logs"), tee=Std.ALL),
+        log_line_prefix_template="[rank${rank}]:",
         shutdown_timeout=5,  # SIGTERM, then SIGKILL after 5 s: no worker outlives launch()
     )
     log.info("launching %s on %d ranks (%s)", getattr(fn, "__qualname__", fn), nproc, method)
@@ -149,6 +152,11 @@ def _run_rank(fn: Callable, args: tuple, kwargs: dict, error_dir: str) -> Any:
         if report and hasattr(exc, "add_note"):
             exc.add_note(report)
         _write_error(error_dir, rank, exc)
+        # Close this rank's connections now: peers blocked on it fail fast instead of waiting to
+        # be killed, and gloo's threads are not torn down at interpreter exit (which aborts).
+        with contextlib.suppress(Exception):
+            if dist.is_initialized():
+                dist.destroy_process_group()
         raise
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -261,16 +269,18 @@ def _restored_signal_handlers():
 
 @contextlib.contextmanager
 def _quiet_elastic_logs():
-    """The agent logs its whole config and every worker it stops at INFO/WARNING; a notebook user
-    wants the result or the rank's error, which tpkit raises itself."""
-    logger = logging.getLogger("torch.distributed.elastic")
-    level = logger.level
+    """The agent logs every worker it stops at WARNING/ERROR; a notebook user wants the result or
+    the rank's error, which tpkit raises itself. TPKIT_LOG_ALL_RANKS=1 keeps the agent's logs."""
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [lg.level for lg in loggers]
     if not os.environ.get("TPKIT_LOG_ALL_RANKS"):
-        logger.setLevel(logging.ERROR + 10)
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 # ---- torchrun fronts: tpkit run, ensure_ranks ------------------------------------------------

@@ -28,6 +28,7 @@ log = get_logger(__name__)
 #: Default process-group timeout. Short enough that a rank that never arrives at a collective
 #: fails loudly within minutes instead of hanging a job for torch's default 10 to 30 minutes.
 DEFAULT_TIMEOUT_S = float(os.environ.get("TPKIT_TIMEOUT", "300"))
+_pg_timeout_s: float | None = None  # what init_distributed gave the process group
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ def init_distributed(
     backend = backend or default_backend(device_type)
     timeout_s = timeout_s or DEFAULT_TIMEOUT_S
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    global _pg_timeout_s
+    _pg_timeout_s = timeout_s
     _install_timeout_report()
     log.info("process group up: %s, %d ranks, timeout %g s", backend, env.world_size, timeout_s)
     return dist_env()
@@ -196,8 +199,10 @@ def timeout_report(exc: BaseException, tb=None, grace_s: float | None = None) ->
     if not is_collective_timeout(exc) or not dist.is_initialized():
         return None
     collective, where = _collective_frame(tb if tb is not None else exc.__traceback__)
+    if collective is None:
+        return None  # a timeout outside torch.distributed (a user's own) is not ours to explain
     rank, world = dist.get_rank(), dist.get_world_size()
-    timeout_s = DEFAULT_TIMEOUT_S
+    timeout_s = _pg_timeout_s or DEFAULT_TIMEOUT_S
     grace_s = min(timeout_s, 30.0) if grace_s is None else grace_s
     others: dict[int, str] = {}
     try:
@@ -234,14 +239,14 @@ def timeout_report(exc: BaseException, tb=None, grace_s: float | None = None) ->
     return "\n".join(lines)
 
 
-def _collective_frame(tb) -> tuple[str, str]:
-    """(torch.distributed function that waited, 'file:line in fn' of the code that called it)."""
+def _collective_frame(tb) -> tuple[str | None, str]:
+    """(torch.distributed function that waited, 'called at file:line in fn' of its caller);
+    (None, "") when the traceback never entered torch.distributed."""
     frames = traceback.extract_tb(tb) if tb is not None else []
     torch_dir = os.path.join("torch", "distributed", "")
     first = next((i for i, f in enumerate(frames) if torch_dir in f.filename), None)
     if first is None:
-        last = frames[-1] if frames else None
-        return "a collective", f"{last.filename}:{last.lineno} in {last.name}" if last else "?"
+        return None, ""
     named = [
         f
         for f in frames[first:]

@@ -88,9 +88,13 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None, **kwarg
 
     ``args``, ``kwargs`` and rank 0's return value cross process boundaries, so they must pickle
     (return CPU tensors or plain values, not a sharded model). If a rank raises, the same exception
-    is raised here with that rank's traceback as its ``__cause__``, after every rank has stopped.
+    is raised here with that rank's traceback as its ``__cause__``, after every rank has stopped;
+    an interrupt (Ctrl-C, "interrupt kernel") stops every rank and raises ``KeyboardInterrupt``.
+    Every line a rank prints appears in the caller's output (the notebook cell), prefixed
+    ``[rankN]:``.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -128,6 +132,10 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None, **kwarg
             results = elastic_launch(config, _run_rank)(fn, args, kwargs, errors)
     except ChildFailedError as failed:
         _raise_rank_error(errors, failed)
+    except SignalException as sig:  # the agent stopped every worker before raising this
+        if sig.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None  # what "interrupt kernel" should look like
+        raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return results[0]

@@ -1,0 +1,95 @@
+"""Forward latency (prefill): one no-grad forward over batch x seq tokens, no KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.common import error_text, make_inputs, median, time_interleaved
+from benchmarks.suites import Suite, failed_rows, ok, ratio
+
+
+def run(ctx, systems):
+    spec = ctx.spec
+    rows = failed_rows(ctx, systems)
+    x = make_inputs(ctx.cfg["vocab_size"], spec["batch"], spec["seq"])
+    fns, logits = {}, {}
+    with torch.no_grad():
+        for name, s in ok(systems).items():
+            try:
+                logits[name] = s.model(input_ids=x, use_cache=False).logits.float()
+                fns[name] = lambda m=s.model: m(input_ids=x, use_cache=False)
+            except Exception as e:  # noqa: BLE001 - recorded in the row
+                rows.append({**ctx.base_row(name), "status": error_text(e)})
+        times = time_interleaved(fns, spec["repeats"], spec["warmup"], ctx.sync)
+    med = {n: median(t) for n, t in times.items()}
+    tokens = x.numel()
+    for name, t in times.items():
+        diff = None
+        if "plain" in logits and name != "plain":
+            diff = (logits[name] - logits["plain"]).abs().max().item()
+        rows.append(
+            {
+                **ctx.base_row(name),
+                "median_ms": med[name] * 1e3,
+                "min_ms": min(t) * 1e3,
+                "tokens_per_s": tokens / med[name],
+                "vs_plain": ratio(med[name], med.get("plain")),
+                "vs_transformers": ratio(med[name], med.get("transformers")),
+                "vs_transformers_min": ratio(min(t), min(times.get("transformers", [0]) or [0])),
+                "max_abs_diff": diff,
+                "repeats": len(t),
+                "note": getattr(ok(systems).get(name), "note", ""),
+            }
+        )
+    return rows
+
+
+def goals(rows):
+    out = []
+    for r in rows:
+        if r["system"] != "tpkit" or r["status"] != "ok":
+            continue
+        if r["tp"] == 2 and r.get("vs_transformers") is not None:
+            out.append(
+                dict(
+                    goal="forward time, tpkit / transformers TP at tp=2",
+                    dtype=r["dtype"],
+                    figure=r["vs_transformers"],
+                    target="<= 0.90",
+                    met=r["vs_transformers"] <= 0.90,
+                )
+            )
+        if r["tp"] == 1 and r.get("vs_plain") is not None:
+            out.append(
+                dict(
+                    goal="forward overhead, tpkit tp=1 / unsharded",
+                    dtype=r["dtype"],
+                    figure=r["vs_plain"],
+                    target="<= 1.02",
+                    met=r["vs_plain"] <= 1.02,
+                )
+            )
+    return out
+
+
+SUITE = Suite(
+    name="forward",
+    title="Forward latency (prefill, no grad, no KV cache)",
+    run=run,
+    goals=goals,
+    columns=[
+        ("median_ms", "median ms", "ms"),
+        ("min_ms", "min ms", "ms"),
+        ("tokens_per_s", "tokens/s", "int"),
+        ("vs_plain", "÷ unsharded", "x"),
+        ("vs_transformers", "÷ transformers TP", "x"),
+        ("vs_transformers_min", "÷ transformers TP (min)", "x"),
+        ("max_abs_diff", "max |Δlogits| vs unsharded", "e"),
+    ],
+    explain=(
+        "Median wall time of one forward over batch × seq tokens (`use_cache=False`, no grad), "
+        "the slowest rank's, systems interleaved round by round after warm-up. Ratios are within "
+        "one run: < 1 means faster than the reference. At tp=2 the unsharded model runs a full "
+        "copy on each rank at once (one core each), so `÷ unsharded` is the TP speed-up's inverse."
+    ),
+)

@@ -1,0 +1,115 @@
+"""Per-rank parameter bytes and peak RSS over the process baseline: setup, forward, train step.
+
+Isolated: each (system, tp, dtype) runs in its own torchrun group, so one system's allocations
+never hide another's (freed heap pages would be reused without raising the peak)."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import (
+    make_inputs,
+    param_bytes,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+)
+from benchmarks.suites import Suite
+from benchmarks.systems import LOADERS, training
+
+MIB = 2**20
+
+
+def _gather_max(values: dict[str, float]) -> tuple[dict[str, float], list[dict[str, float]]]:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        per_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, values)
+    else:
+        per_rank = [values]
+    return {k: max(r[k] for r in per_rank) for k in values}, per_rank
+
+
+def warm_up(ctx, build) -> None:
+    """Run the same loader, a forward and a train step on the tiny checkpoint first, so lazy
+    imports, kernels and allocator pools are in the baseline, not in the figures."""
+    warm = ctx.spec.get("warm_checkpoint")
+    if not warm:
+        return
+    system = build(Path(warm))
+    x = make_inputs(256, 1, 8)
+    with torch.no_grad():
+        system.model(input_ids=x, use_cache=False)
+    with training(system) as (step, _):
+        step(x)
+    del system
+    gc.collect()
+
+
+def measure(ctx, name, build, path, note=""):
+    """Build a system with ``build(path)`` and probe RSS; every figure is the max over ranks."""
+    warm_up(ctx, build)
+    gc.collect()
+    base = rss_bytes()
+    resettable = reset_peak_rss()
+    system = build(path)
+    figures = {
+        "setup_peak_mib": (peak_rss_bytes() - base) / MIB,
+        "steady_mib": (rss_bytes() - base) / MIB,
+        "param_mib": param_bytes(system.rank_params or system.params) / MIB,
+    }
+    x = make_inputs(ctx.cfg["vocab_size"], ctx.spec["batch"], ctx.spec["seq"])
+    reset_peak_rss()
+    with torch.no_grad():
+        system.model(input_ids=x, use_cache=False)
+    figures["forward_peak_mib"] = (peak_rss_bytes() - base) / MIB
+    reset_peak_rss()
+    with training(system) as (step, _):
+        step(x)
+        figures["step_peak_mib"] = (peak_rss_bytes() - base) / MIB
+    worst, per_rank = _gather_max(figures)
+    full = ctx.spec["n_params"] * torch.empty((), dtype=ctx.dtype).element_size() / MIB
+    return [
+        {
+            **ctx.base_row(name),
+            **worst,
+            "param_fraction": worst["param_mib"] / full,
+            "baseline_mib": base / MIB,
+            "per_rank": per_rank,
+            "peak_resettable": resettable,
+            "note": note or getattr(system, "note", ""),
+        }
+    ]
+
+
+def run(ctx, name, path):
+    return measure(ctx, name, lambda p: LOADERS[name](ctx, p), path)
+
+
+SUITE = Suite(
+    name="memory",
+    title="Parameter bytes and peak RSS per rank",
+    run=run,
+    isolated=True,
+    columns=[
+        ("param_mib", "params MiB/rank", "f1"),
+        ("param_fraction", "÷ full model", "x"),
+        ("setup_peak_mib", "setup peak MiB", "f1"),
+        ("steady_mib", "after setup MiB", "f1"),
+        ("forward_peak_mib", "forward peak MiB", "f1"),
+        ("step_peak_mib", "train-step peak MiB", "f1"),
+    ],
+    explain=(
+        "One torchrun group per system. RSS figures are MiB over the process baseline (after "
+        "imports and process-group start), the max over ranks; peaks are the kernel's VmHWM, "
+        "reset (`/proc/self/clear_refs` 5) before each phase, so each phase's peak is its own "
+        "(still counted from the baseline). Setup = load the checkpoint and shard it (tpkit "
+        "shards a full model built on every rank; see the `load` suite for loading straight into "
+        "shards); forward = one no-grad prefill; train step = one forward+backward+AdamW step "
+        "including optimizer-state allocation. The tensor-parallel package runs both shards in "
+        "one process: its RSS is the process's, its params MiB one shard's."
+    ),
+)

@@ -331,3 +331,27 @@ def test_plan_yaml_round_trip_keeps_fixups():
     plan = infer_plan(build("gpt2"))
     back = Plan.from_yaml(plan.to_yaml())
     assert back.to_dict() == plan.to_dict() and back.fixups == plan.fixups
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bloom", "falcon", "t5", "bert"])
+def test_shipped_yaml_plans_name_real_modules(name):
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "configs" / f"{name}.yaml"
+    model = build(name)
+    plan = derive_plan(model, str(path))
+    validate(model, plan, 2)  # raises on a pattern that matches nothing
+    assert plan.fixups, "the YAML carries the head-count fix-ups"
+    assert {plan.source(p) for p in Plan.from_yaml(path)} == {"user"}
+
+
+def test_cli_plan_explains_an_inferred_plan(tmp_path, capsys):
+    from tpkit.cli import main
+
+    tf.GPT2Config(n_embd=48, n_layer=2, n_head=3, vocab_size=V, n_positions=16).save_pretrained(
+        tmp_path
+    )
+    assert main(["plan", str(tmp_path), "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "inferred" in out and "mlp.c_fc" in out
+    assert "tp_size=2 does not divide transformer.h.*.attn.num_heads = 3" in out

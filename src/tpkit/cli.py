@@ -41,11 +41,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     model = build_on_meta(args.model, args.model_cls)
     plan = derive_plan(model, args.plan or "auto")
-    print(plan.explain(model, tp_size=args.tp))
     try:
+        # first: validation leaves inferred pairs that tp does not divide replicated, with a note
         validate(model, plan, args.tp)
+        error = None
     except ValueError as exc:
-        print(f"\n{exc}", file=sys.stderr)
+        error = exc
+    print(plan.explain(model, tp_size=args.tp))
+    if error is not None:
+        print(f"\n{error}", file=sys.stderr)
         return 1
     print(f"\ntp_size={args.tp}: valid")
     return 0

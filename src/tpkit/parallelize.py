@@ -152,6 +152,10 @@ def apply_plan(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
             shard_param(modules[owner], pname, t.style, tp_mesh)
     for t in targets:
         if t.kind == "module":
+            if t.style == "mla_kv_a_proj":  # the rope width, from the config as transformers does
+                config = getattr(model, "config", None)
+                config = config.get_text_config() if hasattr(config, "get_text_config") else config
+                modules[t.name]._tpkit_rope_dim = getattr(config, "qk_rope_head_dim", 0)
             make_style(t.style)._apply(modules[t.name], tp_mesh)
             styled.add(t.name)
     for name, module in modules.items():

@@ -144,8 +144,33 @@ class TPStyle(ParallelStyle):
         return output
 
     # -- local parameters --------------------------------------------------------------------
+    @staticmethod
+    def _nested_replicated(module: nn.Module) -> list[tuple[nn.Module, str]]:
+        """Replicated parameters of descendants: some modules read a child's weight directly
+        (Mamba's ``self.conv1d.weight`` in a functional conv), bypassing the child's hooks."""
+        found = module.__dict__.get("_tpkit_nested")
+        if found is None:
+            found = [
+                (m, n)
+                for m in module.modules()
+                if m is not module and getattr(m, "_tpkit_style", None) == "replicate"
+                for n, p in m._parameters.items()
+                if isinstance(p, DTensor)
+            ]
+            module.__dict__["_tpkit_nested"] = found
+        return found
+
     def _swap_in(self, module: nn.Module) -> None:
         grad = torch.is_grad_enabled()
+        nested = []
+        for child, name in self._nested_replicated(module):
+            p = child._parameters.get(name)
+            if isinstance(p, DTensor):
+                nested.append((child, name, p))
+                child._parameters[name] = (
+                    p.to_local() if grad and p.requires_grad else p._local_tensor
+                )
+        module.__dict__.setdefault("_tpkit_nested_saved", []).append(nested)
         saved = {}
         for name, p in module._parameters.items():
             if not isinstance(p, DTensor):
@@ -165,6 +190,10 @@ class TPStyle(ParallelStyle):
         stack = module.__dict__.get(_SAVED)
         if stack:
             module._parameters.update(stack.pop())
+        nested = module.__dict__.get("_tpkit_nested_saved")
+        if nested:
+            for child, name, p in nested.pop():
+                child._parameters[name] = p
 
 
 class ReplicateStyle(TPStyle):
@@ -236,6 +265,58 @@ class RowwiseStyle(TPStyle):
         return _map_output(output, reduce)
 
 
+class RowwiseSplitInputStyle(RowwiseStyle):
+    """Rowwise on a replicated input (transformers' ``rowwise_split_input``): f, then this
+    rank's slice of the input's last dim, then the rowwise product and g."""
+
+    name = "rowwise_split_input"
+
+    def _setup(self, module):
+        w = module._parameters["weight"]
+        width = w.shape[param_layout(self.name, "weight", w.ndim, module).dim]
+        self.start = chunk_offset(width, self.tp, self.rank)
+        self.size = chunk_sizes(width, self.tp)[self.rank]
+
+    def _pre_hook(self, module, args, kwargs):
+        args, kwargs = super()._pre_hook(module, args, kwargs)
+        key = _first_tensor_key(args, kwargs)
+        x = copy_to_tp(_get(args, kwargs, key), self.group)
+        return _put(args, kwargs, key, x[..., self.start : self.start + self.size])
+
+
+class PackedRowwiseStyle(RowwiseStyle):
+    name = "packed_rowwise"
+
+
+class AllReduceStyle(TPStyle):
+    """Output all-reduced (g); parameters are laid out by their own entries."""
+
+    name = "all_reduce"
+
+    def _prepare_output(self, module, output):
+        return _map_output(output, lambda y: reduce_from_tp(y, self.group))
+
+
+class MlaKvAProjStyle(TPStyle):
+    """DeepSeek-style MLA ``kv_a_proj_with_mqa``, replicated. Its output is [kv part | rope
+    part]; the kv part feeds a column-parallel ``kv_b_proj`` (whose f all-reduces its gradient),
+    the rope part goes straight into this rank's heads, so its gradient is all-reduced here (f).
+    The rope width is set on the module by `parallelize.apply_plan` (``_tpkit_rope_dim``)."""
+
+    name = "mla_kv_a_proj"
+
+    def _prepare_output(self, module, output):
+        rope = int(getattr(module, "_tpkit_rope_dim", 0))
+
+        def fix(y):
+            if not rope:
+                return y
+            kv, pe = y.split([y.shape[-1] - rope, rope], dim=-1)
+            return torch.cat([kv, copy_to_tp(pe, self.group)], dim=-1)
+
+        return _map_output(output, fix)
+
+
 class VocabParallelStyle(TPStyle):
     name = "vocab_parallel"
 
@@ -295,6 +376,10 @@ STYLE_CLASSES: dict[str, type[TPStyle]] = {
         RowwiseStyle,
         VocabParallelStyle,
         MoeExpertsStyle,
+        RowwiseSplitInputStyle,
+        PackedRowwiseStyle,
+        AllReduceStyle,
+        MlaKvAProjStyle,
     )
 }
 

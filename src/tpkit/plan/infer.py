@@ -32,6 +32,7 @@ Each column/row pair is a *group* with the counts that must divide tp (features,
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import re
 from collections.abc import Mapping
@@ -66,7 +67,9 @@ WIDTH_ATTRS = (
     "split_size",
     "all_head_size",
 )
-_TRACE_BATCH, _TRACE_SEQ = 3, 7  # odd sizes, unlikely to coincide with a width or head count
+_TRACE_BATCH, _TRACE_SEQ = 3, 7
+#: Largest model traced on its real weights when the fake-tensor trace fails.
+REAL_TRACE_MAX_PARAMS = 50_000_000  # odd sizes, unlikely to coincide with a width or head count
 
 
 @dataclass
@@ -105,6 +108,17 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
+
+
+# ops that cut a tensor along a dim -> position of that dim among their arguments
+_DIM_ARG = {
+    "split": 2,
+    "chunk": 2,
+    "tensor_split": 2,
+    "split_with_sizes": 2,
+    "unbind": 1,
+    "narrow": 1,
+}
 
 
 class _Tracer(TorchFunctionMode):
@@ -153,11 +167,10 @@ class _Tracer(TorchFunctionMode):
         src = args[0]
         lin, j = self.origin[id(src)]
         node = self.nodes[lin]
-        if name in ("split", "chunk", "tensor_split", "unbind", "split_with_sizes", "narrow"):
-            dim = kwargs.get("dim", args[2] if len(args) > 2 else (0 if name == "unbind" else 0))
-            if name in ("split", "chunk", "tensor_split", "split_with_sizes") and len(args) <= 2:
-                dim = kwargs.get("dim", 0)
-            if _norm_dim(dim, src.ndim) != j:
+        if name in _DIM_ARG:
+            pos = _DIM_ARG[name]
+            dim = kwargs.get("dim", args[pos] if len(args) > pos else 0)
+            if _norm_dim(int(dim), src.ndim) != j:
                 return
             sizes = {t.shape[j] for t in outs} if name != "narrow" else {-1}
             if len(sizes) == 1 and len(outs) > 1 and name != "unbind":
@@ -251,7 +264,7 @@ def _example_inputs(model: nn.Module) -> tuple[tuple, dict]:
 
 
 @contextlib.contextmanager
-def _meta_state(model: nn.Module, fake):
+def _meta_state(model: nn.Module, fake, shapes: Mapping[int, tuple] | None = None):
     """Temporarily swap every parameter and buffer for a fake meta tensor of the same shape.
 
     Fake tensors (torch's ``FakeTensorMode``) rather than bare meta ones: transformers' code asks
@@ -262,13 +275,14 @@ def _meta_state(model: nn.Module, fake):
     for mod in model.modules():
         for store in (mod._parameters, mod._buffers):
             for k, v in list(store.items()):
-                if v is not None and v.device.type != "meta":
+                if v is not None and (v.device.type != "meta" or id(v) in (shapes or {})):
                     saved.append((store, k, v))
     memo: dict[int, torch.Tensor] = {}
     try:
         for store, k, v in saved:
             if id(v) not in memo:
-                meta = fake.from_tensor(torch.empty_like(v, device="meta"))
+                shape = (shapes or {}).get(id(v), tuple(v.shape))
+                meta = fake.from_tensor(torch.empty(shape, dtype=v.dtype, device="meta"))
                 memo[id(v)] = (
                     nn.Parameter(meta, v.requires_grad) if isinstance(v, nn.Parameter) else meta
                 )
@@ -279,8 +293,31 @@ def _meta_state(model: nn.Module, fake):
             store[k] = v
 
 
-def trace(model: nn.Module, example_inputs: tuple | dict | None = None) -> dict[str, Any]:
-    """Run one meta forward of ``model`` and return what the tags say (nodes, modules' inputs)."""
+@contextlib.contextmanager
+def _real_state(model: nn.Module, shapes: Mapping[int, tuple]):
+    """Temporarily give each sharded parameter a zero tensor of its shard's shape."""
+    saved = []
+    for mod in model.modules():
+        for k, v in list(mod._parameters.items()):
+            if v is not None and id(v) in shapes:
+                saved.append((mod, k, v))
+    try:
+        memo: dict[int, nn.Parameter] = {}
+        for mod, k, v in saved:
+            if id(v) not in memo:
+                memo[id(v)] = nn.Parameter(v.new_zeros(shapes[id(v)]), v.requires_grad)
+            mod._parameters[k] = memo[id(v)]
+        yield
+    finally:
+        for mod, k, v in saved:
+            mod._parameters[k] = v
+
+
+def trace(
+    model: nn.Module, example_inputs: tuple | dict | None = None, real: bool = False
+) -> dict[str, Any]:
+    """Run one forward of ``model`` on fake meta tensors (``real=True``: on its own weights, for
+    code that needs values) and return what the tags say (nodes, modules' inputs)."""
     names = {id(m): n for n, m in model.named_modules()}
     nodes = {n: _Node(k, _out_width(m, k)) for n, m in model.named_modules() if (k := _kind(m))}
     tracer = _Tracer(nodes)
@@ -353,15 +390,27 @@ def trace(model: nn.Module, example_inputs: tuple | dict | None = None) -> dict[
         args, kwargs = tuple(example_inputs), {}
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    args, kwargs = tree_map(
-        lambda t: fake.from_tensor(t.to("meta")) if isinstance(t, torch.Tensor) else t,
-        (args, kwargs),
-    )
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level, quiet.level = quiet.level, logging.CRITICAL  # a failed trace is reported by the caller
     try:
-        with _meta_state(model, fake), torch.no_grad(), fake, tracer:
-            model(*args, **kwargs)
+        if real:
+            device = next(model.parameters()).device
+            args, kwargs = tree_map(
+                lambda t: torch.zeros_like(t, device=device) if isinstance(t, torch.Tensor) else t,
+                (args, kwargs),
+            )
+            with torch.no_grad(), tracer:
+                model(*args, **kwargs)
+        else:
+            fake = FakeTensorMode(allow_non_fake_inputs=True)
+            args, kwargs = tree_map(
+                lambda t: fake.from_tensor(t.to("meta")) if isinstance(t, torch.Tensor) else t,
+                (args, kwargs),
+            )
+            with _meta_state(model, fake), torch.no_grad(), fake, tracer:
+                model(*args, **kwargs)
     finally:
+        quiet.setLevel(level)
         for h in hooks:
             h.remove()
     return {
@@ -466,8 +515,17 @@ def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> 
     the first linear. Raises ValueError when the model cannot be traced on meta.
     """
     try:
-        info = trace(model, example_inputs)
-    except Exception as exc:  # noqa: BLE001 - model code may do anything on meta
+        try:
+            info = trace(model, example_inputs)
+        except Exception:  # noqa: BLE001 - model code may do anything on meta
+            # code that needs values (a data-dependent branch): one real forward, when the
+            # weights are real and small enough for that to be cheap
+            params = list(model.parameters())
+            small = sum(p.numel() for p in params) <= REAL_TRACE_MAX_PARAMS
+            if not params or params[0].device.type == "meta" or not small:
+                raise
+            info = trace(model, example_inputs, real=True)
+    except Exception as exc:  # noqa: BLE001
         raise ValueError(
             f"Could not trace {type(model).__name__} on the meta device to infer a plan "
             f"({type(exc).__name__}: {exc}); pass plan={{'module.pattern': 'colwise' | "
@@ -547,10 +605,150 @@ def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> 
     plan = Plan()
     for pattern, style in _collapse(styles, all_names).items():
         plan.set(pattern, style, "inferred")
-    plan.fixups.update(_collapse(fixups, all_names))
+    plan.fixups.update(_collapse(_common_head_inputs(fixups), all_names))
     plan.notes.update(_collapse(notes, all_names))
     plan.groups.extend(_collapse_groups(groups))
-    return plan
+    return _checked(model, plan, example_inputs)
+
+
+def _checked(model: nn.Module, plan: Plan, example_inputs, tp: int = 2) -> Plan:
+    """Dry-run the plan at tp=2 on fake tensors with rank 0's shard shapes and fix-ups; when the
+    model's code still fails (it reads a global head count somewhere the plan cannot fix), leave
+    first the attention groups, then every group, replicated, noting the error."""
+    error = _dry_run(model, plan, example_inputs, tp)
+    if error is None:
+        return plan
+    for attention_only in (True, False):
+        trial = Plan().merged(plan)
+        for group in plan.groups:
+            if group["owners"] or not attention_only:
+                trial.replicate_group(group, f"a dry run of the split forward failed: {error}")
+        if _dry_run(model, trial, example_inputs, tp) is None:
+            return trial
+    return trial
+
+
+def _dry_run(model: nn.Module, plan: Plan, example_inputs, tp: int) -> str | None:
+    error = _dry_run_once(model, plan, example_inputs, tp, real=False)
+    if error == _NOTHING_LEARNED:
+        params = list(model.parameters())
+        real = params and params[0].device.type != "meta"
+        small = sum(p.numel() for p in params) <= REAL_TRACE_MAX_PARAMS
+        error = (
+            _dry_run_once(model, plan, example_inputs, tp, real=True) if real and small else None
+        )
+    return None if error == _NOTHING_LEARNED else error
+
+
+_NOTHING_LEARNED = "<nothing learned>"
+
+
+def _dry_run_once(model: nn.Module, plan: Plan, example_inputs, tp: int, real: bool) -> str | None:
+    """None when a forward with rank 0's shapes runs on fake tensors, else the error in brief."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tpkit.plan.spec import local_shape
+    from tpkit.plan.validate import param_layouts, settle_inferred_groups
+
+    plan = Plan().merged(plan)
+    settle_inferred_groups(plan, tp)  # what tp does not divide is validation's to report
+    layouts = param_layouts(model, plan)
+    shapes = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        layout = layouts[name][1]
+        shapes[id(p)] = local_shape(tuple(p.shape), layout, tp) if layout.sharded else None
+    shapes = {k: v for k, v in shapes.items() if v is not None}
+    modules = dict(model.named_modules())
+    restore, hooks = [], []
+    for name, mod in modules.items():
+        fix = plan.fixups_for(name) if plan.fixups else {}
+        heads = None
+        for attr in fix.get("divide", []):
+            value = getattr(mod, attr, None)
+            if isinstance(value, int):
+                restore.append((mod, attr, value))
+                setattr(mod, attr, value // tp)
+                heads = heads or (value if attr in HEAD_ATTRS else None)
+        if fix.get("head_inputs") and heads:
+            hooks.append(
+                mod.register_forward_pre_hook(
+                    _head_slicer(fix["head_inputs"], heads, tp), with_kwargs=True
+                )
+            )
+        if isinstance(getattr(mod, "nf", None), int) and id(getattr(mod, "weight", None)) in shapes:
+            restore.append((mod, "nf", mod.nf))
+            mod.nf = shapes[id(mod.weight)][-1]
+    for t in plan.resolve(model):
+        if t.kind == "module" and t.style == "colwise_gather_output":
+            full = _out_width(modules[t.name], _kind(modules[t.name]) or "linear")
+            hooks.append(modules[t.name].register_forward_hook(_widen(full)))
+    args, kwargs = _example_inputs(model) if example_inputs is None else ((), {})
+    if example_inputs is not None:
+        if isinstance(example_inputs, Mapping):
+            kwargs = dict(example_inputs)
+        else:
+            args = tuple(example_inputs)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    if real:
+        device = next(model.parameters()).device
+        args, kwargs = tree_map(
+            lambda t: torch.zeros_like(t, device=device) if isinstance(t, torch.Tensor) else t,
+            (args, kwargs),
+        )
+    else:
+        args, kwargs = tree_map(
+            lambda t: fake.from_tensor(t.to("meta")) if isinstance(t, torch.Tensor) else t,
+            (args, kwargs),
+        )
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level, quiet.level = quiet.level, logging.CRITICAL
+    try:
+        if real:
+            with _real_state(model, shapes), torch.no_grad():
+                model(*args, **kwargs)
+        else:
+            with _meta_state(model, fake, shapes), torch.no_grad(), fake:
+                model(*args, **kwargs)
+        return None
+    except Exception as exc:  # noqa: BLE001 - whatever the model's code raises
+        first = (str(exc).strip().splitlines() or [""])[0]
+        if (
+            "Tensor.item()" in first
+            or "data-dependent" in first.lower()
+            or "DataDependent" in type(exc).__name__
+        ):
+            return _NOTHING_LEARNED  # the fake forward cannot run this model at all
+        return f"{type(exc).__name__}: {first[:160]}"
+    finally:
+        quiet.setLevel(level)
+        for h in hooks:
+            h.remove()
+        for mod, attr, value in restore:
+            setattr(mod, attr, value)
+
+
+def _head_slicer(head_inputs: Mapping[str, int], heads: int, tp: int):
+    per = heads // tp
+
+    def hook(mod, args, kwargs):
+        for key, dim in head_inputs.items():
+            kind, k = key.split(":", 1)
+            if kind == "kw" and isinstance(kwargs.get(k), torch.Tensor):
+                t = kwargs[k]
+                t = t.unflatten(0, (-1, heads))[:, :per].flatten(0, 1) if dim == 0 else t[:, :per]
+                kwargs = {**kwargs, k: t}
+        return args, kwargs
+
+    return hook
+
+
+def _widen(full: int):
+    def hook(mod, args, output):
+        if isinstance(output, torch.Tensor):
+            return output.new_empty((*output.shape[:-1], full))
+        return output
+
+    return hook
 
 
 def _in_width(module: nn.Module, kind: str) -> int:
@@ -582,6 +780,23 @@ def _fixups(owner: nn.Module, widths: set[int], info: dict, owner_name: str) -> 
     out: dict[str, Any] = {"divide": divide}
     if head_inputs:
         out["head_inputs"] = head_inputs
+    return out
+
+
+def _common_head_inputs(fixups: dict[str, dict]) -> dict[str, dict]:
+    """Keep a per-head input only where every layer of the same kind receives it: an input that
+    only some layers get was made by an earlier layer (T5 passes its bias on), already per rank."""
+    by_kind: dict[str, list[dict]] = {}
+    for name, fix in fixups.items():
+        by_kind.setdefault(_generic(name), []).append(fix)
+    out = {}
+    for name, fix in fixups.items():
+        fix = dict(fix)
+        shared = [f.get("head_inputs", {}) for f in by_kind[_generic(name)]]
+        common = {
+            k: v for k, v in fix.pop("head_inputs", {}).items() if all(k in h for h in shared)
+        }
+        out[name] = {**fix, "head_inputs": common} if common else fix
     return out
 
 

@@ -34,6 +34,19 @@ STYLES: dict[str, tuple[str, str]] = {
     "packed_qkv_colwise": ("fused [q; k; v] output split per part (strided, 3 parts)", ""),
     "colwise_embedding": ("embedding columns split (per-head bias), output stays sharded", ""),
     "moe_tp_experts": ("experts run their own shards, output all-reduced", "all_reduce"),
+    "rowwise_split_input": (
+        "rowwise on a replicated input: each rank takes its slice of the input first",
+        "all_reduce",
+    ),
+    "packed_rowwise": (
+        "input features split per packed part (strided), output all-reduced",
+        "all_reduce",
+    ),
+    "all_reduce": ("parameters as their own entries say, output all-reduced", "all_reduce"),
+    "mla_kv_a_proj": (
+        "replicated MLA kv_a projection: the rope part's gradient all-reduced",
+        "",
+    ),
     "replicate": ("parameters replicated, compute on local tensors", ""),
     "replicated_with_grad_allreduce": (
         "replicated, acts on sharded activations: gradient all-reduced",
@@ -51,10 +64,14 @@ ALIASES: dict[str, str] = {
     "local_packed_colwise": "packed_colwise",
     "replicated": "replicate",
     "local": "replicate",
+    # transformers' "local_params": a module whose parameters are sharded by their own entries
+    # runs on local tensors -- what every tpkit style does; "replicate" leaves those entries be.
+    "local_params": "replicate",
+    "rowwise_rep": "rowwise_split_input",
 }
 
 # Styles whose module-level application leaves parameters to their own entries.
-MODULE_ONLY_STYLES = {"moe_tp_experts"}
+MODULE_ONLY_STYLES = {"moe_tp_experts", "all_reduce"}
 SHARDING_STYLES = {
     "colwise",
     "rowwise",
@@ -63,6 +80,8 @@ SHARDING_STYLES = {
     "packed_colwise",
     "packed_qkv_colwise",
     "colwise_embedding",
+    "rowwise_split_input",
+    "packed_rowwise",
 }
 #: How many equal parts a packed style splits separately.
 PACKED_PARTS = {"packed_colwise": 2, "packed_qkv_colwise": 3}
@@ -111,7 +130,11 @@ def param_layout(
     row styles are added after the reduction, so they stay replicated.
     """
     style = canonical_style(style)
-    if style in ("replicate", "replicated_with_grad_allreduce", "moe_tp_experts"):
+    if style in MODULE_ONLY_STYLES or style in (
+        "replicate",
+        "replicated_with_grad_allreduce",
+        "mla_kv_a_proj",
+    ):
         return REPLICATED
     is_bias = param_name.endswith("bias") and ndim == 1
     conv1d = _is_conv1d(module)
@@ -124,10 +147,10 @@ def param_layout(
         if is_bias or ndim == 1:
             return ParamLayout(0, split)
         return ParamLayout(ndim - 1 if conv1d else ndim - 2, split)
-    # rowwise
+    # rowwise, rowwise_split_input, packed_rowwise
     if is_bias or ndim == 1:
         return REPLICATED
-    return ParamLayout(0 if conv1d else ndim - 1)
+    return ParamLayout(0 if conv1d else ndim - 1, 2 if style == "packed_rowwise" else 1)
 
 
 def local_shape(shape: tuple[int, ...], layout: ParamLayout, tp: int, rank: int = 0) -> tuple:

@@ -1,0 +1,389 @@
+"""Architecture coverage: does ``tpkit.tensor_parallel`` keep tp=2 forward parity on every text
+architecture transformers knows?
+
+Enumerates ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` and ``MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES``,
+builds a tiny random model for each from its default config (a generic shrinker of sizes: no
+weights are downloaded), and on 2 gloo ranks compares the logits of ``tensor_parallel(model)``
+(plan "auto": transformers' plan when the architecture ships one, else the inferred one) with the
+unsharded model's. Besides, on the meta device and without ranks, it infers a plan for every
+architecture (also those with a transformers plan) and records the share of parameters it shards.
+
+    python -m benchmarks.coverage              # all, ~5-10 min on 2 CPU cores
+    python -m benchmarks.coverage --only gpt2 t5 --out /tmp/cov
+
+Writes ``benchmarks/results/coverage.json`` and ``coverage.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+RESULTS = Path(__file__).parent / "results"
+TOL = 1e-5
+VOCAB = 101
+BATCH, SEQ = 2, 9
+
+# Generic shrinker: any of these config fields present in an architecture's config is set.
+SIZES = {
+    64: (
+        "hidden_size",
+        "n_embd",
+        "d_model",
+        "dim",
+        "embed_dim",
+        "model_dim",
+        "word_embed_proj_dim",
+        "embedding_size",
+        "n_embed",
+        "emb_dim",
+    ),
+    128: (
+        "intermediate_size",
+        "ffn_dim",
+        "d_ff",
+        "n_inner",
+        "encoder_ffn_dim",
+        "decoder_ffn_dim",
+        "ffn_hidden_size",
+        "hidden_dim",
+        "inner_hidden_size",
+    ),
+    32: (
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "expert_intermediate_size",
+    ),
+    2: (
+        "num_hidden_layers",
+        "n_layer",
+        "num_layers",
+        "num_decoder_layers",
+        "encoder_layers",
+        "decoder_layers",
+        "n_layers",
+        "num_encoder_layers",
+        "num_experts_per_tok",
+        "num_key_value_heads",
+        "num_kv_heads",
+        "n_head_kv",
+        "multi_query_group_num",
+    ),
+    4: (
+        "num_attention_heads",
+        "n_head",
+        "num_heads",
+        "encoder_attention_heads",
+        "decoder_attention_heads",
+        "n_heads",
+        "num_experts",
+        "num_local_experts",
+        "n_routed_experts",
+    ),
+    16: (
+        "head_dim",
+        "d_kv",
+        "kv_channels",
+        "attention_head_size",
+        "qk_rope_head_dim",
+        "rotary_dim",
+    ),
+}
+POSITIONS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length")
+TOKEN_IDS = (
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "decoder_start_token_id",
+    "sep_token_id",
+)
+
+
+def architectures() -> list[tuple[str, str, str]]:
+    """(model_type, class name, kind) for every causal-LM and seq2seq architecture."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    out = [(t, c, "causal-lm") for t, c in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()]
+    out += [(t, c, "seq2seq") for t, c in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.items()]
+    return out
+
+
+def tiny_config(model_type: str):
+    """The architecture's default config with every known size field shrunk; None when the
+    config is not a text one (it holds vision / audio / text sub-configs)."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    default = cls()
+    fields = default.to_dict()
+    if any(k in fields for k in ("vision_config", "audio_config", "text_config", "encoder")):
+        return None
+    kwargs = {k: v for v, keys in SIZES.items() for k in keys if k in fields}
+    kwargs.update({k: 64 for k in POSITIONS if k in fields})
+    kwargs["vocab_size"] = VOCAB
+    for k in TOKEN_IDS:
+        v = fields.get(k)
+        if isinstance(v, int) and v >= VOCAB:
+            kwargs[k] = 2 if k != "pad_token_id" else 1
+    if "num_key_value_heads" in fields and fields.get("num_key_value_heads") is None:
+        kwargs.pop("num_key_value_heads")
+    try:
+        config = cls(**kwargs)
+    except Exception:  # noqa: BLE001 - fall back to setting attributes after construction
+        config = cls()
+        for k, v in kwargs.items():
+            setattr(config, k, v)
+    for k in ("use_cache",):
+        if hasattr(config, k):
+            setattr(config, k, False)
+    config._attn_implementation = "eager"
+    return config
+
+
+def build(model_type: str, class_name: str, device: str = "cpu"):
+    import torch
+    import transformers
+
+    config = tiny_config(model_type)
+    if config is None:
+        raise NotText("multimodal config (vision/audio/text sub-configs)")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = getattr(transformers, class_name)(config)
+    return model.float().eval()
+
+
+class NotText(Exception):
+    """The architecture is not a text-only one."""
+
+
+def inputs(model, kind: str) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    vocab = min(VOCAB, model.get_input_embeddings().num_embeddings)
+    ids = torch.randint(3, vocab, (BATCH, SEQ), generator=g)
+    out = {"input_ids": ids}
+    if kind == "seq2seq" or getattr(model.config, "is_encoder_decoder", False):
+        out["decoder_input_ids"] = ids[:, :5]
+    return out
+
+
+def _logits(out):
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def check_parity(model_type: str, class_name: str, kind: str) -> dict:
+    """Run on both ranks: tp=2 logits vs the unsharded model's."""
+    import copy
+
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate
+
+    import tpkit
+
+    ref = build(model_type, class_name)
+    x = inputs(ref, kind)
+    try:
+        with torch.no_grad():
+            want = _logits(ref(**x))
+    except Exception as exc:  # noqa: BLE001 - the shrunk config, not tensor parallelism
+        raise RuntimeError(f"unsharded reference forward fails: {_short(exc)}") from exc
+    model = tpkit.tensor_parallel(copy.deepcopy(ref))
+    plan = model._tpkit.plan
+    sources = sorted({plan.source(p) for p in plan})
+    total = sharded = 0
+    for p in model.parameters():
+        if p.ndim >= 2:
+            total += p.numel()
+            if isinstance(p, DTensor) and p.placements[0] != Replicate():
+                sharded += p.numel()
+    with torch.no_grad():
+        got = _logits(model(**x))
+    diff = (got - want).abs().max().item()
+    return {
+        "source": "config" if "config" in sources else ("inferred" if sources else "none"),
+        "max_diff": diff,
+        "parity": bool(diff <= TOL),
+        "share_sharded": sharded / max(1, total),
+        "notes": dict(list(plan.notes.items())[:4]),
+    }
+
+
+def infer_share(model_type: str, class_name: str) -> dict:
+    """Inferred plan on the meta device, no ranks: share of 2-D parameters it shards at tp=2."""
+    from tpkit.plan import validate
+    from tpkit.plan.infer import infer_plan
+    from tpkit.plan.validate import param_layouts
+
+    model = build(model_type, class_name, device="meta")
+    plan = infer_plan(model)
+    validate(model, plan, 2)
+    layouts = param_layouts(model, plan)
+    total = sharded = 0
+    seen = set()
+    for name, p in model.named_parameters():
+        if p.ndim < 2 or id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        sharded += p.numel() if layouts[name][1].sharded else 0
+    return {"inferred_share": sharded / max(1, total), "inferred_notes": len(plan.notes)}
+
+
+def has_hf_plan(model_type: str) -> bool:
+    config = tiny_config(model_type)
+    return bool(getattr(config, "base_model_tp_plan", None))
+
+
+def _short(exc: BaseException | str) -> str:
+    text = str(exc).strip().splitlines()
+    last = [ln for ln in text if ln.strip()]
+    msg = next((ln for ln in reversed(last) if "Error" in ln or "Exception" in ln), "")
+    msg = msg or (last[0] if last else repr(exc))
+    return msg.strip()[:220]
+
+
+def run(only: list[str] | None, out_dir: Path) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import importlib
+
+    from tests.harness import RankError, RankGroup
+
+    me = importlib.import_module("benchmarks.coverage")  # ranks find checks by module name
+    archs = [a for a in architectures() if not only or a[0] in only]
+    rows = []
+    group = RankGroup(2)
+    t0 = time.time()
+    try:
+        for model_type, class_name, kind in archs:
+            row = {"architecture": model_type, "class": class_name, "kind": kind}
+            started = time.time()
+            try:
+                row["transformers_plan"] = has_hf_plan(model_type)
+                if tiny_config(model_type) is None:
+                    row.update(status="skipped", why="not a text architecture (multimodal config)")
+                    rows.append(row)
+                    continue
+                try:
+                    row.update(infer_share(model_type, class_name))
+                except Exception as exc:  # noqa: BLE001
+                    row["inferred_error"] = _short(exc)
+                try:
+                    build(model_type, class_name, device="meta")
+                except Exception as exc:  # noqa: BLE001
+                    row.update(status="unbuildable", why=f"tiny config: {_short(exc)}")
+                    rows.append(row)
+                    continue
+                r = group.run(me.check_parity, model_type, class_name, kind, timeout=120)[0]
+                row.update(r, status="ok" if r["parity"] else "mismatch")
+                if not r["parity"]:
+                    row["why"] = f"max |logits diff| = {r['max_diff']:.2e}"
+            except RankError as exc:
+                why = _short(exc)
+                bad_ref = "unsharded reference forward fails" in str(exc)
+                row.update(status="reference fails" if bad_ref else "error", why=why)
+            except Exception as exc:  # noqa: BLE001
+                row.update(status="error", why=_short(exc))
+            row["seconds"] = round(time.time() - started, 2)
+            rows.append(row)
+            print(
+                f"{model_type:28s} {row.get('status'):10s} {row.get('source', ''):9s} "
+                f"{row.get('why', '')[:90]}",
+                flush=True,
+            )
+    finally:
+        group.close()
+    summary = summarize(rows, time.time() - t0)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "coverage.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    (out_dir / "coverage.md").write_text(markdown(summary, rows))
+    return summary
+
+
+def summarize(rows: list[dict], seconds: float) -> dict:
+    text = [r for r in rows if r.get("status") != "skipped"]
+    tested = [r for r in text if r.get("status") in ("ok", "mismatch", "error")]
+    bad_ref = [r for r in text if r.get("status") in ("unbuildable", "reference fails")]
+    ok = [r for r in text if r.get("status") == "ok"]
+    inferred_ok = [r for r in ok if r.get("source") == "inferred"]
+    return {
+        "enumerated": len(rows),
+        "text_architectures": len(text),
+        "buildable": len(tested),
+        "tiny_config_broken": len(bad_ref),
+        "parity_ok": len(ok),
+        "parity_ok_share_of_text": round(len(ok) / max(1, len(text)), 3),
+        "parity_ok_share_of_buildable": round(len(ok) / max(1, len(tested)), 3),
+        "parity_ok_with_inferred_plan": len(inferred_ok),
+        "transformers_plan_on_text": sum(1 for r in text if r.get("transformers_plan")),
+        "median_inferred_share": _median(
+            [r["inferred_share"] for r in text if "inferred_share" in r]
+        ),
+        "seconds": round(seconds, 1),
+    }
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return round(xs[len(xs) // 2], 3) if xs else 0.0
+
+
+def markdown(summary: dict, rows: list[dict]) -> str:
+    s = summary
+    lines = [
+        "# tpkit architecture coverage (tp=2, forward parity, CPU gloo)",
+        "",
+        f"- enumerated: {s['enumerated']} (causal-LM + seq2seq mappings); text-only: "
+        f"{s['text_architectures']}; runnable unsharded from a shrunk default config: "
+        f"{s['buildable']} ({s['tiny_config_broken']} tiny configs broken: not built or the "
+        "unsharded forward fails)",
+        f"- **tp=2 forward parity (max |diff| <= {TOL}): {s['parity_ok']} of "
+        f"{s['text_architectures']} text architectures ({s['parity_ok_share_of_text']:.1%}); "
+        f"{s['parity_ok_share_of_buildable']:.1%} of the runnable ones**",
+        f"- of those, with a plan inferred by tpkit: {s['parity_ok_with_inferred_plan']}",
+        f"- transformers ships a TP plan for {s['transformers_plan_on_text']} of the "
+        f"{s['text_architectures']} text architectures",
+        f"- median share of 2-D parameters an inferred plan shards: {s['median_inferred_share']:.1%}",
+        f"- wall time: {s['seconds']} s",
+        "",
+        "| architecture | kind | transformers plan | plan used | parity | max diff | "
+        "share sharded | inferred share | why not |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        diff = f"{r['max_diff']:.1e}" if "max_diff" in r else ""
+        share = f"{r['share_sharded']:.0%}" if "share_sharded" in r else ""
+        ishare = f"{r['inferred_share']:.0%}" if "inferred_share" in r else ""
+        why = r.get("why", "") or r.get("inferred_error", "")
+        lines.append(
+            f"| {r['architecture']} | {r['kind']} | {'yes' if r.get('transformers_plan') else 'no'}"
+            f" | {r.get('source', '')} | {r.get('status', '')} | {diff} | {share} | {ishare} | "
+            f"{why.replace('|', '/')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="model types to run (default: all)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    summary = run(args.only, args.out)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -65,7 +65,7 @@ def _losses(trainer) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
 
-def _train(out, per_device, tp=None, dp=1, resume=None, save_final=None, pc=True):
+def _train(out, per_device, tp=None, dp=1, resume=None, save_final=None, **args_kw):
     """Train the tiny Llama with Trainer; return losses by step (and final logits on rank 0)."""
     from accelerate import ParallelismConfig
     from transformers import Trainer
@@ -79,8 +79,9 @@ def _train(out, per_device, tp=None, dp=1, resume=None, save_final=None, pc=True
         model = build("llama").train()
         if tp is not None:
             model = tpkit.tensor_parallel(model, tp_size=tp)
-        config = ParallelismConfig(tp_size=tp, dp_shard_size=dp) if tp and pc else None
-        trainer = Trainer(model=model, args=_args(out, per_device, config), train_dataset=ToyLM())
+        config = ParallelismConfig(tp_size=tp, dp_shard_size=dp) if tp else None
+        args = _args(out, per_device, config, **args_kw)
+        trainer = Trainer(model=model, args=args, train_dataset=ToyLM())
         trainer.train(resume_from_checkpoint=resume)
         result = {"losses": _losses(trainer)}
         if save_final:
@@ -95,11 +96,38 @@ def _train(out, per_device, tp=None, dp=1, resume=None, save_final=None, pc=True
 
 
 # ---- checks (run on every rank) ------------------------------------------------------------------
-def check_train(out, per_device, tp, dp=1, resume=None, save_final=None):
-    result = _train(out, per_device, tp, dp, resume, save_final)
+def check_train(out, per_device, tp, dp=1, resume=None, save_final=None, **args_kw):
+    result = _train(out, per_device, tp, dp, resume, save_final, **args_kw)
     if dist.get_rank() != 0:
         result.pop("logits", None)
     return result
+
+
+def _eval(out, tp=None) -> dict:
+    """evaluate() and predict() on 10 samples in batches of 4 (a short last batch)."""
+    from transformers import Trainer
+
+    import tpkit
+    from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
+
+    patch_trainer()
+    _reset_accelerate()
+    try:
+        model = build("llama")
+        if tp is not None:
+            model = tpkit.tensor_parallel(model, tp_size=tp)
+        data = ToyLM(n=10)
+        trainer = Trainer(model=model, args=_args(out, 4, save_strategy="no"), eval_dataset=data)
+        loss = trainer.evaluate()["eval_loss"]
+        predicted = trainer.predict(data)
+        return {"loss": loss, "logits": torch.as_tensor(predicted.predictions)}
+    finally:
+        unpatch_trainer()
+        _reset_accelerate()
+
+
+def check_eval(out, tp) -> dict:
+    return _eval(out, tp)
 
 
 def check_first_batches(out, tp) -> dict:
@@ -146,15 +174,18 @@ def check_mismatched_config_raises(out) -> str:
 
 
 # ---- the shared runs ------------------------------------------------------------------------------
+def _single_process(fn, *args):
+    saved = {k: os.environ.pop(k, None) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    try:
+        return fn(*args)
+    finally:
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Single-process Trainer (this process), same seed and global batch."""
-    out = str(tmp_path_factory.mktemp("ref"))
-    saved = {k: os.environ.pop(k, None) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    try:
-        return _train(out, GLOBAL_BATCH)
-    finally:
-        os.environ.update({k: v for k, v in saved.items() if v is not None})
+    return _single_process(_train, str(tmp_path_factory.mktemp("ref")), GLOBAL_BATCH)
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +249,26 @@ def test_resume_tp2_checkpoint_on_dp2_tp2(ranks4, tp2_run, tmp_path):
     for r in results:
         for step in (3, 4):
             assert _rel(r["losses"][step], full[step]) <= REL, (step, r["losses"], full)
+
+
+def test_gradient_accumulation_on_dp2_tp2_matches_single_process(ranks4, reference, tmp_path):
+    """4 ranks, dp=2 x tp=2, 1 sample per rank per micro-batch, 2 micro-batches per step."""
+    results = ranks4.run(
+        check_train, str(tmp_path), 1, 2, 2, gradient_accumulation_steps=2, save_strategy="no"
+    )
+    ref = reference["losses"]
+    for r in results:
+        for step, loss in ref.items():
+            assert _rel(r["losses"][step], loss) <= REL, (step, r["losses"], ref)
+
+
+def test_evaluate_and_predict_match_single_process(ranks2, tmp_path):
+    """TP partners hold the same predictions: they are gathered once, the short batch trimmed."""
+    ref = _single_process(_eval, str(tmp_path / "ref"))
+    for r in ranks2.run(check_eval, str(tmp_path / "tp"), 2):
+        assert _rel(r["loss"], ref["loss"]) <= REL, (r["loss"], ref["loss"])
+        assert r["logits"].shape == ref["logits"].shape == (10, 9, 101), r["logits"].shape
+        assert (r["logits"] - ref["logits"]).abs().max().item() <= 1e-5
 
 
 def test_data_ranks_follow_the_mesh(ranks4, tmp_path):

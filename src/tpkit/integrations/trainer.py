@@ -130,6 +130,8 @@ def patch_trainer() -> None:
     _patch(Trainer, "__init__", _init)
     _patch(Trainer, "create_accelerator_and_postprocess", _create_accelerator)
     _patch(Trainer, "_build_accelerator_args", _build_accelerator_args)
+    _patch(Trainer, "evaluation_loop", _evaluation_loop)
+    _patch(Trainer, "_defer_fsdp_gradient_reduction", _defer_fsdp_gradient_reduction)
     _patch(Trainer, "_save", _save)
     _patch(Trainer, "_save_optimizer_and_scheduler", _save_optimizer_and_scheduler)
     _patch(Trainer, "_load_from_checkpoint", _load_from_checkpoint)
@@ -214,6 +216,85 @@ def _create_accelerator(original):
             _building_accelerator.reset(token)
 
     return create_accelerator_and_postprocess
+
+
+def _evaluation_loop(original):
+    def evaluation_loop(self, *args, **kwargs):
+        state = tp_state(self.model)
+        if state is not None:  # Trainer resets gather_function at the end of every loop
+            self.gather_function = functools.partial(
+                gather_for_metrics,
+                self.accelerator,
+                state,
+                use_gather_object=self.args.eval_use_gather_object,
+            )
+        return original(self, *args, **kwargs)
+
+    return evaluation_loop
+
+
+def gather_for_metrics(accelerator, state, data, use_gather_object: bool = False):
+    """accelerate's ``gather_for_metrics`` for a TP model: gather over the dp group only.
+
+    The ranks of a TP group evaluate the same batch and hold the same outputs; gathering over the
+    whole world would repeat every prediction ``tp_size`` times, and accelerate's trim of the last
+    batch (``gradient_state.remainder``, counted in dp ranks) would then keep the wrong rows.
+    """
+    from accelerate.utils import recursively_apply
+
+    try:
+        recursively_apply(lambda x: x, data, error_on_other_type=True)
+        all_tensors = True
+    except TypeError:
+        all_tensors = False
+    dp = _model_dp(state)
+    if dp > 1:
+        group = state.mesh["dp"].get_group()
+        if use_gather_object or not all_tensors:
+            parts: list = [None] * dp
+            dist.all_gather_object(parts, data, group=group)
+            data = [x for part in parts for x in part]
+        else:
+            data = recursively_apply(functools.partial(_gather_dim0, group=group, n=dp), data)
+    gradient_state = accelerator.gradient_state
+    if gradient_state.end_of_dataloader and gradient_state.remainder > 0:
+        keep = gradient_state.remainder
+        if isinstance(data, list) and not all_tensors:
+            return data[:keep]
+        return recursively_apply(lambda t: t[:keep], data)
+    return data
+
+
+def _gather_dim0(tensor: torch.Tensor, group, n: int) -> torch.Tensor:
+    tensor = tensor.contiguous()
+    if tensor.ndim == 0:
+        tensor = tensor[None]
+    parts = [torch.empty_like(tensor) for _ in range(n)]
+    dist.all_gather(parts, tensor, group=group)
+    return torch.cat(parts, dim=0)
+
+
+def _defer_fsdp_gradient_reduction(original):
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        # Trainer's version reads config.distributed_config (transformers' own TP); tpkit's FSDP2
+        # modules are told directly to hold the reduce-scatter until the last micro-batch.
+        if tp_state(self.model) is None:
+            with original(self):
+                yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for m in modules:
+            m.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.set_requires_gradient_sync(True, recurse=False)
+
+    return _defer_fsdp_gradient_reduction
 
 
 def _model_dp(state) -> int:

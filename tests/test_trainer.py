@@ -147,6 +147,20 @@ def check_eval(out, tp) -> dict:
     return _eval(out, tp)
 
 
+def check_load_full_weights(checkpoint) -> float:
+    """A Trainer checkpoint's gathered model.safetensors and its DCP copy load to the same shards."""
+    from tests.models import full
+    from tpkit.checkpoint import load_checkpoint
+    from tpkit.integrations.trainer import DCP_DIR, load_full_weights
+
+    a = _parallelize(build("llama", seed=5), 2)
+    b = _parallelize(build("llama", seed=6), 2)
+    load_full_weights(a, checkpoint)
+    load_checkpoint(os.path.join(checkpoint, DCP_DIR), b)
+    ref = dict(b.named_parameters())
+    return max((full(p) - full(ref[n])).abs().max().item() for n, p in a.named_parameters())
+
+
 def check_first_batches(out, tp) -> dict:
     """The batch each rank gets first from the Trainer's data loader (no parallelism_config: tpkit
     fills it in from the model)."""
@@ -248,6 +262,11 @@ def test_save_model_loads_in_plain_transformers(tp2_run):
     assert any(  # and it is the trained model, not the initial one
         not torch.equal(p, q) for p, q in zip(plain.parameters(), ref.parameters())
     )
+
+
+def test_full_weights_load_like_the_dcp_checkpoint(ranks2, tp2_run):
+    for diff in ranks2.run(check_load_full_weights, str(tp2_run["out"] / "checkpoint-2")):
+        assert diff == 0.0, diff
 
 
 def test_resume_from_step2_reproduces_steps_3_and_4(ranks2, tp2_run, tmp_path):

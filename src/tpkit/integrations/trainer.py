@@ -137,6 +137,7 @@ def patch_trainer() -> None:
     _patch(Trainer, "_load_from_checkpoint", _load_from_checkpoint)
     _patch(Trainer, "_load_optimizer_and_scheduler", _load_optimizer_and_scheduler)
     _patch(Trainer, "_load_rng_state", _load_rng_state)
+    _patch(Trainer, "_load_best_model", _load_best_model)
     _patch(ParallelismConfig, "_validate_accelerator", _validate_accelerator)
 
 
@@ -436,3 +437,38 @@ def _load_rng_state(original):
         sync_rng(state.tp_mesh)
 
     return _load_rng_state
+
+
+def _load_best_model(original):
+    def _load_best_model(self):
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if tp_state(model) is None:
+            return original(self)
+        best = self.state.best_model_checkpoint
+        if os.path.exists(os.path.join(best, DCP_DIR, ".metadata")):
+            load_checkpoint(os.path.join(best, DCP_DIR), model)
+        else:  # save_only_model=True: the gathered full weights are all there is
+            load_full_weights(model, best)
+        return None
+
+    return _load_best_model
+
+
+def load_full_weights(model: nn.Module, checkpoint: str) -> None:
+    """Load a normal (unsharded) safetensors checkpoint into a tpkit model: every rank reads the
+    files and keeps its own shards (``set_model_state_dict(full_state_dict=True)``)."""
+    import json
+
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    index = os.path.join(checkpoint, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    full: dict[str, torch.Tensor] = {}
+    for name in files:
+        full.update(load_file(os.path.join(checkpoint, name), device="cpu"))
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))

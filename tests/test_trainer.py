@@ -48,6 +48,7 @@ def _args(out: str, per_device: int, parallelism_config=None, **kw):
         use_cpu=True,
         seed=0,
         dataloader_num_workers=0,
+        include_num_input_tokens_seen="all",
         parallelism_config=parallelism_config,
     )
     defaults.update(kw)
@@ -100,7 +101,7 @@ def _train(out, per_device, tp=None, dp=1, resume=None, save_final=None, sharded
         args = _args(out, per_device, config, **args_kw)
         trainer = Trainer(model=model, args=args, train_dataset=ToyLM())
         trainer.train(resume_from_checkpoint=resume)
-        result = {"losses": _losses(trainer)}
+        result = {"losses": _losses(trainer), "tokens": trainer.state.num_input_tokens_seen}
         if save_final:
             trainer.save_model(save_final)
             model.eval()
@@ -239,6 +240,7 @@ def test_tp2_losses_match_single_process_trainer(tp2_run, reference):
         for step, loss in ref.items():
             assert _rel(r["losses"][step], loss) <= REL, (step, r["losses"], ref)
     assert len(set(ref.values())) > 1  # the model did train
+    assert tp2_run["r0"]["tokens"] == reference["tokens"] == STEPS * GLOBAL_BATCH * 9
 
 
 def test_checkpoint_layout(tp2_run):

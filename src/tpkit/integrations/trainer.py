@@ -45,6 +45,17 @@ What Trainer and accelerate need, and what this module does about it:
 - **Data.** With the config's device mesh accelerate's data loader gives data rank
   ``rank // tp_size``: the ranks of one TP group get the same batch, dp groups different ones.
   tpkit's mesh has tp innermost, so the two agree.
+- **dp > 1.** With FSDP2 over ``mesh["dp"]`` FSDP reduces the gradients; gradient accumulation
+  defers its reduce-scatter to the last micro-batch (Trainer's own deferral reads transformers'
+  ``config.distributed_config``, which a tpkit model does not have). A TP model replicated over
+  dp (no FSDP) gets a per-parameter hook that averages its local gradient over the dp group at
+  the end of each accumulation window, as DDP would (``model._tpkit_dp_sync`` marks it; core code
+  that reduces dp gradients itself can set that flag to turn the hook off).
+- **evaluate / predict.** TP partners hold the same predictions: they are gathered over the dp
+  group only, so the last short batch is trimmed right and nothing is repeated ``tp_size`` times.
+  ``num_input_tokens_seen`` is counted once per TP group for the same reason.
+- **``load_best_model_at_end``** loads the best checkpoint's DCP copy (or, with
+  ``save_only_model=True``, its gathered safetensors via `load_full_weights`).
 """
 
 from __future__ import annotations
@@ -65,6 +76,8 @@ from tpkit.checkpoint import load_checkpoint, save_checkpoint, save_tensor_paral
 #: Subdirectory of a Trainer checkpoint holding tpkit's DCP checkpoint (model + optimizer).
 DCP_DIR = "tpkit_dcp"
 SCHEDULER_NAME = "scheduler.pt"
+
+__all__ = ["DCP_DIR", "load_full_weights", "patch_trainer", "tp_state", "unpatch_trainer"]
 
 _building_accelerator = contextvars.ContextVar("tpkit_building_accelerator", default=False)
 _originals: dict[tuple[type, str], Any] = {}
@@ -106,11 +119,19 @@ def _barrier() -> None:
 
 
 # ---- patching ----------------------------------------------------------------------------------
-def _patch(owner: type, name: str, make):
+def _patch(owner: type, name: str, make, required: bool = True):
     key = (owner, name)
     if key in _originals:
         return
-    original = owner.__dict__[name]
+    original = owner.__dict__.get(name)
+    if original is None:
+        if not required:
+            return
+        raise RuntimeError(
+            f"tpkit.integrations.trainer adapts {owner.__module__}.{owner.__name__}.{name}, which "
+            "this version does not have; it was written against transformers 5.2x and accelerate "
+            "1.1x."
+        )
     _originals[key] = original
     wrapper = make(original)
     functools.update_wrapper(wrapper, original)
@@ -131,13 +152,14 @@ def patch_trainer() -> None:
     _patch(Trainer, "create_accelerator_and_postprocess", _create_accelerator)
     _patch(Trainer, "_build_accelerator_args", _build_accelerator_args)
     _patch(Trainer, "evaluation_loop", _evaluation_loop)
-    _patch(Trainer, "_defer_fsdp_gradient_reduction", _defer_fsdp_gradient_reduction)
+    _patch(Trainer, "_defer_fsdp_gradient_reduction", _defer_fsdp_gradient_reduction, False)
+    _patch(Trainer, "_track_num_input_tokens", _track_num_input_tokens, False)
     _patch(Trainer, "_save", _save)
     _patch(Trainer, "_save_optimizer_and_scheduler", _save_optimizer_and_scheduler)
     _patch(Trainer, "_load_from_checkpoint", _load_from_checkpoint)
     _patch(Trainer, "_load_optimizer_and_scheduler", _load_optimizer_and_scheduler)
     _patch(Trainer, "_load_rng_state", _load_rng_state)
-    _patch(Trainer, "_load_best_model", _load_best_model)
+    _patch(Trainer, "_load_best_model", _load_best_model, False)
     _patch(ParallelismConfig, "_validate_accelerator", _validate_accelerator)
 
 
@@ -296,6 +318,18 @@ def _defer_fsdp_gradient_reduction(original):
                 m.set_requires_gradient_sync(True, recurse=False)
 
     return _defer_fsdp_gradient_reduction
+
+
+def _track_num_input_tokens(original):
+    def _track_num_input_tokens(self, inputs):
+        before = self.state.num_input_tokens_seen
+        original(self, inputs)
+        state = tp_state(self.model)
+        if state is not None:  # the gather summed each TP group's (identical) count tp times
+            seen = self.state.num_input_tokens_seen - before
+            self.state.num_input_tokens_seen = before + seen // state.tp_size
+
+    return _track_num_input_tokens
 
 
 def _model_dp(state) -> int:

@@ -149,7 +149,7 @@ def _machine() -> dict:
     except OSError:
         mem = float("nan")
     commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
     return {
         "cpu": cpu,

@@ -103,6 +103,14 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def paired_ratio(a: list[float] | None, b: list[float] | None) -> float | None:
+    """Median of per-round ratios a_i / b_i. Systems of one round run back to back, so this
+    cancels the slow drifts of a shared machine better than a ratio of medians."""
+    if not a or not b:
+        return None
+    return statistics.median(x / y for x, y in zip(a, b) if y)
+
+
 def time_interleaved(
     fns: dict[str, Callable[[], Any]],
     repeats: int,

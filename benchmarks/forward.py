@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import error_text, make_inputs, median, time_interleaved
+from benchmarks.common import error_text, make_inputs, median, paired_ratio, time_interleaved
 from benchmarks.suites import Suite, failed_rows, ok, ratio
 
 
@@ -33,8 +33,8 @@ def run(ctx, systems):
                 "median_ms": med[name] * 1e3,
                 "min_ms": min(t) * 1e3,
                 "tokens_per_s": tokens / med[name],
-                "vs_plain": ratio(med[name], med.get("plain")),
-                "vs_transformers": ratio(med[name], med.get("transformers")),
+                "vs_plain": paired_ratio(t, times.get("plain")),
+                "vs_transformers": paired_ratio(t, times.get("transformers")),
                 "vs_transformers_min": ratio(min(t), min(times.get("transformers", [0]) or [0])),
                 "max_abs_diff": diff,
                 "repeats": len(t),
@@ -88,8 +88,8 @@ SUITE = Suite(
     ],
     explain=(
         "Median wall time of one forward over batch × seq tokens (`use_cache=False`, no grad), "
-        "the slowest rank's, systems interleaved round by round after warm-up. Ratios are within "
-        "one run: < 1 means faster than the reference. At tp=2 the unsharded model runs a full "
+        "the slowest rank's, systems interleaved round by round after warm-up. Ratios are medians "
+        "of per-round ratios within one run (`(min)`: ratio of best times): < 1 means faster. At tp=2 the unsharded model runs a full "
         "copy on each rank at once (one core each), so `÷ unsharded` is the TP speed-up's inverse."
     ),
 )

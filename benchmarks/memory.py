@@ -109,7 +109,9 @@ SUITE = Suite(
         "(still counted from the baseline). Setup = load the checkpoint and shard it (tpkit "
         "shards a full model built on every rank; see the `load` suite for loading straight into "
         "shards); forward = one no-grad prefill; train step = one forward+backward+AdamW step "
-        "including optimizer-state allocation. The tensor-parallel package runs both shards in "
+        "including optimizer-state allocation. transformers memory-maps safetensors: weights it "
+        "does not copy become resident only when first used, so a low setup peak with a high "
+        "forward peak is lazy paging, not saving; compare forward and step peaks. The tensor-parallel package runs both shards in "
         "one process: its RSS is the process's, its params MiB one shard's."
     ),
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 
-from benchmarks.common import error_text, make_inputs, median, time_interleaved
+from benchmarks.common import error_text, make_inputs, median, paired_ratio, time_interleaved
 from benchmarks.suites import Suite, failed_rows, ok, ratio
 from benchmarks.systems import training
 
@@ -31,8 +31,8 @@ def run(ctx, systems):
                 "median_ms": med[name] * 1e3,
                 "min_ms": min(t) * 1e3,
                 "tokens_per_s": x.numel() / med[name],
-                "vs_plain": ratio(med[name], med.get("plain")),
-                "vs_transformers": ratio(med[name], med.get("transformers")),
+                "vs_plain": paired_ratio(t, times.get("plain")),
+                "vs_transformers": paired_ratio(t, times.get("transformers")),
                 "vs_transformers_min": ratio(min(t), min(times.get("transformers", [0]) or [0])),
                 "loss": states[name].get("loss"),
                 "repeats": len(t),

@@ -26,7 +26,13 @@ from tpkit.mesh import (
     tp_submesh,
 )
 from tpkit.plan import Plan, PlanLike, derive_plan, validate
-from tpkit.styles import ReplicateStyle, apply_fixups, make_style, shard_param
+from tpkit.styles import (
+    ReplicateStyle,
+    apply_fixups,
+    install_parent_swaps,
+    make_style,
+    shard_param,
+)
 
 
 @dataclass
@@ -161,6 +167,7 @@ def apply_plan(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
     for name, module in modules.items():
         if name not in styled and any(p is not None for p in module._parameters.values()):
             ReplicateStyle()._apply(module, tp_mesh)
+    install_parent_swaps(model, tp_mesh)  # replicated weights read by a parent directly
     for name, module in modules.items():
         fixups = plan.fixups_for(name) if plan.fixups else None
         if fixups:

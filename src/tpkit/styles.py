@@ -435,3 +435,23 @@ def apply_fixups(module: nn.Module, fixups: dict[str, Any], mesh: DeviceMesh) ->
 
         module.register_forward_pre_hook(slice_heads, with_kwargs=True)
     module._tpkit_fixed = True
+
+
+def _read_directly(child: nn.Module) -> bool:
+    """A replicated child whose parameters its parent may read without calling it: a conv
+    (Mamba-style ``F.conv1d(x, self.conv1d.weight)``), an embedding table indexed by hand, a
+    module driven through methods other than ``forward`` (JetMoe's ``experts.map``)."""
+    if getattr(child, "_tpkit_style", None) != "replicate" or isinstance(child, nn.Linear):
+        return False
+    return "norm" not in type(child).__name__.lower()
+
+
+def install_parent_swaps(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Give each parameter-less module whose children may be read directly the local-tensor
+    swap of its descendants' replicated parameters for the span of its forward."""
+    for module in list(model.modules()):
+        if getattr(module, "_tpkit_style", None) is None and any(
+            _read_directly(c) for c in module.children()
+        ):
+            ReplicateStyle()._apply(module, mesh)
+            module._tpkit_style = "parent_swap"  # not itself a replicated child of its parent

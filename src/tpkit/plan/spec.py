@@ -68,6 +68,7 @@ ALIASES: dict[str, str] = {
     # runs on local tensors -- what every tpkit style does; "replicate" leaves those entries be.
     "local_params": "replicate",
     "rowwise_rep": "rowwise_split_input",
+    "embedding_colwise": "colwise_embedding",
 }
 
 # Styles whose module-level application leaves parameters to their own entries.

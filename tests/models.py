@@ -30,6 +30,20 @@ FACTORIES = {
         tf.MistralConfig(**{**ATTN, "num_key_value_heads": 2})
     ),
     "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**ATTN, head_dim=16)),
+    "gpt2": lambda: tf.GPT2LMHeadModel(
+        tf.GPT2Config(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            vocab_size=101,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    ),
     "qwen3_moe": lambda: tf.Qwen3MoeForCausalLM(
         tf.Qwen3MoeConfig(
             **ATTN, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32

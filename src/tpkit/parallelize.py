@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tpkit.debug import debug_enabled, install_debug_checks
+from tpkit.fsdp import apply_fsdp, repeated_blocks
 from tpkit.generation import install_generate_guard
 from tpkit.mesh import (
     build_mesh,
@@ -26,6 +27,13 @@ from tpkit.mesh import (
     tp_submesh,
 )
 from tpkit.plan import Plan, PlanLike, derive_plan, validate
+from tpkit.rng import install_region_rng
+from tpkit.sequence_parallel import (
+    COLUMN_STYLES,
+    ROW_STYLES,
+    install_sequence_parallel,
+    sequence_parallel_problems,
+)
 from tpkit.styles import (
     ReplicateStyle,
     apply_fixups,
@@ -78,8 +86,13 @@ def tensor_parallel(
     device_ids: Sequence[str | int | torch.device] | None = None,
     *,
     tp_size: int | None = None,
+    dp_size: int | None = None,
     plan: PlanLike = "auto",
     mesh: DeviceMesh | None = None,
+    sharded: bool | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Split ``model`` over the ranks of its tensor-parallel group, in place, and return it.
 
@@ -93,7 +106,17 @@ def tensor_parallel(
         tp_size: ranks per TP group; default the world size (or the mesh's "tp" size).
         plan: ``"auto"`` (transformers plan, else inferred), ``"config"``, ``"infer"``, or a
             ``{pattern: style}`` dict / `Plan` / YAML path merged over the auto plan.
+        dp_size: data-parallel replicas; default world size / tp_size.
         mesh: a DeviceMesh to use instead of building ``("dp", "tp")`` from the world size.
+        sharded: FSDP2 (``fully_shard`` per block, then the root) over ``mesh["dp"]`` after TP;
+            default on when dp_size > 1. With dp_size == 1 nothing is sharded further (what TP
+            leaves replicated is norms and biases, ~0.01% of a transformer).
+        sequence_parallel: norms, dropout and residuals of each block split along the sequence
+            (all-gather / reduce-scatter instead of all-reduce); training only, decoder-only.
+        loss_parallel: in training, the lm_head hands the loss vocab-sharded logits (a
+            ``Shard(-1)`` DTensor) and the cross-entropy never gathers the vocabulary.
+        param_dtype: FSDP2 mixed precision: parameters and compute in this dtype (e.g.
+            ``torch.bfloat16``), gradient reductions in float32. Needs ``sharded``.
 
     Outside torchrun (world size 1) the model is returned unchanged (moved to ``device_ids[0]``
     when given).
@@ -106,25 +129,32 @@ def tensor_parallel(
                 f"device_ids={list(device_ids)} asks for {len(distinct)} devices, but this is a single "
                 "process. " + _launch_hint(len(distinct))
             )
-        if tp_size not in (None, 1):
+        n = (tp_size or 1) * (dp_size or 1)
+        if n > 1:
             raise ValueError(
-                f"tp_size={tp_size} needs {tp_size} processes. " + _launch_hint(tp_size)
+                f"tp_size={tp_size or 1} x dp_size={dp_size or 1} needs {n} processes. "
+                + _launch_hint(n)
             )
         return model.to(device_ids[0]) if device_ids else model
 
     if mesh is not None:
         tp_mesh = tp_submesh(mesh)
         tp, dp = tp_mesh.size(), mesh.size() // tp_mesh.size()
-        if tp_size not in (None, tp):
-            raise ValueError(f"tp_size={tp_size} disagrees with the mesh's tp dimension ({tp}).")
+        if tp_size not in (None, tp) or dp_size not in (None, dp):
+            raise ValueError(
+                f"tp_size={tp_size}, dp_size={dp_size} disagree with the mesh (tp={tp}, dp={dp})."
+            )
         device_type = mesh.device_type
     else:
-        tp, dp = resolve_sizes(tp_size, None, env.world_size)
+        tp, dp = resolve_sizes(tp_size, dp_size, env.world_size)
         device_type = default_device_type()
     device = _pick_device(device_ids, env.local_rank, device_type)
 
+    sharded = dp > 1 if sharded is None else sharded
     the_plan = derive_plan(model, plan)
-    validate(model, the_plan, tp)  # before any collective, on every rank alike
+    # every check that can fail, before any collective, on every rank alike
+    validate(model, the_plan, tp)
+    _check_training_options(model, the_plan, dp, sharded, sequence_parallel, param_dtype)
 
     if mesh is None:
         init_distributed(device_type=device_type)
@@ -133,15 +163,75 @@ def tensor_parallel(
     current = _model_device(model)
     if current is not None and current.type != "meta" and current != device:
         model.to(device)
-    if tp == 1:
-        return model
-    sync_rng(tp_mesh)
-    apply_plan(model, the_plan, tp_mesh)
+    if tp > 1:
+        sync_rng(tp_mesh)
+        apply_plan(model, the_plan, tp_mesh)
+        sp = install_sequence_parallel(model, the_plan, tp_mesh) if sequence_parallel else None
+        install_region_rng(
+            model, _rng_regions(model, the_plan, sp is not None), tp_mesh.get_local_rank()
+        )
+        if loss_parallel:
+            _enable_loss_parallel(model)
     model._tpkit = TPState(mesh=mesh, tp_mesh=tp_mesh, plan=the_plan, tp_size=tp, dp_size=dp)
-    install_generate_guard(model)
-    if debug_enabled():  # TPKIT_DEBUG=1: inputs and replicated params agree at every forward
-        install_debug_checks(model, tp_mesh)
+    if sharded and dp > 1:
+        apply_fsdp(model, mesh["dp"], param_dtype=param_dtype)
+    if tp > 1:
+        install_generate_guard(model)
+        if debug_enabled():  # TPKIT_DEBUG=1: inputs and replicated params agree at every forward
+            install_debug_checks(model, tp_mesh)
     return model
+
+
+def _check_training_options(model, plan, dp, sharded, sequence_parallel, param_dtype) -> None:
+    problems = []
+    if param_dtype is not None and not (sharded and dp > 1):
+        problems.append(
+            f"param_dtype={param_dtype} is FSDP2's mixed precision and needs sharded=True with "
+            "dp_size > 1; for tp only, cast the model (model.to(torch.bfloat16)) instead."
+        )
+    if sequence_parallel:
+        problems += sequence_parallel_problems(model, plan)
+    if problems:
+        raise ValueError("Cannot apply tensor parallelism:\n- " + "\n- ".join(problems))
+
+
+def _rng_regions(model: nn.Module, plan: Plan, sequence_parallel: bool) -> dict[str, list[str]]:
+    """Where dropout must differ across TP ranks: with SP every block (its activations are
+    sequence chunks); otherwise each module holding column-parallel layers, up to its
+    row-parallel layer."""
+    modules = dict(model.named_modules())
+    if sequence_parallel:
+        names = {id(m): n for n, m in modules.items()}
+        return {names[id(b)]: [] for b in repeated_blocks(model)}
+    styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
+    regions: dict[str, list[str]] = {}
+    for name, style in styles.items():
+        if style in COLUMN_STYLES and "." in name:
+            regions.setdefault(name.rsplit(".", 1)[0], [])
+    for name, style in styles.items():
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        if style in ROW_STYLES and parent in regions:
+            regions[parent].append(name)
+    return regions
+
+
+def _enable_loss_parallel(model: nn.Module) -> None:
+    """Vocab-sharded logits into a vocab-parallel cross-entropy, never gathered (training)."""
+    from tpkit.loss import causal_lm_loss
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    style = head.__dict__.get("_tpkit_style_obj") if head is not None else None
+    if (
+        style is None
+        or style.name != "colwise_gather_output"
+        or not hasattr(model, "loss_function")
+    ):
+        raise ValueError(
+            f"loss_parallel needs a causal LM whose output head uses colwise_gather_output and "
+            f"whose loss goes through model.loss_function; {type(model).__name__} does not."
+        )
+    style.loss_parallel = True
+    model.loss_function = causal_lm_loss
 
 
 def apply_plan(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:

@@ -104,6 +104,8 @@ class TPStyle(ParallelStyle):
 
     name = "replicate"
     grad_allreduce = False
+    sp = None  # sequence_parallel.SPState when this layer sits in an SP region
+    sp_grad_allreduce = None  # SPState: all-reduce the gradient while SP is active
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.mesh = device_mesh
@@ -121,6 +123,7 @@ class TPStyle(ParallelStyle):
         module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
         module.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
         module._tpkit_style = self.name
+        module.__dict__["_tpkit_style_obj"] = self  # sequence/loss parallel adjust it later
         return module
 
     # -- hooks -------------------------------------------------------------------------------
@@ -150,10 +153,13 @@ class TPStyle(ParallelStyle):
         (Mamba's ``self.conv1d.weight`` in a functional conv), bypassing the child's hooks."""
         found = module.__dict__.get("_tpkit_nested")
         if found is None:
+            # direct children only: a deeper module is swapped by its own parent, and sweeping a
+            # whole subtree would bypass descendants' own hooks (sequence-parallel gradient
+            # all-reduce) and FSDP's per-block unsharding
             found = [
                 (m, n)
-                for m in module.modules()
-                if m is not module and getattr(m, "_tpkit_style", None) == "replicate"
+                for m in module.children()
+                if _read_directly(m)
                 for n, p in m._parameters.items()
                 if isinstance(p, DTensor)
             ]
@@ -177,7 +183,8 @@ class TPStyle(ParallelStyle):
                 continue
             if grad and p.requires_grad:
                 local = p.to_local()
-                if self.grad_allreduce:
+                sp = self.sp_grad_allreduce
+                if self.grad_allreduce or (sp is not None and sp.active):
                     local = copy_to_tp(local, self.group)
             else:
                 local = p._local_tensor
@@ -212,7 +219,16 @@ class ColwiseStyle(TPStyle):
         key = _first_tensor_key(args, kwargs)
         if key is None:
             return args, kwargs
-        return _put(args, kwargs, key, copy_to_tp(_get(args, kwargs, key), self.group))
+        x = _get(args, kwargs, key)
+        if self.sp is not None and self.sp.active:
+            if self.sp.gathered and x is self.sp.gathered[-1]:
+                return args, kwargs  # the region's gather reduce-scatters our partial grads
+            raise ValueError(
+                f"sequence_parallel: {type(module).__name__} ({self.name}) received a tensor its "
+                "region did not gather (the region transforms its input before this layer); "
+                "this architecture does not support sequence_parallel=True."
+            )
+        return _put(args, kwargs, key, copy_to_tp(x, self.group))
 
 
 class PackedColwiseStyle(ColwiseStyle):
@@ -238,8 +254,19 @@ class GatherOutputStyle(ColwiseStyle):
         layout = param_layout(self.name, "weight", w.ndim, module)
         self.sizes = chunk_sizes(w.shape[layout.dim], self.tp)
 
+    loss_parallel = False  # training: hand the loss vocab-sharded logits (tpkit.loss)
+
     def _prepare_output(self, module, output):
+        if self.loss_parallel and torch.is_grad_enabled():
+            return _map_output(output, self._as_vocab_shard)
         return _map_output(output, lambda y: gather_from_tp(y, self.sizes, self.rank, self.group))
+
+    def _as_vocab_shard(self, y: torch.Tensor) -> DTensor:
+        shape = (*y.shape[:-1], sum(self.sizes))
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(
+            y, self.mesh, [Shard(y.ndim - 1)], run_check=False, shape=shape, stride=stride
+        )
 
 
 class RowwiseStyle(TPStyle):
@@ -258,9 +285,14 @@ class RowwiseStyle(TPStyle):
         stack = module.__dict__.get("_tpkit_bias")
         bias = stack.pop() if stack else None
 
+        sp = self.sp if self.sp is not None and self.sp.active else None
+
         def reduce(y):
-            y = reduce_from_tp(y, self.group)
-            return y + bias if bias is not None else y
+            if sp is None:
+                y = reduce_from_tp(y, self.group)
+                return y + bias if bias is not None else y
+            y = sp.reduce_scatter(y)  # each rank keeps its sequence chunk
+            return y + copy_to_tp(bias, self.group) if bias is not None else y
 
         return _map_output(output, reduce)
 

@@ -1,6 +1,7 @@
 """Fine-tune a tiny T5 with Hugging Face Trainer at tp=2: the FLAN-T5 notebook, on CPU, offline.
 
     launch/torchrun.sh --nproc 2 examples/finetune_t5_trainer.py [--steps 200] [--out runs/t5]
+    launch/torchrun.sh --nproc 4 examples/finetune_t5_trainer.py --tp 2   # dp=2 x tp=2 (FSDP2)
 
 The model is a randomly initialised T5 built from a small ``T5Config`` (no download). T5 ships no
 tensor-parallel plan; tpkit infers one (q/k/v/wi column-parallel, o/wo row-parallel, the relative
@@ -54,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=32, help="per TP group (global at dp=1)")
+    parser.add_argument("--tp", type=int, default=None, help="default: all ranks; dp = ranks / tp")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--out", default="runs/finetune_t5_trainer")
     args = parser.parse_args()
@@ -74,8 +76,12 @@ def main() -> None:
         decoder_start_token_id=PAD,
     )
     model = T5ForConditionalGeneration(config)
-    model = tpkit.tensor_parallel(model)  # tp = world size under torchrun; unchanged at 1 rank
-    tp = model._tpkit.tp_size if hasattr(model, "_tpkit") else 1
+    # T5 takes **kwargs but computes its own mean loss, ignoring Trainer's num_items_in_batch;
+    # saying so keeps Trainer from scaling the loss by the dp size (as it would under DDP too).
+    model.accepts_loss_kwargs = False
+    model = tpkit.tensor_parallel(model, tp_size=args.tp)  # unchanged outside torchrun
+    state = getattr(model, "_tpkit", None)
+    tp, dp = (state.tp_size, state.dp_size) if state is not None else (1, 1)
     rank0 = int(os.environ.get("RANK", "0")) == 0
 
     training_args = TrainingArguments(
@@ -93,7 +99,7 @@ def main() -> None:
         disable_tqdm=True,
         use_cpu=not torch.cuda.is_available(),
         seed=0,
-        parallelism_config=ParallelismConfig(tp_size=tp) if tp > 1 else None,
+        parallelism_config=ParallelismConfig(tp_size=tp, dp_shard_size=dp) if state else None,
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=SortFirstK(n=4096, seed=1))
     trainer.train()
@@ -125,7 +131,7 @@ def main() -> None:
         with torch.no_grad():
             plain_logits = plain(input_ids=test.inputs, labels=test.labels).logits
         diff = (plain_logits - logits.cpu()).abs().max().item()
-        print(f"{final}: plain transformers logits vs tp={tp} logits, max diff {diff:.1e}")
+        print(f"{final}: plain transformers vs dp={dp} x tp={tp} logits, max diff {diff:.1e}")
 
 
 if __name__ == "__main__":

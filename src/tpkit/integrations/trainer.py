@@ -194,8 +194,24 @@ def _init(original):
         finally:
             args.save_only_model = save_only_model
         _install_dp_grad_sync(model, state)
+        _register_fsdp_generate(model)
 
     return __init__
+
+
+def _register_fsdp_generate(model: nn.Module) -> None:
+    """``generate`` does not enter the root module's ``forward``, so FSDP2 would leave the root's
+    parameters (embeddings, final norm) sharded over dp; Trainer registers ``generate`` as an FSDP
+    forward method for the models accelerate wraps, tpkit does the same for its own."""
+    if not _is_fsdp_managed(model) or not hasattr(model, "generate"):
+        return
+    if getattr(model, "_tpkit_fsdp_generate", False):
+        return
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    if isinstance(model, FSDPModule):
+        register_fsdp_forward_method(model, "generate")
+        model._tpkit_fsdp_generate = True
 
 
 def _install_dp_grad_sync(model: nn.Module, state) -> None:

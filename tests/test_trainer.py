@@ -6,6 +6,7 @@ by several tests; the single-process reference runs in the pytest process.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -68,23 +69,38 @@ def _losses(trainer) -> dict[int, float]:
 
 def has_fsdp() -> bool:
     """Whether core tpkit composes FSDP2 over dp (``tensor_parallel(..., sharded=True)``)."""
+    return has_options("sharded")
+
+
+def has_options(*names: str) -> bool:
     import inspect
 
     import tpkit
 
-    return "sharded" in inspect.signature(tpkit.tensor_parallel).parameters
+    return set(names) <= set(inspect.signature(tpkit.tensor_parallel).parameters)
 
 
-def _parallelize(model, tp: int, sharded: bool = False):
+def _parallelize(model, tp: int, sharded: bool = False, **options):
     import tpkit
 
     if has_fsdp():
-        return tpkit.tensor_parallel(model, tp_size=tp, sharded=sharded)
+        return tpkit.tensor_parallel(model, tp_size=tp, sharded=sharded, **options)
     assert not sharded, "this tpkit has no sharded=True (FSDP2 over dp)"
-    return tpkit.tensor_parallel(model, tp_size=tp)
+    return tpkit.tensor_parallel(model, tp_size=tp, **options)
 
 
-def _train(out, per_device, tp=None, dp=1, resume=None, save_final=None, sharded=False, **args_kw):
+def _train(
+    out,
+    per_device,
+    tp=None,
+    dp=1,
+    resume=None,
+    save_final=None,
+    sharded=False,
+    length=9,
+    options=None,
+    **args_kw,
+):
     """Train the tiny Llama with Trainer; return losses by step (and final logits on rank 0)."""
     from accelerate import ParallelismConfig
     from transformers import Trainer
@@ -96,10 +112,10 @@ def _train(out, per_device, tp=None, dp=1, resume=None, save_final=None, sharded
     try:
         model = build("llama").train()
         if tp is not None:
-            model = _parallelize(model, tp, sharded)
+            model = _parallelize(model, tp, sharded, **(options or {}))
         config = ParallelismConfig(tp_size=tp, dp_shard_size=dp) if tp else None
         args = _args(out, per_device, config, **args_kw)
-        trainer = Trainer(model=model, args=args, train_dataset=ToyLM())
+        trainer = Trainer(model=model, args=args, train_dataset=ToyLM(length=length))
         trainer.train(resume_from_checkpoint=resume)
         result = {"losses": _losses(trainer), "tokens": trainer.state.num_input_tokens_seen}
         if save_final:
@@ -309,6 +325,20 @@ def test_resume_tp2_checkpoint_on_dp2_tp2_fsdp(ranks4, tp2_run, tmp_path):
     if not has_fsdp():
         pytest.skip("tensor_parallel(..., sharded=True) (FSDP2 over dp) has not landed")
     _resume_on_dp2(ranks4, tp2_run, tmp_path, sharded=True)
+
+
+def test_sequence_and_loss_parallel_under_trainer(ranks2, tmp_path):
+    """tpkit's training options change nothing Trainer sees: same losses as single-process."""
+    if not has_options("sequence_parallel", "loss_parallel"):
+        pytest.skip("tensor_parallel(..., sequence_parallel=, loss_parallel=) has not landed")
+    kw = dict(length=10, save_strategy="no")  # sequence parallel: length divisible by tp
+    ref = _single_process(functools.partial(_train, **kw), str(tmp_path / "ref"), GLOBAL_BATCH)[
+        "losses"
+    ]
+    options = {"sequence_parallel": True, "loss_parallel": True}
+    for r in ranks2.run(check_train, str(tmp_path / "tp"), GLOBAL_BATCH, 2, options=options, **kw):
+        for step, loss in ref.items():
+            assert _rel(r["losses"][step], loss) <= REL, (step, r["losses"], ref)
 
 
 def test_evaluate_and_predict_match_single_process(ranks2, tmp_path):

@@ -262,7 +262,7 @@ def test_inferred_plan_matches_unsharded_model(ranks2, name):
     assert r["per_block"] and max(r["per_block"].values()) <= limit, r["per_block"]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
 def test_inferred_plan_agrees_with_transformers_plan(name):
     model = build_planned(name)
     theirs, ours = hf_plan(model), infer_plan(model)

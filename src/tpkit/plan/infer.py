@@ -203,16 +203,21 @@ class _Tracer(TorchFunctionMode):
 
     @staticmethod
     def _index_touches(index: Any, ndim: int, j: int) -> bool:
+        """True when ``tensor[index]`` selects part of dim ``j`` (``None`` adds an axis and
+        consumes no dim; an Ellipsis stands for the dims no other item consumes)."""
         items = index if isinstance(index, tuple) else (index,)
-        if any(i is None or isinstance(i, torch.Tensor) for i in items):
-            return True  # advanced or new-axis indexing: give up conservatively
-        if Ellipsis in items:
-            k = items.index(Ellipsis)
-            items = (*items[:k], *([slice(None)] * (ndim - len(items) + 1)), *items[k + 1 :])
-        if j >= len(items):
-            return False
-        item = items[j]
-        return not (isinstance(item, slice) and item == slice(None))
+        consuming = sum(1 for i in items if i is not None and i is not Ellipsis)
+        dim = 0
+        for item in items:
+            if item is Ellipsis:
+                dim += ndim - consuming
+                continue
+            if item is None:
+                continue
+            if dim == j:
+                return not (isinstance(item, slice) and item == slice(None))
+            dim += 1
+        return False
 
 
 def _feature_dim_after_reshape(old: tuple, j: int, new: tuple) -> int | None:

@@ -41,13 +41,13 @@ def check_training(name: str, accum: int = 1, **tp_kwargs) -> dict:
     dp_rank, dp = _dp_coords(model)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-    losses, ref_losses = [], []
+    losses, ref_losses, norms, ref_norms = [], [], [], []
     for step in range(STEPS):
         x = batch(ref.config.vocab_size, shape=(4, 8), seed=step)
         opt_r.zero_grad()
         loss_r = ref(input_ids=x, labels=x).loss
         loss_r.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
         opt_r.step()
         ref_losses.append(loss_r.item())
 
@@ -58,7 +58,7 @@ def check_training(name: str, accum: int = 1, **tp_kwargs) -> dict:
             loss = model(input_ids=micro, labels=micro).loss / accum
             loss.backward()
             total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norms.append(tpkit.clip_grad_norm_(model.parameters(), 1.0).item())
         opt.step()
         total = torch.as_tensor(total).clone()
         dist.all_reduce(total)
@@ -67,6 +67,7 @@ def check_training(name: str, accum: int = 1, **tp_kwargs) -> dict:
     return {
         "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
         "param_rel": max(_rel(full(p), ref_params[n]) for n, p in model.named_parameters()),
+        "norm_rel": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
         "losses": losses,
     }
 
@@ -150,7 +151,7 @@ def check_bf16_fsdp(name: str) -> dict:
 
 def _assert_match(results):
     for r in results:
-        assert r["loss_rel"] <= REL and r["param_rel"] <= REL, r
+        assert r["loss_rel"] <= REL and r["param_rel"] <= REL and r["norm_rel"] <= REL, r
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -199,8 +200,9 @@ def test_dropout_with_sequence_parallel_keeps_replicas_equal(ranks2):
         assert r["blocks_equal"][-1], r  # the last block's output is gathered: whole again
 
 
-def test_bf16_mixed_precision_with_fsdp(ranks4):
-    for r in ranks4.run(check_bf16_fsdp, "llama"):
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_bf16_mixed_precision_with_fsdp(ranks4, name):
+    for r in ranks4.run(check_bf16_fsdp, name):
         assert r["loss_rel"] < 2e-2, r
         assert r["param_dtypes"] == ["torch.float32"] and r["grad_dtypes"] == ["torch.float32"], r
 

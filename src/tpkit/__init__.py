@@ -10,6 +10,7 @@ from tpkit.checkpoint import (
     save_checkpoint,
     save_tensor_parallel,
 )
+from tpkit.clip import clip_grad_norm_
 from tpkit.launch import launch
 from tpkit.load import (
     convert_state_dict,
@@ -29,6 +30,7 @@ __all__ = [
     "TPState",
     "apply_plan",
     "build_mesh",
+    "clip_grad_norm_",
     "convert_state_dict",
     "export_checkpoint",
     "from_pretrained",

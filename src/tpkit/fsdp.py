@@ -14,9 +14,12 @@ With dp=1 there is no dimension to shard over and FSDP is not applied: what TP l
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -41,6 +44,48 @@ def mixed_precision(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
+def _strided_1d(p: nn.Parameter) -> bool:
+    """A 1-D parameter already split in strided parts on its only dim by TP (a packed q|k|v or
+    gate|up bias). FSDP2 would have to stack a second strided split on the same dim, which
+    DTensor gets wrong (gradients come back scrambled: measured on GPT-2's c_attn.bias)."""
+    return (
+        isinstance(p, DTensor)
+        and p.ndim == 1
+        and any(isinstance(pl, _StridedShard) for pl in p.placements)
+    )
+
+
+def _shard_dim(p: nn.Parameter) -> Shard:
+    """FSDP's dim: 0, unless TP already splits dim 0 in strided parts (then the next dim)."""
+    if isinstance(p, DTensor):
+        for pl in p.placements:
+            if isinstance(pl, _StridedShard) and pl.dim == 0 and p.ndim > 1:
+                return Shard(1)
+    return Shard(0)
+
+
+def _average_over_dp(dp_mesh: DeviceMesh):
+    group, size = dp_mesh.get_group(), dp_mesh.size()
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local = local.contiguous().clone()
+        dist.all_reduce(local, group=group)  # gloo has no AVG
+        local.div_(size)
+        if not isinstance(grad, DTensor):
+            return local
+        return DTensor.from_local(
+            local,
+            grad.device_mesh,
+            grad.placements,
+            run_check=False,
+            shape=grad.shape,
+            stride=grad.stride(),
+        )
+
+    return hook
+
+
 def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -48,9 +93,29 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """``fully_shard`` every repeated block, then the root, over ``dp_mesh``."""
+    """``fully_shard`` every repeated block, then the root, over ``dp_mesh``.
+
+    The few 1-D strided TP parameters (packed biases) stay out of FSDP: they are replicated over
+    dp, their gradient is averaged over dp by a hook as it is produced, and with ``param_dtype``
+    their owner computes with a cast copy.
+    """
     mp = mixed_precision(param_dtype)
+    ignored = {p for p in model.parameters() if _strided_1d(p)}
+    for p in ignored:
+        p.register_hook(_average_over_dp(dp_mesh))
+    if param_dtype is not None:
+        for module in model.modules():
+            style = module.__dict__.get("_tpkit_style_obj")
+            if style is not None and any(p in ignored for p in module._parameters.values()):
+                style.compute_dtype = param_dtype
+    kwargs = dict(
+        mesh=dp_mesh,
+        mp_policy=mp,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=_shard_dim,
+        ignored_params=ignored or None,
+    )
     for block in repeated_blocks(model):
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     return model

@@ -106,6 +106,7 @@ class TPStyle(ParallelStyle):
     grad_allreduce = False
     sp = None  # sequence_parallel.SPState when this layer sits in an SP region
     sp_grad_allreduce = None  # SPState: all-reduce the gradient while SP is active
+    compute_dtype = None  # cast local parameters (FSDP mixed precision for params it ignores)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.mesh = device_mesh
@@ -188,6 +189,8 @@ class TPStyle(ParallelStyle):
                     local = copy_to_tp(local, self.group)
             else:
                 local = p._local_tensor
+            if self.compute_dtype is not None and local.is_floating_point():
+                local = local.to(self.compute_dtype)
             saved[name] = p
             module._parameters[name] = local
         module.__dict__.setdefault(_SAVED, []).append(saved)

@@ -56,6 +56,50 @@ def _args(out: str, per_device: int, parallelism_config=None, **kw):
     return TrainingArguments(**defaults)
 
 
+class PlainLM(torch.nn.Module):
+    """Not a transformers model: Trainer only needs a dict with a loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(101, 32)
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+        self.head = torch.nn.Linear(32, 101)
+
+    def forward(self, input_ids, labels):
+        h = self.emb(input_ids)
+        logits = self.head(h + self.down(torch.relu(self.up(h))))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def _train_plain(out, tp=None) -> dict[int, float]:
+    from accelerate import ParallelismConfig
+    from transformers import Trainer
+
+    import tpkit
+    from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
+
+    patch_trainer()
+    _reset_accelerate()
+    try:
+        torch.manual_seed(0)
+        model, config = PlainLM(), None
+        if tp is not None:
+            model = tpkit.tensor_parallel(model, plan={"up": "colwise", "down": "rowwise"})
+            config = ParallelismConfig(tp_size=tp)
+        args = _args(out, GLOBAL_BATCH, config, save_strategy="no")
+        trainer = Trainer(model=model, args=args, train_dataset=ToyLM())
+        trainer.train()
+        return _losses(trainer)
+    finally:
+        unpatch_trainer()
+        _reset_accelerate()
+
+
+def check_train_plain(out, tp) -> dict[int, float]:
+    return _train_plain(out, tp)
+
+
 def _reset_accelerate() -> None:
     from accelerate.state import AcceleratorState, GradientState
 
@@ -339,6 +383,13 @@ def test_sequence_and_loss_parallel_under_trainer(ranks2, tmp_path):
     for r in ranks2.run(check_train, str(tmp_path / "tp"), GLOBAL_BATCH, 2, options=options, **kw):
         for step, loss in ref.items():
             assert _rel(r["losses"][step], loss) <= REL, (step, r["losses"], ref)
+
+
+def test_plain_torch_module_under_trainer(ranks2, tmp_path):
+    ref = _single_process(_train_plain, str(tmp_path / "ref"))
+    for losses in ranks2.run(check_train_plain, str(tmp_path / "tp"), 2):
+        for step, loss in ref.items():
+            assert _rel(losses[step], loss) <= REL, (step, losses, ref)
 
 
 def test_evaluate_and_predict_match_single_process(ranks2, tmp_path):

@@ -184,8 +184,7 @@ def _init(original):
             from transformers import TrainingArguments
 
             args = TrainingArguments(output_dir="tmp_trainer")
-        # The Trainer path for models that own their placement and gradient reduction.
-        model._is_distributed_loading_by_transformers = True
+        _mark_self_distributed(model)
         # ... which refuses checkpoints with optimizer state; tpkit writes those itself (DCP).
         save_only_model = args.save_only_model
         args.save_only_model = True
@@ -197,6 +196,33 @@ def _init(original):
         _register_fsdp_generate(model)
 
     return __init__
+
+
+def _wrapper_chain(model: Any) -> list:
+    """``model`` and every wrapper inside it down to the module tpkit parallelized."""
+    chain = [model]
+    for _ in range(6):
+        if getattr(model, "_tpkit", None) is not None:
+            break
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None and hasattr(model, "get_base_model"):
+            inner = model.get_base_model()
+        if inner is None or inner is model:
+            break
+        chain.append(inner)
+        model = inner
+    return chain
+
+
+def _mark_self_distributed(model: nn.Module) -> None:
+    """Put the model on Trainer's path for models that own their placement and gradient
+    reduction (``is_distributed_loading_by_transformers``): the property on transformers models
+    (read through PEFT wrappers, hence every link), a plain attribute on other modules."""
+    for m in _wrapper_chain(model):
+        if isinstance(getattr(type(m), "is_distributed_loading_by_transformers", None), property):
+            m._is_distributed_loading_by_transformers = True
+        else:
+            m.is_distributed_loading_by_transformers = True
 
 
 def _register_fsdp_generate(model: nn.Module) -> None:

@@ -14,6 +14,11 @@ Usage (``torchrun --nproc-per-node 2 train.py``)::
     trainer.train()                                   # or train(resume_from_checkpoint=...)
     trainer.save_model("out")                         # a normal checkpoint plain transformers loads
 
+dp x tp (``torchrun --nproc-per-node 4``): ``tpkit.tensor_parallel(model, tp_size=2)`` (FSDP2
+over the other dimension when tpkit shards, else dp replicas) with
+``ParallelismConfig(tp_size=2, dp_shard_size=2)``; the config may also be left out, tpkit fills it
+in from the model. A checkpoint saved at one (dp, tp) layout resumes at another.
+
 Why a patch function and not a ``TPTrainer`` subclass: user code keeps the stock ``Trainer`` (and
 ``Seq2SeqTrainer``, TRL's ``SFTTrainer`` or any other subclass, and scripts that build the Trainer
 themselves) with one extra line. Every patched method first asks whether the Trainer's model is a

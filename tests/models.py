@@ -44,6 +44,36 @@ FACTORIES = {
             eos_token_id=0,
         )
     ),
+    "opt": lambda: tf.OPTForCausalLM(
+        tf.OPTConfig(
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=101,
+            word_embed_proj_dim=64,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            pad_token_id=1,
+            bos_token_id=2,
+            eos_token_id=2,
+        )
+    ),
+    "t5": lambda: tf.T5ForConditionalGeneration(
+        tf.T5Config(
+            d_model=64,
+            d_ff=128,
+            num_layers=2,
+            num_heads=4,
+            d_kv=16,
+            vocab_size=101,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    ),
     "qwen3_moe": lambda: tf.Qwen3MoeForCausalLM(
         tf.Qwen3MoeConfig(
             **ATTN, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32

@@ -100,15 +100,16 @@ def check_check_can_be_switched_off(name: str) -> int:
         ).shape[1]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "llama_tied"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "llama_tied", "gpt2", "opt", "t5"])
 def test_generate_same_tokens_tp2(ranks2, name):
     for r in ranks2.run(check_generate, name):
         for mode, res in r.items():
             assert res["equal"] and res["same_on_ranks"], (mode, r)
 
 
-def test_generate_same_tokens_tp4(ranks4):
-    for r in ranks4.run(check_generate, "llama"):
+@pytest.mark.parametrize("name", ["llama", "gpt2", "opt", "t5"])
+def test_generate_same_tokens_tp4(ranks4, name):
+    for r in ranks4.run(check_generate, name):
         for mode, res in r.items():
             assert res["equal"] and res["same_on_ranks"], (mode, r)
 

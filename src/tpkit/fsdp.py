@@ -17,7 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -118,4 +122,7 @@ def apply_fsdp(
     for block in repeated_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    if callable(getattr(model, "generate", None)):
+        # generate() calls submodules (an encoder) outside the root's forward: unshard for it too
+        register_fsdp_forward_method(model, "generate")
     return model

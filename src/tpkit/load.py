@@ -240,6 +240,8 @@ def from_pretrained(
     index = CheckpointIndex(path)
     with init_empty_weights(include_buffers=False):
         model = _instantiate(cls, config, dtype)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # on meta too: tied parameters must be one object before sharding
     prefix = getattr(model, "base_model_prefix", "")
     owners = _param_owners(model)
     keys = {}
@@ -254,16 +256,25 @@ def from_pretrained(
                 f"{path}; loading through transformers (full model in memory) instead."
             )
         full_model = cls.from_pretrained(str(path), dtype=dtype, **kwargs)
-        return tensor_parallel(full_model, device_ids, tp_size=tp_size, plan=plan)
+        model = tensor_parallel(full_model, device_ids, tp_size=tp_size, plan=plan)
+        _mark_loaded(model, "transformers")
+        return model
 
     model = tensor_parallel(model, device_ids, tp_size=tp_size, plan=plan)
     device = rank_device(model)
     _move_buffers(model, device)
     _stream_params(model, index, keys, dtype, device)
+    _mark_loaded(model, "slices")
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         with contextlib.suppress(OSError):
             model.generation_config = transformers.GenerationConfig.from_pretrained(str(path))
     return model.eval()
+
+
+def _mark_loaded(model: nn.Module, how: str) -> None:
+    """Record how the weights arrived: "slices" (each rank read only its shard) or
+    "transformers" (full model loaded, then sharded)."""
+    model.__dict__["_tpkit_loaded_from"] = how
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:

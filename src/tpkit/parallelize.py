@@ -110,7 +110,9 @@ def tensor_parallel(
         mesh: a DeviceMesh to use instead of building ``("dp", "tp")`` from the world size.
         sharded: FSDP2 (``fully_shard`` per block, then the root) over ``mesh["dp"]`` after TP;
             default on when dp_size > 1. With dp_size == 1 nothing is sharded further (what TP
-            leaves replicated is norms and biases, ~0.01% of a transformer).
+            leaves replicated is norms and biases, ~0.01% of a transformer). With
+            ``sharded=False`` and dp_size > 1 the dp replicas are independent (inference, or
+            your own gradient averaging; tpkit's Trainer integration averages them).
         sequence_parallel: norms, dropout and residuals of each block split along the sequence
             (all-gather / reduce-scatter instead of all-reduce); training only, decoder-only.
         loss_parallel: in training, the lm_head hands the loss vocab-sharded logits (a

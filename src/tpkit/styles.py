@@ -474,10 +474,11 @@ def apply_fixups(module: nn.Module, fixups: dict[str, Any], mesh: DeviceMesh) ->
 
 def _read_directly(child: nn.Module) -> bool:
     """A replicated child whose parameters its parent may read without calling it: a conv
-    (Mamba-style ``F.conv1d(x, self.conv1d.weight)``), an embedding table indexed by hand, a
-    module driven through methods other than ``forward`` (JetMoe's ``experts.map``)."""
-    if getattr(child, "_tpkit_style", None) != "replicate" or isinstance(child, nn.Linear):
-        return False
+    (Mamba-style ``F.conv1d(x, self.conv1d.weight)``), a linear's weight in a matmul (Mamba's
+    ``dt_proj.weight @ x``), an embedding table indexed by hand, a module driven through methods
+    other than ``forward`` (JetMoe's ``experts.map``)."""
+    if getattr(child, "_tpkit_style", None) != "replicate":
+        return False  # a sharded child must be called: its hooks do the collectives
     return "norm" not in type(child).__name__.lower()
 
 

@@ -130,6 +130,8 @@ class _Tracer(TorchFunctionMode):
         self.tags: dict[int, frozenset[str]] = {}
         self.origin: dict[int, tuple[str, int]] = {}  # tensor -> (linear, dim of its features)
         self.keep: list[torch.Tensor] = []  # ids stay unique while the trace runs
+        self.active: list[str] = []  # linear-like modules whose forward is running
+        self.weights: dict[int, str] = {}  # id of a linear-like module's parameter -> module
 
     def tag(self, t: torch.Tensor) -> frozenset[str]:
         return self.tags.get(id(t), frozenset())
@@ -148,6 +150,12 @@ class _Tracer(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inputs = _tensors((args, kwargs))
+        for t in inputs:
+            owner = self.weights.get(id(t))
+            if owner is not None and owner not in self.active:
+                # another module computes with this weight (Mamba's dt_proj.weight): its
+                # layout must stay whole
+                self.nodes[owner].needs_whole = "its weight is read outside its own forward"
         tags: frozenset[str] = frozenset().union(*(self.tag(t) for t in inputs))
         if STREAM in tags and len(tags) > 1:
             tags = self.into_stream(tags)
@@ -324,6 +332,7 @@ def trace(
     """Run one forward of ``model`` on fake meta tensors (``real=True``: on its own weights, for
     code that needs values) and return what the tags say (nodes, modules' inputs)."""
     names = {id(m): n for n, m in model.named_modules()}
+    modules = dict(model.named_modules())
     nodes = {n: _Node(k, _out_width(m, k)) for n, m in model.named_modules() if (k := _kind(m))}
     tracer = _Tracer(nodes)
     blocks = _blocks(model)
@@ -340,6 +349,10 @@ def trace(
 
     def pre(mod, args, kwargs):
         name = names[id(mod)]
+        if mod is model:  # parameters are (fake) tensors of the trace by now
+            tracer.weights = {id(p): n for n in nodes for p in modules[n].parameters(recurse=False)}
+        if name in nodes:
+            tracer.active.append(name)
         if id(mod) in block_ids or mod is model and not blocks:
             floats = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
             if floats:
@@ -372,6 +385,7 @@ def trace(
     def post(mod, args, kwargs, output):
         name = names[id(mod)]
         if name in nodes:
+            tracer.active.pop()
             for t in _tensors(output)[:1]:
                 tracer.set_tag(t, frozenset({name}))
                 tracer.origin[id(t)] = (name, t.ndim - 1)

@@ -69,6 +69,70 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
 
 
+def _prompt_ids(model_dir: str, prompt: str):
+    """Token ids for ``prompt``: the checkpoint's tokenizer if it has one, else the prompt read as
+    space-separated token ids (tiny test models ship no tokenizer)."""
+    import transformers
+
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+    if tokenizer is not None:
+        return tokenizer, tokenizer(prompt, return_tensors="pt").input_ids
+    try:
+        return None, torch.tensor([[int(t) for t in prompt.split()]])
+    except ValueError:
+        raise SystemExit(
+            f'{model_dir} has no tokenizer: give the prompt as token ids, e.g. "1 15 27".'
+        ) from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import time
+
+    from tpkit.launch import inside_launched_rank, run_script
+
+    if args.tp > 1 and not inside_launched_rank():
+        # launches itself: the same command on args.tp ranks under torchrun
+        return run_script(["tpkit.cli", *args.raw_argv], args.tp, module=True)
+
+    import tpkit
+
+    model = tpkit.from_pretrained(args.model, tp_size=args.tp, dtype=args.dtype)
+    tokenizer, ids = _prompt_ids(args.model, args.prompt)
+    torch.manual_seed(args.seed)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            max_new_tokens=args.max_new_tokens,
+            min_new_tokens=args.max_new_tokens,
+            do_sample=args.sample,
+            num_beams=args.num_beams,
+            temperature=args.temperature if args.sample else None,
+            top_k=args.top_k if args.sample else None,
+            top_p=args.top_p if args.sample else None,
+            pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
+        )
+    seconds = time.perf_counter() - start
+    new = out[0, ids.shape[1] :] if not model.config.is_encoder_decoder else out[0]
+    if tpkit.dist_env().rank == 0:
+        print(tokenizer.decode(new, skip_special_tokens=True) if tokenizer else new.tolist())
+        print(
+            f"{len(new)} tokens in {seconds:.2f} s: {len(new) / seconds:.1f} tokens/s (tp={args.tp})"
+        )
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from tpkit.checkpoint import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out, model_cls=args.model_cls)
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tpkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,7 +161,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(fn=cmd_run)
 
-    args = parser.parse_args(argv)
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a checkpoint on N ranks (launches itself)",
+        description="Loads MODEL_DIR straight into shards on --tp ranks (started for you with "
+        "torchrun) and prints rank 0's text and tokens/s.",
+    )
+    p.add_argument("model", help="checkpoint directory (safetensors)")
+    p.add_argument("prompt", help="the prompt (token ids like '1 15 27' if there is no tokenizer)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--num-beams", type=int, default=1)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy/beam")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("export", help="DCP checkpoint -> HF safetensors checkpoint (one process)")
+    p.add_argument("checkpoint", help="a directory written by tpkit.save_checkpoint")
+    p.add_argument("out", help="output directory for config + model.safetensors")
+    p.add_argument("--model-cls", help="transformers class name (default: from the config)")
+    p.set_defaults(fn=cmd_export)
+
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(raw)
+    args.raw_argv = raw
     return args.fn(args)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,12 +43,8 @@ def test_generate_launches_itself_and_matches_unsharded(tmp_path):
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    lines = [
-        ln.split(":", 1)[1]
-        for ln in out.splitlines()
-        if ln.startswith("[rank0]:[") and "]" in ln[9:12] + ln[-1]
-    ]
-    lines = [ln for ln in lines if ln.strip()[1:2].isdigit()]
+    # the token list rank 0 printed (torchrun prefixes every line with its rank)
+    lines = [ln[len("[rank0]:") :] for ln in out.splitlines() if re.match(r"\[rank0\]:\[\d", ln)]
     assert len(lines) == 1, out
     tokens = ast.literal_eval(lines[0].strip())
     with torch.no_grad():

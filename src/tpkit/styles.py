@@ -284,10 +284,24 @@ class RowwiseStyle(TPStyle):
             module._parameters["bias"] = None if isinstance(module, nn.Linear) else bias * 0
         return args, kwargs
 
+    # Set by a wrapper around the call that adds its own partial sums before the reduction (LoRA
+    # on a row-parallel base, tpkit.integrations.peft): the output is returned unreduced and the
+    # wrapper finishes it with `finish_deferred` (g, then the bias), one all-reduce in all.
+    defer_reduction = False
+
     def _prepare_output(self, module, output):
         stack = module.__dict__.get("_tpkit_bias")
         bias = stack.pop() if stack else None
+        if self.defer_reduction:
+            module.__dict__.setdefault("_tpkit_deferred_bias", []).append(bias)
+            return output
+        return self._reduce_output(output, bias)
 
+    def finish_deferred(self, module, output):
+        """g and the bias for an output that ``defer_reduction`` left unreduced."""
+        return self._reduce_output(output, module.__dict__["_tpkit_deferred_bias"].pop())
+
+    def _reduce_output(self, output, bias):
         sp = self.sp if self.sp is not None and self.sp.active else None
 
         def reduce(y):

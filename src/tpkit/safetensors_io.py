@@ -80,6 +80,9 @@ class CheckpointIndex:
                 f"No safetensors checkpoint in {path} (tpkit loads safetensors only, never pickle)."
             )
         self.entries: dict[str, Entry] = {}
+        # one reusable read buffer: allocating and freeing a block per tensor fragments the heap
+        # (glibc raises its mmap threshold after the first free) and leaves RSS tens of MiB high
+        self._scratch = torch.empty(0, dtype=torch.uint8)
         for f in files:
             self.entries.update(_read_header(str(f)))
 
@@ -88,6 +91,11 @@ class CheckpointIndex:
 
     def keys(self):
         return self.entries.keys()
+
+    def _block(self, nbytes: int, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(max(nbytes, BLOCK_BYTES), dtype=torch.uint8)
+        return self._scratch[:nbytes].view(dtype).view(shape)
 
     def read(
         self,
@@ -124,7 +132,7 @@ class CheckpointIndex:
             else:
                 for o0 in range(0, outer, rows_per_block):
                     o1 = min(outer, o0 + rows_per_block)
-                    block = torch.empty((o1 - o0, size * inner), dtype=e.dtype)
+                    block = self._block((o1 - o0) * row_bytes, e.dtype, (o1 - o0, size * inner))
                     _pread_into(
                         fd, block.view(-1), e.offset + o0 * row_bytes, (o1 - o0) * row_bytes
                     )

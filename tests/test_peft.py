@@ -25,7 +25,8 @@ def lora_config(name: str, **kw):
         kw = {"target_modules": ["c_attn", "c_proj", "c_fc"], "fan_in_fan_out": True, **kw}
     else:
         kw = {"target_modules": LLAMA_TARGETS, **kw}
-    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **kw)
+    kw = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "init_lora_weights": False, **kw}
+    return LoraConfig(**kw)
 
 
 def reference(name: str, **kw):
@@ -33,6 +34,9 @@ def reference(name: str, **kw):
 
     torch.manual_seed(0)
     return peft.get_peft_model(build(name), lora_config(name, **kw))
+
+
+EMBED_HEAD = {"target_modules": [*LLAMA_TARGETS, "embed_tokens", "lm_head"]}
 
 
 def _copy_adapters(src, dst) -> None:
@@ -51,17 +55,17 @@ def _copy_adapters(src, dst) -> None:
                 p.copy_(ref[n])
 
 
-def make(name: str, order: str, **tp_kwargs):
+def make(name: str, order: str, lora: dict | None = None, **tp_kwargs):
     """(unsharded PEFT reference, the same adapters on a tpkit model) in the given order."""
     import tpkit
     from tpkit.integrations import peft as tp_peft
 
-    ref = reference(name)
+    ref = reference(name, **(lora or {}))
     if order == "peft_first":
         model = tp_peft.tensor_parallel(copy.deepcopy(ref), **tp_kwargs)
     else:
         base = tpkit.tensor_parallel(build(name), **tp_kwargs)
-        model = tp_peft.get_peft_model(base, lora_config(name))
+        model = tp_peft.get_peft_model(base, lora_config(name, **(lora or {})))
         _copy_adapters(ref, model)
     return ref, model
 
@@ -77,9 +81,9 @@ def _lora_grads(model) -> dict[str, torch.Tensor]:
     return {n: full(p.grad) for n, p in model.named_parameters() if "lora_" in n}
 
 
-def check_parity(name: str, order: str, **tp_kwargs) -> dict:
+def check_parity(name: str, order: str, lora: dict | None = None, **tp_kwargs) -> dict:
     """Forward, LoRA gradients and 3 AdamW steps vs the unsharded PEFT model."""
-    ref, model = make(name, order, **tp_kwargs)
+    ref, model = make(name, order, lora, **tp_kwargs)
     ref.train()
     model.train()
     dp_rank, dp = _dp(model)
@@ -131,6 +135,11 @@ def test_tp2_lora_matches_unsharded(ranks2, name, order):
     _assert_parity(ranks2.run(check_parity, name, order))
 
 
+@pytest.mark.parametrize("order", ["tpkit_first", "peft_first"])
+def test_tp2_lora_on_vocab_parallel_embedding_and_head(ranks2, order):
+    _assert_parity(ranks2.run(check_parity, "llama", order, EMBED_HEAD))
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_dp2_tp2_fsdp_lora_matches_unsharded(ranks4, name):
     _assert_parity(ranks4.run(check_parity, name, "peft_first", tp_size=2, dp_size=2))
@@ -177,6 +186,39 @@ def test_lora_adds_no_forward_collectives(ranks2, name):
         assert r["lora"] == r["plain"], r
 
 
+def check_dropout_agrees() -> dict:
+    """LoRA dropout on: every TP rank draws the same mask on replicated inputs (outputs and the
+    replicated adapters' gradients stay equal) and the default RNG stream stays in sync."""
+    from tpkit.integrations import peft as tp_peft
+
+    torch.manual_seed(0)
+    model = tp_peft.tensor_parallel(reference("llama", lora_dropout=0.3)).train()
+    x = batch(101, shape=(2, 8))
+    out = model(input_ids=x, labels=x)
+    out.loss.backward()
+    with torch.no_grad():
+        model.eval()
+        no_drop = model(input_ids=x).logits
+    checks = {
+        "logits": out.logits.detach(),
+        "rng": torch.get_rng_state().float(),
+        "q_lora_A_grad": model.base_model.model.model.layers[0]
+        .self_attn.q_proj.lora_A["default"]
+        .weight.grad.to_local(),
+    }
+    result = {"dropout_active": not torch.allclose(out.logits, no_drop)}
+    for k, t in checks.items():
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t.contiguous())
+        result[k] = all(torch.equal(parts[0], p) for p in parts)
+    return result
+
+
+def test_lora_dropout_keeps_tp_ranks_in_step(ranks2):
+    for r in ranks2.run(check_dropout_agrees):
+        assert all(r.values()), r
+
+
 # ---- save / load / merge -----------------------------------------------------------------------
 def _safetensors(d: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
@@ -184,13 +226,13 @@ def _safetensors(d: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(d, "adapter_model.safetensors"))
 
 
-def check_save_load_merge(name: str, tmp: str) -> dict:
+def check_save_load_merge(name: str, tmp: str, lora: dict | None = None) -> dict:
     import peft
 
     import tpkit
     from tpkit.integrations import peft as tp_peft
 
-    ref, model = make(name, "tpkit_first")
+    ref, model = make(name, "tpkit_first", lora)
     x = batch(101, shape=(2, 8))
     with torch.no_grad():
         logits_ref = ref(input_ids=x).logits
@@ -217,6 +259,14 @@ def check_save_load_merge(name: str, tmp: str) -> dict:
         for n, p in loaded.named_parameters()
         if "lora_B" in n
     )
+    # tpkit.from_pretrained (meta init, sharded load) + the plain-saved adapter
+    base_dir = os.path.join(tmp, f"{name}_base")
+    if dist.get_rank() == 0:
+        build(name).save_pretrained(base_dir)
+    dist.barrier()
+    streamed = tp_peft.from_pretrained(tpkit.from_pretrained(base_dir, tp_size=2), ref_dir)
+    with torch.no_grad():
+        out["from_pretrained"] = (streamed(input_ids=x).logits - logits_ref).abs().max().item()
     # merge: the merged, still sharded model
     merged = model.merge_and_unload()
     with torch.no_grad():
@@ -228,10 +278,11 @@ def check_save_load_merge(name: str, tmp: str) -> dict:
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_save_load_merge_round_trips(ranks2, name, tmp_path):
-    for r in ranks2.run(check_save_load_merge, name, str(tmp_path)):
+    lora = EMBED_HEAD if name == "llama" else None
+    for r in ranks2.run(check_save_load_merge, name, str(tmp_path), lora):
         assert r["same_keys"] and r["same_shapes"] and r["loaded_sharded"], r
         assert r["merged_sharded"] and r["merged_no_lora"], r
-        for k in ("forward", "tp_saved_in_plain", "plain_saved_in_tp", "merged"):
+        for k in ("forward", "tp_saved_in_plain", "plain_saved_in_tp", "from_pretrained", "merged"):
             assert r[k] <= TOL, r
 
 

@@ -244,10 +244,19 @@ def _shard_layer(name: str, layer: nn.Module, mesh, seeds: dict[str, int]) -> No
             if any(not isinstance(p, DTensor) for p in pdict.parameters()):
                 _sync_from_rank0(pdict)
                 ReplicateStyle()._apply(pdict, mesh)
+        if kind == "vocab_parallel" and "_tpkit_pad" not in layer.__dict__:
+            # the base's padding_idx is now this rank's local row (or None): peft's lookup of the
+            # whole A table needs the global one back
+            pad = layer.get_base_layer().padding_idx
+            t = torch.tensor([pad + style.start if pad is not None else -1])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=style.group)
+            layer.__dict__["_tpkit_pad"] = None if t.item() < 0 else int(t.item())
+            layer._embed = types.MethodType(_embed_global_pad, layer)
         if layer.__dict__.get("_tpkit_style_obj") is None:
             # peft's embedding reads the tables directly: swap in local tensors around its forward
             ReplicateStyle()._apply(layer, mesh)
             layer._tpkit_style = "parent_swap"
+        layer.get_delta_weight = types.MethodType(_embedding_delta_weight, layer)
         return
     if not isinstance(layer, lora_layer.Linear):
         raise ValueError(f"{name}: {type(layer).__name__} adapters are not supported by tpkit.")
@@ -296,6 +305,25 @@ def _shard_layer(name: str, layer: nn.Module, mesh, seeds: dict[str, int]) -> No
     layer.get_delta_weight = types.MethodType(_local_delta_weight, layer)
 
 
+def _embed_global_pad(
+    self, input: torch.Tensor, weight: torch.Tensor, input_fn=None, output_fn=None
+):
+    """peft's ``lora.Embedding._embed`` with the unsharded base's padding_idx."""
+    base = self.get_base_layer()
+    if input_fn is not None:
+        input = input_fn((input,))
+    out = nn.functional.embedding(
+        input,
+        weight,
+        padding_idx=self.__dict__["_tpkit_pad"],
+        max_norm=base.max_norm,
+        norm_type=base.norm_type,
+        scale_grad_by_freq=base.scale_grad_by_freq,
+        sparse=base.sparse,
+    )
+    return output_fn(out) if output_fn is not None else out
+
+
 def _local_delta_weight(self, adapter: str) -> torch.Tensor:
     """peft's ``B @ A * scaling`` as a DTensor laid out like the base weight, from this rank's
     shards alone: a column base's rows of B (strided parts included) times the whole A, or the
@@ -306,9 +334,34 @@ def _local_delta_weight(self, adapter: str) -> torch.Tensor:
     local_a = A.to_local() if isinstance(A, DTensor) else A
     local_b = B.to_local() if isinstance(B, DTensor) else B
     delta = transpose(local_b @ local_a, self.fan_in_fan_out) * self.scaling[adapter]
-    weight = self.get_base_layer().weight
+    return _as_base_shard(self, delta, replicated=not _is_sharded(A) and not _is_sharded(B))
+
+
+def _embedding_delta_weight(self, adapter: str) -> torch.Tensor:
+    """peft's embedding delta ``(B @ A).T * scaling`` from the replicated tables, cut to the
+    base's vocab shard."""
+    A, B = self.lora_embedding_A[adapter], self.lora_embedding_B[adapter]
+    local_a = A.to_local() if isinstance(A, DTensor) else A
+    local_b = B.to_local() if isinstance(B, DTensor) else B
+    delta = (local_b @ local_a).T * self.scaling[adapter]
+    return _as_base_shard(self, delta, replicated=True)
+
+
+def _is_sharded(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor) and any(not p.is_replicate() for p in t.placements)
+
+
+def _as_base_shard(layer: nn.Module, delta: torch.Tensor, replicated: bool) -> torch.Tensor:
+    weight = layer.get_base_layer().weight
     if not isinstance(weight, DTensor):
         return delta
+    if replicated:  # the whole delta on every rank: keep this rank's part of the base layout
+        return distribute_tensor(
+            delta.detach().to(weight.dtype),
+            weight.device_mesh,
+            weight.placements,
+            src_data_rank=None,
+        )
     return DTensor.from_local(
         delta.to(weight.dtype),
         weight.device_mesh,
@@ -467,10 +520,31 @@ def _adapter_prefixes(model: nn.Module) -> list[str]:
     return out
 
 
-def gathered_adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def _embedding_prefixes(model: nn.Module) -> list[str]:
+    """The input / output embedding modules, which peft may save with the adapter."""
+    if not hasattr(model, "get_input_embeddings"):
+        return []
+    wanted = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+    return [f"{n}." for n, m in model.named_modules() if id(m) in wanted]
+
+
+def _embedding_targeted(model: nn.Module) -> bool:
+    """peft's ``save_embedding_layers="auto"``: save them when an adapter sits on one (its other
+    trigger, a resized vocabulary, is not detected here: pass ``save_embedding_layers=True``)."""
+    if not hasattr(model, "get_input_embeddings"):
+        return False
+    layers = {id(m) for _, m in _tuner_layers(model)}
+    return bool(layers & {id(model.get_input_embeddings()), id(model.get_output_embeddings())})
+
+
+def gathered_adapter_state_dict(
+    model: nn.Module, embeddings: bool = False
+) -> dict[str, torch.Tensor]:
     """Full (unsharded) adapter tensors under the model's state-dict keys, on rank 0; every rank
-    must call it (each DTensor is gathered with a collective, in the same order everywhere)."""
-    prefixes = tuple(_adapter_prefixes(model))
+    must call it (each DTensor is gathered with a collective, in the same order everywhere).
+    ``embeddings``: the input / output embedding layers too, for peft's
+    ``save_embedding_layers`` to choose from."""
+    prefixes = tuple(_adapter_prefixes(model) + (_embedding_prefixes(model) if embeddings else []))
     out = {}
     for key, value in model.state_dict().items():
         if not key.startswith(prefixes) and "modules_to_save" not in key:
@@ -489,16 +563,13 @@ def _install_save(model: nn.Module) -> None:
     def save_pretrained(save_directory, *args: Any, **kwargs: Any):
         """Every rank: gather the adapter tensors; rank 0 writes normal, unsharded peft files."""
         kwargs.pop("is_main_process", None)
-        state_dict = kwargs.pop("state_dict", None) or gathered_adapter_state_dict(model)
+        flag = kwargs.get("save_embedding_layers", "auto")
+        embeddings = flag is True or (flag == "auto" and _embedding_targeted(model))
+        state_dict = kwargs.pop("state_dict", None) or gathered_adapter_state_dict(
+            model, embeddings
+        )
         if _rank() == 0:
-            bound(
-                save_directory,
-                *args,
-                state_dict=state_dict,
-                is_main_process=True,
-                save_embedding_layers=kwargs.pop("save_embedding_layers", False),
-                **kwargs,
-            )
+            bound(save_directory, *args, state_dict=state_dict, is_main_process=True, **kwargs)
         _barrier()
 
     model.save_pretrained = save_pretrained

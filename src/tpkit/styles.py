@@ -168,39 +168,58 @@ class TPStyle(ParallelStyle):
         return found
 
     def _swap_in(self, module: nn.Module) -> None:
+        d = module.__dict__
         grad = torch.is_grad_enabled()
-        nested = []
-        for child, name in self._nested_replicated(module):
-            p = child._parameters.get(name)
-            if isinstance(p, DTensor):
-                nested.append((child, name, p))
-                child._parameters[name] = (
-                    p.to_local() if grad and p.requires_grad else p._local_tensor
-                )
-        module.__dict__.setdefault("_tpkit_nested_saved", []).append(nested)
+        nested_spec = d.get("_tpkit_nested")
+        if nested_spec is None:
+            nested_spec = self._nested_replicated(module)
+        if nested_spec:  # pushed only for modules that have one, popped likewise
+            nested = []
+            for child, name in nested_spec:
+                p = child._parameters.get(name)
+                if isinstance(p, DTensor):
+                    nested.append((child, name, p))
+                    child._parameters[name] = (
+                        p.to_local() if grad and p.requires_grad else p._local_tensor
+                    )
+            d.setdefault("_tpkit_nested_saved", []).append(nested)
+        params = module._parameters
         saved = {}
-        for name, p in module._parameters.items():
-            if not isinstance(p, DTensor):
-                continue
-            if grad and p.requires_grad:
-                local = p.to_local()
-                sp = self.sp_grad_allreduce
-                if self.grad_allreduce or (sp is not None and sp.active):
-                    local = copy_to_tp(local, self.group)
-            else:
-                local = p._local_tensor
-            if self.compute_dtype is not None and local.is_floating_point():
-                local = local.to(self.compute_dtype)
-            saved[name] = p
-            module._parameters[name] = local
-        module.__dict__.setdefault(_SAVED, []).append(saved)
+        if grad or self.compute_dtype is not None:
+            for name, p in params.items():
+                if not isinstance(p, DTensor):
+                    continue
+                if grad and p.requires_grad:
+                    local = p.to_local()
+                    sp = self.sp_grad_allreduce
+                    if self.grad_allreduce or (sp is not None and sp.active):
+                        local = copy_to_tp(local, self.group)
+                else:
+                    local = p._local_tensor
+                if self.compute_dtype is not None and local.is_floating_point():
+                    local = local.to(self.compute_dtype)
+                saved[name] = p
+                params[name] = local
+        else:
+            # no-grad fast path (decode): the local shards as they are, no autograd, no cast
+            for name, p in params.items():
+                if isinstance(p, DTensor):
+                    saved[name] = p
+            for name, p in saved.items():
+                params[name] = p._local_tensor
+        stack = d.get(_SAVED)
+        if stack is None:
+            d[_SAVED] = [saved]
+        else:
+            stack.append(saved)
 
     @staticmethod
     def _swap_out(module: nn.Module) -> None:
-        stack = module.__dict__.get(_SAVED)
+        d = module.__dict__
+        stack = d.get(_SAVED)
         if stack:
             module._parameters.update(stack.pop())
-        nested = module.__dict__.get("_tpkit_nested_saved")
+        nested = d.get("_tpkit_nested_saved")
         if nested:
             for child, name, p in nested.pop():
                 child._parameters[name] = p
@@ -219,12 +238,15 @@ class ColwiseStyle(TPStyle):
     name = "colwise"
 
     def _prepare_input(self, module, args, kwargs):
+        sp = self.sp
+        if (sp is None or not sp.active) and not torch.is_grad_enabled():
+            return args, kwargs  # f is the identity without autograd
         key = _first_tensor_key(args, kwargs)
         if key is None:
             return args, kwargs
         x = _get(args, kwargs, key)
-        if self.sp is not None and self.sp.active:
-            if self.sp.gathered and x is self.sp.gathered[-1]:
+        if sp is not None and sp.active:
+            if sp.gathered and x is sp.gathered[-1]:
                 return args, kwargs  # the region's gather reduce-scatters our partial grads
             raise ValueError(
                 f"sequence_parallel: {type(module).__name__} ({self.name}) received a tensor its "

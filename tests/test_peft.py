@@ -343,3 +343,49 @@ def test_trainer_lora_tp2_matches_single_process(ranks2, tmp_path):
         assert sorted(losses) == sorted(ref), losses
         for step, loss in ref.items():
             assert abs(losses[step] - loss) <= TOL * abs(loss), (step, losses, ref)
+
+
+# ---- plain peft calls with patch_peft() ----------------------------------------------------------
+def check_patched_plain_peft(name: str, tmp: str) -> dict:
+    import peft
+
+    import tpkit
+    from tpkit.integrations.peft import patch_peft, unpatch_peft
+
+    ref = reference(name)
+    x = batch(101, shape=(2, 8))
+    ref_dir, tp_dir = os.path.join(tmp, f"{name}_ref"), os.path.join(tmp, f"{name}_tp")
+    if dist.get_rank() == 0:
+        ref.save_pretrained(ref_dir)
+    dist.barrier()
+    out_r = ref(input_ids=x, labels=x)
+    out_r.loss.backward()
+    patch_peft()
+    try:
+        model = peft.get_peft_model(tpkit.tensor_parallel(build(name)), lora_config(name))
+        _copy_adapters(ref, model)
+        o = model(input_ids=x, labels=x)
+        o.loss.backward()
+        grads, ref_grads = _lora_grads(model), _lora_grads(ref)
+        result = {
+            "logits": (o.logits - out_r.logits).abs().max().item(),
+            "grad": max((grads[n] - ref_grads[n]).abs().max().item() for n in grads),
+        }
+        model.save_pretrained(tp_dir)
+        a, b = _safetensors(tp_dir), _safetensors(ref_dir)
+        result["same_saved"] = sorted(a) == sorted(b) and all(
+            (a[k] - b[k]).abs().max().item() <= TOL for k in a
+        )
+        loaded = peft.PeftModel.from_pretrained(tpkit.tensor_parallel(build(name)), ref_dir)
+        with torch.no_grad():
+            result["loaded"] = (loaded(input_ids=x).logits - out_r.logits).abs().max().item()
+    finally:
+        unpatch_peft()
+    return result
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_patch_peft_makes_plain_peft_calls_work(ranks2, name, tmp_path):
+    for r in ranks2.run(check_patched_plain_peft, name, str(tmp_path)):
+        assert r["logits"] <= TOL and r["grad"] <= TOL and r["loaded"] <= TOL, r
+        assert r["same_saved"], r

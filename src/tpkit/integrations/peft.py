@@ -18,10 +18,17 @@ Usage (``torchrun --nproc-per-node 2 train.py``)::
     model.save_pretrained("out")           # every rank; rank 0 writes a normal, unsharded adapter
     merged = model.merge_and_unload()      # the merged, still sharded, base model
 
+Or keep plain peft calls: after ``tp_peft.patch_peft()`` (once per process, like
+``patch_trainer``), ``peft.get_peft_model(tpkit_model, cfg)``, ``PeftModel.from_pretrained(
+tpkit_model, dir)``, ``load_adapter`` / ``add_adapter`` and ``save_pretrained`` do the same;
+models tpkit did not shard are untouched.
+
 Why explicit entry points and not automatic handling inside ``tpkit.tensor_parallel``: core tpkit
-never imports integrations, and plain ``peft.get_peft_model`` on a tpkit model sizes nn.Linear
-adapters from the *local* shard (peft reads ``weight.to_local().shape`` for a DTensor weight on a
-mesh not named "fsdp"). These functions size adapters from the global shapes and then lay them out:
+never imports integrations, and *unpatched* ``peft.get_peft_model`` on a tpkit model silently sizes
+nn.Linear adapters from the *local* shard (peft reads ``weight.to_local().shape`` for a DTensor
+weight on a mesh not named "fsdp"), each rank with its own random adapter. ``tpkit.tensor_parallel``
+of a PeftModel must go through this module's `tensor_parallel` (core's plan does not see the
+wrapped names). These functions size adapters from the global shapes and then lay them out:
 
 - column-parallel base (``colwise``, ``packed_colwise``, GPT-2's ``packed_qkv_colwise``): ``lora_A``
   replicated, ``lora_B`` split like the base weight (the same strided split for packed q|k|v and
@@ -55,6 +62,8 @@ than LoRA.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -78,8 +87,10 @@ __all__ = [
     "from_pretrained",
     "get_peft_model",
     "load_adapter",
+    "patch_peft",
     "shard_adapters",
     "tensor_parallel",
+    "unpatch_peft",
 ]
 
 COLUMN = ("colwise", "packed_colwise", "packed_qkv_colwise")
@@ -152,12 +163,7 @@ def global_features() -> Iterator[None]:
     from peft.tuners.lora import layer as lora_layer
 
     original = tuners_utils._get_in_out_features
-
-    def patched(module: nn.Module):
-        if isinstance(module, nn.Linear) and getattr(module, "_tpkit_style", None) is not None:
-            return module.in_features, module.out_features
-        return original(module)
-
+    patched = _global_in_out(original)
     owners = [m for m in (tuners_utils, lora_layer) if m.__dict__.get("_get_in_out_features")]
     for m in owners:
         m._get_in_out_features = patched
@@ -166,6 +172,20 @@ def global_features() -> Iterator[None]:
     finally:
         for m in owners:
             m._get_in_out_features = original
+
+
+def _global_in_out(original):
+    if getattr(original, "_tpkit_patch", False):
+        return original
+
+    @functools.wraps(original)
+    def patched(module: nn.Module):
+        if isinstance(module, nn.Linear) and getattr(module, "_tpkit_style", None) is not None:
+            return module.in_features, module.out_features
+        return original(module)
+
+    patched._tpkit_patch = True
+    return patched
 
 
 # ---- layouts -----------------------------------------------------------------------------------
@@ -556,20 +576,115 @@ def gathered_adapter_state_dict(
 
 
 def _install_save(model: nn.Module) -> None:
-    if "save_pretrained" in model.__dict__ or not hasattr(type(model), "save_pretrained"):
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel) or "save_pretrained" in model.__dict__:
         return
-    bound = type(model).save_pretrained.__get__(model)
+    model.save_pretrained = functools.partial(
+        _save_gathered,
+        model,
+        _originals.get((PeftModel, "save_pretrained"), PeftModel.save_pretrained),
+    )
 
-    def save_pretrained(save_directory, *args: Any, **kwargs: Any):
-        """Every rank: gather the adapter tensors; rank 0 writes normal, unsharded peft files."""
-        kwargs.pop("is_main_process", None)
-        flag = kwargs.get("save_embedding_layers", "auto")
-        embeddings = flag is True or (flag == "auto" and _embedding_targeted(model))
-        state_dict = kwargs.pop("state_dict", None) or gathered_adapter_state_dict(
-            model, embeddings
-        )
-        if _rank() == 0:
-            bound(save_directory, *args, state_dict=state_dict, is_main_process=True, **kwargs)
-        _barrier()
 
-    model.save_pretrained = save_pretrained
+def _save_gathered(model, original, save_directory, *args: Any, **kwargs: Any) -> None:
+    """Every rank: gather the adapter tensors; rank 0 writes normal, unsharded peft files."""
+    bound = original.__get__(model)
+    kwargs.pop("is_main_process", None)
+    flag = kwargs.get("save_embedding_layers", "auto")
+    embeddings = flag is True or (flag == "auto" and _embedding_targeted(model))
+    state_dict = kwargs.pop("state_dict", None) or gathered_adapter_state_dict(model, embeddings)
+    if _rank() == 0:
+        bound(save_directory, *args, state_dict=state_dict, is_main_process=True, **kwargs)
+    _barrier()
+
+
+# ---- plain peft calls on tpkit models ----------------------------------------------------------
+_originals: dict[tuple[Any, str], Any] = {}
+_deferred = contextvars.ContextVar("tpkit_peft_deferred", default=False)
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    _originals.setdefault((owner, name), owner.__dict__[name])
+    setattr(owner, name, value)
+
+
+def patch_peft() -> None:
+    """Make plain peft calls right on tpkit models: ``peft.get_peft_model(tpkit_model, cfg)``,
+    ``PeftModel.from_pretrained(tpkit_model, dir)``, ``load_adapter``, ``add_adapter`` and
+    ``save_pretrained`` then size, lay out, load and save adapters as this module's functions do.
+    Idempotent; models tpkit did not shard go to peft untouched; `unpatch_peft` undoes it.
+    (`tensor_parallel` of a PEFT model still needs this module's `tensor_parallel`.)"""
+    from peft import PeftModel
+    from peft.tuners import tuners_utils
+    from peft.tuners.lora import layer as lora_layer
+
+    if _originals:
+        return
+    for owner in (tuners_utils, lora_layer):
+        if "_get_in_out_features" in owner.__dict__:
+            _set(owner, "_get_in_out_features", _global_in_out(owner._get_in_out_features))
+
+    inject = tuners_utils.BaseTuner.inject_adapter
+
+    @functools.wraps(inject)
+    def inject_adapter(self, model, *args, **kwargs):
+        tpkit_model = getattr(model, "_tpkit", None) is not None
+        if tpkit_model:
+            _refuse_fsdp(model)
+        out = inject(self, model, *args, **kwargs)
+        if tpkit_model and not _deferred.get():
+            shard_adapters(model)
+        return out
+
+    _set(tuners_utils.BaseTuner, "inject_adapter", inject_adapter)
+
+    load = PeftModel.load_adapter
+
+    @functools.wraps(load)
+    def load_adapter(self, *args, **kwargs):
+        if _state(self) is None or _deferred.get():
+            return load(self, *args, **kwargs)
+        token = _deferred.set(True)  # lay out after the full tensors are loaded
+        try:
+            out = load(self, *args, **kwargs)
+        finally:
+            _deferred.reset(token)
+        shard_adapters(self)
+        return out
+
+    _set(PeftModel, "load_adapter", load_adapter)
+
+    from_pretrained_ = PeftModel.__dict__["from_pretrained"].__func__
+
+    @functools.wraps(from_pretrained_)
+    def from_pretrained(cls, model, *args, **kwargs):
+        if getattr(model, "_tpkit", None) is None:
+            return from_pretrained_(cls, model, *args, **kwargs)
+        _refuse_fsdp(model)
+        token = _deferred.set(True)
+        try:
+            out = from_pretrained_(cls, model, *args, **kwargs)
+        finally:
+            _deferred.reset(token)
+        shard_adapters(out)
+        return out
+
+    _set(PeftModel, "from_pretrained", classmethod(from_pretrained))
+
+    save = PeftModel.save_pretrained
+
+    @functools.wraps(save)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        if _state(self) is None:
+            return save(self, save_directory, *args, **kwargs)
+        return _save_gathered(self, save, save_directory, *args, **kwargs)
+
+    _set(PeftModel, "save_pretrained", save_pretrained)
+
+
+def unpatch_peft() -> None:
+    """Undo `patch_peft`."""
+    for (owner, name), original in list(_originals.items()):
+        setattr(owner, name, original)
+        del _originals[(owner, name)]

@@ -305,8 +305,9 @@ def test_adapters_on_fsdp_sharded_model_are_refused(ranks4):
 
 
 # ---- Trainer -----------------------------------------------------------------------------------
-def _trainer_losses(out: str, tp: int | None) -> dict[int, float]:
-    """3 Trainer steps of LoRA on the tiny Llama (tp=None: one process, plain peft)."""
+def _trainer_losses(out: str, tp: int | None) -> dict:
+    """3 Trainer steps of LoRA on the tiny Llama (tp=None: one process, plain peft), a
+    checkpoint at step 3 and ``save_model``."""
     from accelerate import ParallelismConfig
     from transformers import Trainer
 
@@ -321,9 +322,10 @@ def _trainer_losses(out: str, tp: int | None) -> dict[int, float]:
         if tp:
             model = tp_peft.tensor_parallel(model, tp_size=tp)
         config = ParallelismConfig(tp_size=tp) if tp else None
-        args = _args(out, 4, config, max_steps=STEPS, save_strategy="no", learning_rate=1e-3)
+        args = _args(out, 4, config, max_steps=STEPS, save_steps=STEPS, learning_rate=1e-3)
         trainer = Trainer(model=model, args=args, train_dataset=ToyLM())
         trainer.train()
+        trainer.save_model(os.path.join(out, "final"))
         return _losses(trainer)
     finally:
         unpatch_trainer()
@@ -343,6 +345,14 @@ def test_trainer_lora_tp2_matches_single_process(ranks2, tmp_path):
         assert sorted(losses) == sorted(ref), losses
         for step, loss in ref.items():
             assert abs(losses[step] - loss) <= TOL * abs(loss), (step, losses, ref)
+    # save_model wrote a normal adapter: same tensors as the single-process run's
+    a, b = (
+        _safetensors(str(tmp_path / "tp2" / "final")),
+        _safetensors(str(tmp_path / "ref" / "final")),
+    )
+    assert sorted(a) == sorted(b), (sorted(a)[:3], sorted(b)[:3])
+    for k in a:
+        assert ((a[k] - b[k]).norm() / b[k].norm()).item() <= TOL, k
 
 
 # ---- plain peft calls with patch_peft() ----------------------------------------------------------

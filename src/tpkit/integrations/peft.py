@@ -588,12 +588,18 @@ def _install_save(model: nn.Module) -> None:
 
 
 def _save_gathered(model, original, save_directory, *args: Any, **kwargs: Any) -> None:
-    """Every rank: gather the adapter tensors; rank 0 writes normal, unsharded peft files."""
+    """Every rank: gather the adapter tensors; rank 0 writes normal, unsharded peft files.
+
+    With a ``state_dict`` the caller has gathered already (Trainer's ``save_model`` through
+    `tpkit.integrations.trainer`, on the main process only): a plain peft save, no collective."""
     bound = original.__get__(model)
+    if kwargs.get("state_dict") is not None:
+        return bound(save_directory, *args, **kwargs)
     kwargs.pop("is_main_process", None)
     flag = kwargs.get("save_embedding_layers", "auto")
     embeddings = flag is True or (flag == "auto" and _embedding_targeted(model))
-    state_dict = kwargs.pop("state_dict", None) or gathered_adapter_state_dict(model, embeddings)
+    kwargs.pop("state_dict", None)
+    state_dict = gathered_adapter_state_dict(model, embeddings)
     if _rank() == 0:
         bound(save_directory, *args, state_dict=state_dict, is_main_process=True, **kwargs)
     _barrier()

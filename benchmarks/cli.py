@@ -54,6 +54,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-repeats", type=int, default=3)
     p.add_argument("--step-warmup", type=int, default=0, help="beyond the untimed first step")
     p.add_argument("--gen-repeats", type=int, default=3)
+    p.add_argument("--train-steps", type=int, default=3, help="timed steps of the train suite")
+    p.add_argument(
+        "--train-size",
+        default="small",
+        choices=[*PRESETS, "same"],
+        help="model preset of the train suite (default small, to finish in ~3 min; 'same': --size "
+        "with its overrides)",
+    )
     p.add_argument(
         "--gen-warmup", type=int, default=0, help="beyond the untimed token-check generate"
     )
@@ -205,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             "step_warmup",
             "gen_repeats",
             "gen_warmup",
+            "train_steps",
+            "train_size",
         )
     }
     settings.update(
@@ -226,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, list] = {n: [] for n in names}
     shared = [n for n in names if not suites[n].isolated]
-    isolated = [n for n in names if suites[n].isolated]
+    isolated = [n for n in names if suites[n].isolated and not suites[n].launches]
+    launched = [n for n in names if suites[n].launches]
     tr_systems = [s for s in TORCHRUN_SYSTEMS if s in args.systems]
 
     def fail(suite_names, systems, tp, dtype, why):
@@ -291,6 +302,36 @@ def main(argv: list[str] | None = None) -> int:
                     except RuntimeError as e:
                         fail([n], [s], tp, dtype, str(e))
 
+    if launched and args.train_size != "same":
+        tcfg = model_config(args.train_size)
+        train_spec = {
+            **base_spec,
+            "model": tcfg,
+            "n_params": count_params(tcfg),
+            "checkpoint": str(ensure_checkpoint(tcfg)),
+        }
+    else:
+        train_spec = base_spec
+    train_meta = {"preset": args.train_size if args.train_size != "same" else args.size}
+    train_meta["n_params"] = train_spec["n_params"]
+    for n in launched:  # the suite picks its runs and their world sizes (train: dp x tp)
+        for dtype in args.isolated_dtype:
+            spec = {**train_spec, "dtype": dtype, "suites": [n], "isolated": True}
+            for run_name, nproc in suites[n].launches(spec):
+                try:
+                    collect(
+                        _launch(
+                            _torchrun(nproc),
+                            {**spec, "tp": nproc, "systems": [run_name]},
+                            args.timeout,
+                            f"{n} {run_name} ({nproc} ranks) {dtype}",
+                        )
+                    )
+                except RuntimeError as e:
+                    fail([n], [run_name], nproc, dtype, str(e))
+        if suites[n].finish:
+            results[n] = suites[n].finish(results[n])
+
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": _machine(),
@@ -299,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": settings,
         "wall_s": round(time.perf_counter() - t_start),
     }
+    if launched:
+        meta["train_model"] = train_meta
     summary = report.write_all(args.out, suites, results, meta, skipped)
     if not args.no_readme and args.out.resolve() == DEFAULT_OUT:
         report.update_readme(Path(__file__).resolve().parent / "README.md", summary)

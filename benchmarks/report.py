@@ -59,6 +59,17 @@ def settings_line(meta: dict[str, Any]) -> str:
         f"{s['seq']}; generate: batch {s['gen_batch']}, prompt {s['prompt_len']}, "
         f"{s['new_tokens']} new tokens. Repeats (median): forward {s['repeats']}, step "
         f"{s['step_repeats']}, generate {s['gen_repeats']}."
+    ) + _train_line(meta)
+
+
+def _train_line(meta: dict[str, Any]) -> str:
+    t = meta.get("train_model")
+    if not t:
+        return ""
+    return (
+        f" Train suite: preset `{t['preset']}` ({t['n_params'] / 1e6:.1f}M parameters), batch "
+        f"{meta['settings']['batch']} × seq {meta['settings']['seq']} per dp replica, "
+        f"{meta['settings'].get('train_steps')} timed steps."
     )
 
 

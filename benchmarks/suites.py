@@ -37,9 +37,12 @@ class Suite:
     goals: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
     available: Callable[[], str | None] = field(default=lambda: None)  # reason it cannot run
     default: bool = True  # part of a plain `python -m benchmarks`
+    # (name, ranks) of each run for suites that choose their own worlds; see the docstring
+    launches: Callable[[dict[str, Any]], list[tuple[str, int]]] | None = None
+    finish: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
 
 
-_MODULES = ("forward", "step", "generate", "comm", "memory", "load")
+_MODULES = ("forward", "step", "generate", "comm", "memory", "load", "train")
 
 
 def all_suites() -> dict[str, Suite]:

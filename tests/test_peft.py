@@ -64,8 +64,11 @@ def make(name: str, order: str, lora: dict | None = None, **tp_kwargs):
     if order == "peft_first":
         model = tp_peft.tensor_parallel(copy.deepcopy(ref), **tp_kwargs)
     else:
-        base = tpkit.tensor_parallel(build(name), **tp_kwargs)
+        # with dp: FSDP2 must come after the adapters, which get_peft_model then applies
+        sharded = {"sharded": False} if tp_kwargs.get("dp_size", 1) > 1 else {}
+        base = tpkit.tensor_parallel(build(name), **tp_kwargs, **sharded)
         model = tp_peft.get_peft_model(base, lora_config(name, **(lora or {})))
+        assert not sharded or tp_peft._is_fsdp(model)
         _copy_adapters(ref, model)
     return ref, model
 
@@ -81,8 +84,11 @@ def _lora_grads(model) -> dict[str, torch.Tensor]:
     return {n: full(p.grad) for n, p in model.named_parameters() if "lora_" in n}
 
 
-def check_parity(name: str, order: str, lora: dict | None = None, **tp_kwargs) -> dict:
-    """Forward, LoRA gradients and 3 AdamW steps vs the unsharded PEFT model."""
+def check_parity(
+    name: str, order: str, lora: dict | None = None, save: str | None = None, **tp_kwargs
+) -> dict:
+    """Forward, LoRA gradients and 3 AdamW steps vs the unsharded PEFT model (then, with
+    ``save``, the trained adapter saved from both and compared)."""
     ref, model = make(name, order, lora, **tp_kwargs)
     ref.train()
     model.train()
@@ -117,6 +123,14 @@ def check_parity(name: str, order: str, lora: dict | None = None, **tp_kwargs) -
         for n, p in model.named_parameters()
         if "lora_" in n
     )
+    if save:
+        model.save_pretrained(os.path.join(save, "tp"))
+        if dist.get_rank() == 0:
+            ref.save_pretrained(os.path.join(save, "ref"))
+        dist.barrier()
+        a, b = _safetensors(os.path.join(save, "tp")), _safetensors(os.path.join(save, "ref"))
+        assert sorted(a) == sorted(b), (sorted(a)[:3], sorted(b)[:3])
+        out["saved"] = max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in a)
     out["base_frozen"] = all(
         not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n
     )
@@ -140,9 +154,13 @@ def test_tp2_lora_on_vocab_parallel_embedding_and_head(ranks2, order):
     _assert_parity(ranks2.run(check_parity, "llama", order, EMBED_HEAD))
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_dp2_tp2_fsdp_lora_matches_unsharded(ranks4, name):
-    _assert_parity(ranks4.run(check_parity, name, "peft_first", tp_size=2, dp_size=2))
+@pytest.mark.parametrize(
+    "name, order", [("llama", "peft_first"), ("gpt2", "peft_first"), ("llama", "tpkit_first")]
+)
+def test_dp2_tp2_fsdp_lora_matches_unsharded(ranks4, name, order, tmp_path):
+    results = ranks4.run(check_parity, name, order, save=str(tmp_path), tp_size=2, dp_size=2)
+    _assert_parity(results)
+    assert all(r["saved"] <= TOL for r in results), results
 
 
 # ---- collectives -------------------------------------------------------------------------------

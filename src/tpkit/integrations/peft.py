@@ -375,6 +375,11 @@ def _as_base_shard(layer: nn.Module, delta: torch.Tensor, replicated: bool) -> t
     weight = layer.get_base_layer().weight
     if not isinstance(weight, DTensor):
         return delta
+    if weight.device_mesh.ndim > 1:
+        raise ValueError(
+            "Merging LoRA into an FSDP2-sharded (dp x tp) model is not supported: save the "
+            "adapter (model.save_pretrained) and merge it on a tp-only model."
+        )
     if replicated:  # the whole delta on every rank: keep this rank's part of the base layout
         return distribute_tensor(
             delta.detach().to(weight.dtype),

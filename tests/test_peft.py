@@ -272,6 +272,8 @@ def check_save_load_merge(name: str, tmp: str, lora: dict | None = None) -> dict
     loaded = tp_peft.from_pretrained(tpkit.tensor_parallel(build(name)), ref_dir)
     with torch.no_grad():
         out["plain_saved_in_tp"] = (loaded(input_ids=x).logits - logits_ref).abs().max().item()
+    gen = {"max_new_tokens": 4, "do_sample": False}
+    out["generate_equal"] = torch.equal(loaded.generate(x, **gen), plain.generate(x, **gen))
     out["loaded_sharded"] = any(
         isinstance(p, DTensor) and p.to_local().shape != p.shape
         for n, p in loaded.named_parameters()
@@ -299,6 +301,7 @@ def test_save_load_merge_round_trips(ranks2, name, tmp_path):
     lora = EMBED_HEAD if name == "llama" else None
     for r in ranks2.run(check_save_load_merge, name, str(tmp_path), lora):
         assert r["same_keys"] and r["same_shapes"] and r["loaded_sharded"], r
+        assert r["generate_equal"], r
         assert r["merged_sharded"] and r["merged_no_lora"], r
         for k in ("forward", "tp_saved_in_plain", "plain_saved_in_tp", "from_pretrained", "merged"):
             assert r[k] <= TOL, r

@@ -305,9 +305,11 @@ def _shard_layer(name: str, layer: nn.Module, mesh, seeds: dict[str, int]) -> No
             replicated_input = True
         drop = layer.lora_dropout[adapter]
         if isinstance(drop, nn.Dropout) and drop.p > 0:
-            seed = seeds.setdefault(name, len(seeds) + 1) * 1000 + (
-                0 if replicated_input else tp_rank + 1
-            )
+            # the same on every rank of the group (torchrun ranks seed alike: tpkit's rule),
+            # distinct per layer, and per rank where the input is sharded
+            index = seeds.setdefault(name, len(seeds) + 1)
+            rank_part = 0 if replicated_input else tp_rank + 1
+            seed = (torch.initial_seed() + 7919 * index + 104729 * rank_part) % 2**62
             layer.lora_dropout[adapter] = _TPDropout(drop.p, seed)
     if kind in ROW and not layer.__dict__.get("_tpkit_row_hooks"):
         base = layer.get_base_layer()

@@ -11,6 +11,15 @@ the decode loop, and it keeps any logits processor (or user sampling code) corre
 Decode itself takes the fast path by construction: every style runs on local shards, so a no-grad
 step issues one all-reduce per row-parallel layer and one all-gather of the last position's
 logits, with no DTensor dispatch.
+
+Why the lm_head still gathers the whole vocabulary even for greedy decoding (issue 5 asked): an
+argmax over vocab shards (each rank's (max, index), then the global one, ties to the lowest index)
+is exact only when nothing touches the scores between the head and the argmax, and transformers'
+``generate`` runs its logits processors there on the full-vocab tensor: ``min_new_tokens`` sets
+EOS to -inf, repetition penalties rescale chosen ids, ``output_scores``/``output_logits`` return
+them. A shard-local argmax would pick EOS where the processor had masked it. Doing it exactly would
+mean owning the decode loop, not ``generate``; and the gather it saves is one all-gather of
+vocab/tp values per step, latency-bound like the (max, index) exchange that would replace it.
 """
 
 from __future__ import annotations

@@ -319,10 +319,13 @@ def _shard_layer(name: str, layer: nn.Module, mesh, seeds: dict[str, int]) -> No
 
         def finish(module, args, kwargs, output, style=style, base=base):
             style.defer_reduction = False
+            if output is None:  # the forward raised: drop what it left, keep its exception
+                base.__dict__.pop("_tpkit_deferred_bias", None)
+                return None
             return style.finish_deferred(base, output)
 
         layer.register_forward_pre_hook(defer, with_kwargs=True)
-        layer.register_forward_hook(finish, with_kwargs=True)
+        layer.register_forward_hook(finish, with_kwargs=True, always_call=True)
         layer.__dict__["_tpkit_row_hooks"] = True
     layer.get_delta_weight = types.MethodType(_local_delta_weight, layer)
 

@@ -25,12 +25,12 @@ def _max_diff(a, b) -> float:
 
 
 # ---- checks -----------------------------------------------------------------------------------
-def check_from_pretrained(name: str, path: str, **save_kwargs) -> dict:
+def check_from_pretrained(name: str, path: str, tp_size: int | None = None, **save_kwargs) -> dict:
     import tpkit
 
     _save_reference(name, path, **save_kwargs)
     ref = build(name)
-    model = tpkit.from_pretrained(path)
+    model = tpkit.from_pretrained(path, tp_size=tp_size)
     x = batch(ref.config.vocab_size)
     with torch.no_grad():
         diff = _max_diff(model(input_ids=x, labels=x).logits, ref(input_ids=x, labels=x).logits)
@@ -148,6 +148,22 @@ def test_from_pretrained_matches_unsharded(ranks2, tmp_path, name):
         # per-expert MoE checkpoints are fused by transformers' loader; the rest stream slices
         assert r["loaded_from"] == ("transformers" if name == "qwen3_moe" else "slices"), r
         assert r["tied"] == r["ref_tied"], r
+
+
+def test_from_pretrained_on_dp2_tp2_applies_fsdp_after_loading(ranks4, tmp_path):
+    for r in ranks4.run(check_from_pretrained, "llama", str(tmp_path / "fsdp"), 2):
+        assert r["diff"] <= TOL and r["all_dtensor"] and r["loaded_from"] == "slices", r
+        assert r["local_numel"] < 0.3 * r["total"], r  # 1/4 each: tp splits, FSDP shards the rest
+
+
+def test_tensor_parallel_refuses_a_peft_wrapper():
+    import peft
+
+    import tpkit
+
+    model = peft.get_peft_model(build("llama"), peft.LoraConfig(target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"tpkit.integrations.peft.tensor_parallel"):
+        tpkit.tensor_parallel(model)
 
 
 def test_from_pretrained_sharded_multi_file_checkpoint(ranks2, tmp_path):

@@ -106,7 +106,8 @@ def apply_fsdp(
     mp = mixed_precision(param_dtype)
     ignored = {p for p in model.parameters() if _strided_1d(p)}
     for p in ignored:
-        p.register_hook(_average_over_dp(dp_mesh))
+        if p.requires_grad:  # a frozen base (PEFT) has nothing to average
+            p.register_hook(_average_over_dp(dp_mesh))
     if param_dtype is not None:
         for module in model.modules():
             style = module.__dict__.get("_tpkit_style_obj")

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from tpkit.comm import chunk_offset, chunk_sizes
+from tpkit.fsdp import apply_fsdp
 from tpkit.mesh import dist_env
 from tpkit.parallelize import tensor_parallel
 from tpkit.plan import Plan, PlanLike, derive_plan
@@ -217,10 +218,15 @@ def from_pretrained(
     path: str | os.PathLike,
     *,
     tp_size: int | None = None,
+    dp_size: int | None = None,
     dtype: torch.dtype | str | None = None,
     model_cls: type | str | None = None,
     plan: PlanLike = "auto",
     device_ids: Sequence | None = None,
+    sharded: bool | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    param_dtype: torch.dtype | None = None,
     **kwargs,
 ) -> nn.Module:
     """Build ``model_cls`` from ``path``'s config on meta, shard it, then read each rank's slices.
@@ -228,7 +234,9 @@ def from_pretrained(
     Peak memory per rank is its shards plus one read block (8 MiB), whatever the model size.
     ``dtype`` defaults to the config's dtype (else float32); every slice is converted as it is
     read. Checkpoints whose keys transformers renames or fuses at load time (e.g. per-expert MoE
-    weights) fall back to transformers' loader for the whole model, with a warning.
+    weights) fall back to transformers' loader for the whole model, with a warning. The other
+    arguments are `tensor_parallel`'s; FSDP2 (``sharded``, default on when dp_size > 1) is applied
+    after the weights are in.
     """
     import transformers
     from accelerate import init_empty_weights
@@ -249,22 +257,33 @@ def from_pretrained(
         key = next((k for _, _, full in group if (k := _checkpoint_key(full, index, prefix))), None)
         keys[group[0][2]] = key
     unmapped = [n for n, k in keys.items() if k is None]
+    options = dict(
+        tp_size=tp_size,
+        dp_size=dp_size,
+        plan=plan,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+    )
     if unmapped:
         if dist_env().rank == 0:
             logging.getLogger("tpkit").warning(
                 f"{len(unmapped)} parameters (e.g. {unmapped[0]}) are not stored under their own names in "
                 f"{path}; loading through transformers (full model in memory) instead."
             )
-        full_model = cls.from_pretrained(str(path), dtype=dtype, **kwargs)
-        model = tensor_parallel(full_model, device_ids, tp_size=tp_size, plan=plan)
+        model = cls.from_pretrained(str(path), dtype=dtype, **kwargs)
+        model = tensor_parallel(model, device_ids, sharded=False, **options)
         _mark_loaded(model, "transformers")
-        return model
-
-    model = tensor_parallel(model, device_ids, tp_size=tp_size, plan=plan)
-    device = rank_device(model)
-    _move_buffers(model, device)
-    _stream_params(model, index, keys, dtype, device)
-    _mark_loaded(model, "slices")
+    else:
+        model = tensor_parallel(model, device_ids, sharded=False, **options)
+        device = rank_device(model)
+        _move_buffers(model, device)
+        _stream_params(model, index, keys, dtype, device)
+        _mark_loaded(model, "slices")
+    state = getattr(model, "_tpkit", None)
+    if state is not None and (state.dp_size > 1 if sharded is None else sharded):
+        apply_fsdp(model, state.mesh["dp"], param_dtype=param_dtype)
+    elif param_dtype is not None:
+        raise ValueError("param_dtype is FSDP2's mixed precision and needs dp_size > 1.")
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         with contextlib.suppress(OSError):
             model.generation_config = transformers.GenerationConfig.from_pretrained(str(path))

@@ -123,6 +123,7 @@ def tensor_parallel(
     Outside torchrun (world size 1) the model is returned unchanged (moved to ``device_ids[0]``
     when given).
     """
+    _reject_peft_wrapper(model)
     env = dist_env()
     if mesh is None and not env.is_distributed:
         distinct = {str(d) for d in device_ids or ()}
@@ -182,6 +183,22 @@ def tensor_parallel(
         if debug_enabled():  # TPKIT_DEBUG=1: inputs and replicated params agree at every forward
             install_debug_checks(model, tp_mesh)
     return model
+
+
+def _reject_peft_wrapper(model: nn.Module) -> None:
+    """A PeftModel hides the base model's names behind ``base_model.model.``: the base's plan
+    would match nothing and the model would silently stay replicated."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft is a dependency, but the core must not need it
+        return
+    if isinstance(model, PeftModel):
+        raise ValueError(
+            f"tensor_parallel got a PEFT model ({type(model).__name__}); use "
+            "tpkit.integrations.peft.tensor_parallel(model, ...) to shard the base and lay out "
+            "the adapters, or add adapters after sharding with "
+            "tpkit.integrations.peft.get_peft_model(tpkit.tensor_parallel(base), config)."
+        )
 
 
 def _check_training_options(model, plan, dp, sharded, sequence_parallel, param_dtype) -> None:

@@ -15,6 +15,7 @@ keeps a block at exactly two all-reduces forward and two backward.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -110,7 +111,7 @@ def gather_from_tp(x: torch.Tensor, sizes: list[int], rank: int, group: ProcessG
 # so one post per all-reduce is enough. Off by default: experimental, and invisible to
 # collective counters that watch c10d ops.
 
-_SHM_CHANNELS: dict = {}
+_SHM_CHANNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> channel
 
 
 class _ShmChannel:
@@ -168,7 +169,7 @@ class _ShmChannel:
 
 
 def _shm_channel(group: ProcessGroup) -> _ShmChannel | None:
-    key = id(group)
+    key = group if group is not None else dist.group.WORLD
     if key not in _SHM_CHANNELS:
         import socket
 

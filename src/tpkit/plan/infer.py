@@ -44,20 +44,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from tpkit.plan.spec import Plan
+from tpkit.plan.spec import HEAD_ATTRS, Plan
 
 STREAM = "<stream>"
-#: Attributes that count heads: divided by tp on modules that own a column/row pair.
-HEAD_ATTRS = (
-    "num_heads",
-    "num_attention_heads",
-    "n_head",
-    "n_heads",
-    "num_key_value_heads",
-    "num_kv_heads",
-    "n_head_kv",
-    "n_kv_heads",
-)
 #: Attributes that hold a width; divided only when they equal a split width of the pair.
 WIDTH_ATTRS = (
     "embed_dim",

@@ -54,6 +54,19 @@ STYLES: dict[str, tuple[str, str]] = {
     ),
 }
 
+#: Attributes that count attention heads (on modules or their configs): validation checks that
+#: tp divides them, inference divides them on the modules that own a column/row pair.
+HEAD_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+    "n_head_kv",
+)
+
 #: Names other libraries use for the same styles (transformers' plan strings).
 ALIASES: dict[str, str] = {
     "embedding_rowwise": "vocab_parallel",

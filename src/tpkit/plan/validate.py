@@ -12,19 +12,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from tpkit.plan.spec import ParamLayout, Plan, param_layout
+from tpkit.plan.spec import HEAD_ATTRS, ParamLayout, Plan, param_layout
 
-# Attributes that attention modules (or their configs) use for head counts.
-HEAD_ATTRS = (
-    "num_heads",
-    "num_attention_heads",
-    "n_head",
-    "n_heads",
-    "num_key_value_heads",
-    "num_kv_heads",
-    "n_kv_heads",
-    "n_head_kv",
-)
 # Styles whose split dimension is a vocabulary: torch.chunk-style uneven splits are handled.
 UNEVEN_OK = {"vocab_parallel", "colwise_gather_output"}
 

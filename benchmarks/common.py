@@ -99,6 +99,35 @@ def make_inputs(vocab: int, batch: int, seq: int, seed: int = 1) -> torch.Tensor
 # -- timing ---------------------------------------------------------------------------------------
 
 
+def time_goals(rows: list[dict[str, Any]], what: str) -> list[dict[str, Any]]:
+    """The two timing goals of a suite: tpkit ÷ transformers TP at tp=2 (≤ 0.90) and tpkit at
+    tp=1 ÷ unsharded (≤ 1.02), one row per dtype measured."""
+    out = []
+    for r in rows:
+        if r["system"] != "tpkit" or r["status"] != "ok":
+            continue
+        if r["tp"] == 2 and r.get("vs_transformers") is not None:
+            goal, key, limit = (
+                f"{what} time, tpkit / transformers TP at tp=2",
+                "vs_transformers",
+                0.90,
+            )
+        elif r["tp"] == 1 and r.get("vs_plain") is not None:
+            goal, key, limit = f"{what} overhead, tpkit tp=1 / unsharded", "vs_plain", 1.02
+        else:
+            continue
+        out.append(
+            dict(
+                goal=goal,
+                dtype=r["dtype"],
+                figure=r[key],
+                target=f"<= {limit:.2f}",
+                met=r[key] <= limit,
+            )
+        )
+    return out
+
+
 def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 

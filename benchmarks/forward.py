@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import error_text, make_inputs, median, paired_ratio, time_interleaved
+from benchmarks.common import (
+    error_text,
+    make_inputs,
+    median,
+    paired_ratio,
+    time_goals,
+    time_interleaved,
+)
 from benchmarks.suites import Suite, failed_rows, ok, ratio
 
 
@@ -45,31 +52,7 @@ def run(ctx, systems):
 
 
 def goals(rows):
-    out = []
-    for r in rows:
-        if r["system"] != "tpkit" or r["status"] != "ok":
-            continue
-        if r["tp"] == 2 and r.get("vs_transformers") is not None:
-            out.append(
-                dict(
-                    goal="forward time, tpkit / transformers TP at tp=2",
-                    dtype=r["dtype"],
-                    figure=r["vs_transformers"],
-                    target="<= 0.90",
-                    met=r["vs_transformers"] <= 0.90,
-                )
-            )
-        if r["tp"] == 1 and r.get("vs_plain") is not None:
-            out.append(
-                dict(
-                    goal="forward overhead, tpkit tp=1 / unsharded",
-                    dtype=r["dtype"],
-                    figure=r["vs_plain"],
-                    target="<= 1.02",
-                    met=r["vs_plain"] <= 1.02,
-                )
-            )
-    return out
+    return time_goals(rows, "forward")
 
 
 SUITE = Suite(

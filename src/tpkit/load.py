@@ -23,7 +23,7 @@ from tpkit.comm import chunk_offset, chunk_sizes
 from tpkit.fsdp import apply_fsdp
 from tpkit.mesh import dist_env
 from tpkit.parallelize import tensor_parallel
-from tpkit.plan import Plan, PlanLike, derive_plan
+from tpkit.plan import Plan, PlanLike, derive_plan, param_layout
 from tpkit.plan.validate import param_layouts
 from tpkit.safetensors_io import CheckpointIndex
 from tpkit.styles import placement_for
@@ -135,22 +135,23 @@ def convert_state_dict(
         state = getattr(ref, "_tpkit", None)
         plan = state.plan if state is not None else derive_plan(ref)
     layouts = param_layouts(ref, plan) if ref is not None else {}
-    ranks = range(world_size) if rank is None else [rank]
-    out = []
-    for r in ranks:
-        shard = {}
-        for key, t in state_dict.items():
-            if key in layouts:
-                placement = placement_for(layouts[key][1])
-            else:
-                hit = plan.style_for(key.rsplit(".", 1)[0]) or plan.style_for(key)
-                placement = Replicate()
-                if hit is not None and ref is None:
-                    from tpkit.plan.spec import param_layout
 
-                    placement = placement_for(param_layout(hit[0], key.rsplit(".", 1)[-1], t.ndim))
-            shard[key] = _slice(t, placement, world_size, r)
-        out.append(shard)
+    def placement(key: str, t: torch.Tensor) -> Placement:
+        if key in layouts:
+            return placement_for(layouts[key][1])
+        if ref is not None:  # the model names all its parameters: the rest are buffers
+            return Replicate()
+        hit = plan.style_for(key.rsplit(".", 1)[0]) or plan.style_for(key)
+        if hit is None:
+            return Replicate()
+        return placement_for(param_layout(hit[0], key.rsplit(".", 1)[-1], t.ndim))
+
+    placements = {key: placement(key, t) for key, t in state_dict.items()}
+    ranks = range(world_size) if rank is None else [rank]
+    out = [
+        {key: _slice(t, placements[key], world_size, r) for key, t in state_dict.items()}
+        for r in ranks
+    ]
     return out[0] if rank is not None else out
 
 

@@ -360,9 +360,21 @@ class PackedRowwiseStyle(RowwiseStyle):
 
 
 class AllReduceStyle(TPStyle):
-    """Output all-reduced (g); parameters are laid out by their own entries."""
+    """A module whose parameters are split by their own entries (Inkling's shared experts:
+    ``gate_proj``/``up_proj`` colwise, ``down_proj`` rowwise) computing on replicated inputs:
+    every float input gets f, so its gradient, partial on each rank, is summed in backward;
+    the output g. transformers' ``all_reduce`` style has only the g, which leaves the inputs'
+    gradients (the residual stream's, the router's gammas') partial."""
 
     name = "all_reduce"
+
+    def _prepare_input(self, module, args, kwargs):
+        def f(v):
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return copy_to_tp(v, self.group)
+            return v
+
+        return tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
 
     def _prepare_output(self, module, output):
         return _map_output(output, lambda y: reduce_from_tp(y, self.group))
@@ -416,22 +428,23 @@ class VocabParallelStyle(TPStyle):
         return _map_output(output, reduce)
 
 
-class MoeExpertsStyle(TPStyle):
+class MoeExpertsStyle(AllReduceStyle):
     """Experts whose weights are split by their own parameter entries (gate_up packed_colwise,
     down rowwise): every float input gets f, the summed output g."""
 
     name = "moe_tp_experts"
 
+
+class MoeIdentityExpertStyle(TPStyle):
+    """A parameter-free expert (LongCat-Flash's zero-computation ``identity_expert``) inside
+    ``moe_tp_experts``: every rank computes the same output and the experts' g sums tp copies,
+    so the input is divided by tp here (exact for power-of-two tp), as transformers does."""
+
+    name = "moe_identity_expert"
+
     def _prepare_input(self, module, args, kwargs):
-        def f(v):
-            if isinstance(v, torch.Tensor) and v.is_floating_point():
-                return copy_to_tp(v, self.group)
-            return v
-
-        return tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
-
-    def _prepare_output(self, module, output):
-        return _map_output(output, lambda y: reduce_from_tp(y, self.group))
+        key = _first_tensor_key(args, kwargs)
+        return _put(args, kwargs, key, _get(args, kwargs, key) / self.tp)
 
 
 STYLE_CLASSES: dict[str, type[TPStyle]] = {
@@ -451,6 +464,7 @@ STYLE_CLASSES: dict[str, type[TPStyle]] = {
         PackedRowwiseStyle,
         AllReduceStyle,
         MlaKvAProjStyle,
+        MoeIdentityExpertStyle,
     )
 }
 

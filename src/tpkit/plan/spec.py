@@ -43,6 +43,10 @@ STYLES: dict[str, tuple[str, str]] = {
         "all_reduce",
     ),
     "all_reduce": ("parameters as their own entries say, output all-reduced", "all_reduce"),
+    "moe_identity_expert": (
+        "an identity expert inside moe_tp_experts: input / tp, as the experts' sum adds tp copies",
+        "",
+    ),
     "mla_kv_a_proj": (
         "replicated MLA kv_a projection: the rope part's gradient all-reduced",
         "",
@@ -85,7 +89,7 @@ ALIASES: dict[str, str] = {
 }
 
 # Styles whose module-level application leaves parameters to their own entries.
-MODULE_ONLY_STYLES = {"moe_tp_experts", "all_reduce"}
+MODULE_ONLY_STYLES = {"moe_tp_experts", "all_reduce", "moe_identity_expert"}
 SHARDING_STYLES = {
     "colwise",
     "rowwise",

@@ -8,7 +8,7 @@ from pathlib import Path
 from torch import nn
 
 from tpkit.plan.hf import hf_plan
-from tpkit.plan.spec import STYLES, ParamLayout, Plan, Target, param_layout
+from tpkit.plan.spec import STYLES, ParamLayout, Plan, Target, canonical_style, param_layout
 from tpkit.plan.validate import validate
 
 PlanLike = str | Path | Mapping[str, str] | Plan | None
@@ -30,7 +30,7 @@ def _auto_plan(model: nn.Module, mode: str) -> Plan:
     if mode in ("auto", "config"):
         plan = hf_plan(model)
         if plan is not None:
-            return plan
+            return plan if mode == "config" else _checked_config_plan(model, plan)
         if mode == "config":
             raise ValueError(
                 f"{type(model).__name__} ships no base_model_tp_plan; use plan='auto' or 'infer'."
@@ -40,18 +40,80 @@ def _auto_plan(model: nn.Module, mode: str) -> Plan:
     return infer_plan(model)
 
 
+def _checked_config_plan(model: nn.Module, plan: Plan) -> Plan:
+    """transformers' plan, unless the model's own code cannot run with it.
+
+    Some shipped plans name only the embedding (DiffLlama, LFM2, HunYuan dense: every layer stays
+    whole). A few shard a layer whose output the code then reads whole (Doge's ``dt_proj`` is
+    row-parallel, so the per-head mask is computed for all heads while each rank holds half of
+    them); transformers only finds out when forward crashes. One forward on fake tensors with
+    rank 0's tp=2 shapes (no memory, no collectives) checks the plan first. In either case, when
+    the inferred plan passes the same check it is used instead, and its notes say why.
+    """
+    from tpkit.plan.infer import dry_run, infer_plan
+
+    if not _names_a_layer(model, plan):
+        error = "it names only the vocabulary embedding, no layer"
+    else:
+        error = dry_run(model, plan, None, 2)
+        error = error and f"it fails a tp=2 dry run ({error})"
+    if error is None:
+        return plan
+    try:
+        inferred = infer_plan(model)
+    except ValueError:
+        return plan  # nothing better to offer: validation or forward will name the problem
+    if dry_run(model, inferred, None, 2) is not None:
+        return plan
+    inferred.notes[type(model).__name__] = (
+        f"transformers' base_model_tp_plan is not used: {error}; the inferred plan is (pass "
+        "plan='config' to force transformers' plan)"
+    )
+    return inferred
+
+
+def _names_a_layer(model: nn.Module, plan: Plan) -> bool:
+    """True when a transformers entry of ``plan`` names something besides the vocabulary
+    embedding and output head (which tpkit adds to every plan)."""
+    get = lambda attr: getattr(model, attr, lambda: None)()  # noqa: E731
+    vocab = {id(get("get_input_embeddings")), id(get("get_output_embeddings"))}
+    modules = dict(model.named_modules())
+    for t in plan.resolve(model):
+        owner = t.name.rsplit(".", 1)[0] if t.kind == "param" else t.name
+        if t.source == "config" and id(modules.get(owner)) not in vocab:
+            return True
+    return False
+
+
+def _vocab_children(model: nn.Module, plan: Plan) -> Plan:
+    """Give submodules of a vocab-parallel embedding (Inkling's ``embed_norm``, applied to the
+    lookup inside the embedding's forward) their gradient all-reduce: the style masks the
+    tokens this rank does not own after the whole forward, so each rank's gradient for those
+    replicated parameters covers only its own tokens, and their sum is the true one."""
+    modules = dict(model.named_modules())
+    for t in plan.resolve(model):
+        if t.kind != "module" or canonical_style(t.style) != "vocab_parallel":
+            continue
+        for name, child in modules[t.name].named_modules(prefix=t.name):
+            own = any(True for _ in child.parameters(recurse=False))
+            if name != t.name and own and plan.style_for(name) is None:
+                plan.set(name, "replicated_with_grad_allreduce", t.source)
+    return plan
+
+
 def derive_plan(model: nn.Module, plan: PlanLike = "auto") -> Plan:
     """Turn what the user passed into a `Plan` for ``model``.
 
-    - ``"auto"``: the model's transformers plan if it ships one, else a plan inferred from the
-      model's dataflow; ``"config"`` / ``"infer"`` force one of the two.
+    - ``"auto"``: the model's transformers plan if it ships one and a tp=2 dry run of the model
+      on fake tensors passes with it, else a plan inferred from the model's dataflow;
+      ``"config"`` / ``"infer"`` force one of the two.
     - a mapping, a `Plan`, or a YAML file path: user entries merged over the ``"auto"`` plan,
       entry by entry (a user entry wins where both name the same module).
     """
     if plan is None:
         plan = "auto"
     if isinstance(plan, str) and plan in ("auto", "config", "infer"):
-        return _auto_plan(model, plan)
+        return _vocab_children(model, _auto_plan(model, plan))
     if isinstance(plan, (str, Path)):
         user = Plan.from_yaml(plan)
     elif isinstance(plan, Plan):
@@ -66,4 +128,4 @@ def derive_plan(model: nn.Module, plan: PlanLike = "auto") -> Plan:
         base = _auto_plan(model, "auto")
     except ValueError:
         base = Plan()  # nothing to derive: the user's plan is the whole plan
-    return base.merged(user)
+    return _vocab_children(model, base.merged(user))

@@ -52,6 +52,12 @@ def hf_plan(model: nn.Module) -> Plan | None:
                 plan.set(name, "vocab_parallel", "config")
                 break
     for key, style in base_entries.items():
+        if style == "colwise" and key.endswith("experts.gate_up_proj"):
+            # Fused [gate; up] expert weights: every other plan says packed_colwise. A plain
+            # colwise split gives rank 0 only gate rows, which the code's chunk(2) then pairs
+            # with each other; transformers' loader hides it by sharding gate and up before
+            # fusing them, a model built or loaded any other way computes garbage (Inkling).
+            style = "packed_colwise"
         plan.set(join(key), style, "config")
     for cls in reversed(type(model).__mro__):
         for key, style in (getattr(cls, "_tp_plan", None) or {}).items():

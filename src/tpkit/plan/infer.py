@@ -117,7 +117,9 @@ class _Tracer(TorchFunctionMode):
         super().__init__()
         self.nodes = nodes
         self.tags: dict[int, frozenset[str]] = {}
-        self.origin: dict[int, tuple[str, int]] = {}  # tensor -> (linear, dim of its features)
+        # tensor -> (linear, dim of its features' outermost factor, whether a reshape has split
+        # the features into heads x per-head so that dim counts heads)
+        self.origin: dict[int, tuple[str, int, bool]] = {}
         self.keep: list[torch.Tensor] = []  # ids stay unique while the trace runs
         self.active: list[str] = []  # linear-like modules whose forward is running
         self.weights: dict[int, str] = {}  # id of a linear-like module's parameter -> module
@@ -162,7 +164,7 @@ class _Tracer(TorchFunctionMode):
     # -- where the features of a linear's output go: reshapes, splits, slices ----------------
     def _follow_features(self, name, args, kwargs, out, outs) -> None:
         src = args[0]
-        lin, j = self.origin[id(src)]
+        lin, j, heads = self.origin[id(src)]
         node = self.nodes[lin]
         if name in _DIM_ARG:
             pos = _DIM_ARG[name]
@@ -170,7 +172,12 @@ class _Tracer(TorchFunctionMode):
             if _norm_dim(int(dim), src.ndim) != j:
                 return
             sizes = {t.shape[j] for t in outs} if name != "narrow" else {-1}
-            if len(sizes) == 1 and len(outs) > 1 and name != "unbind":
+            if heads and name != "unbind":
+                # heads cut into groups (DiffLlama pairs head i with head i + H/2): contiguous
+                # head shards would pair other heads, and the pairing is read where the trace
+                # no longer follows these features
+                node.uneven = node.uneven or f"its heads are {name}-cut into groups"
+            elif len(sizes) == 1 and len(outs) > 1 and name != "unbind":
                 node.split = max(node.split, len(outs)) if node.split in (1, len(outs)) else -1
             else:
                 node.uneven = node.uneven or f"its output is {name}-sliced unevenly by features"
@@ -184,6 +191,10 @@ class _Tracer(TorchFunctionMode):
         new = outs[0]
         if name in ("view", "reshape", "unflatten", "contiguous", "float", "to", "type_as"):
             j_new = _feature_dim_after_reshape(tuple(src.shape), j, tuple(new.shape))
+            if j_new is not None and new.shape[j_new] < src.shape[j]:
+                heads = True
+            elif j_new is not None and new.shape[j_new] > src.shape[j]:
+                heads = False  # heads merged back into one feature dim
         elif name == "transpose":
             a, b = (_norm_dim(int(d), src.ndim) for d in args[1:3])
             j_new = b if j == a else a if j == b else j
@@ -196,7 +207,7 @@ class _Tracer(TorchFunctionMode):
         else:
             j_new = None
         if j_new is not None:
-            self.origin[id(new)] = (lin, j_new)
+            self.origin[id(new)] = (lin, j_new, heads)
 
     @staticmethod
     def _index_touches(index: Any, ndim: int, j: int) -> bool:
@@ -296,6 +307,24 @@ def _meta_state(model: nn.Module, fake, shapes: Mapping[int, tuple] | None = Non
 
 
 @contextlib.contextmanager
+def _fake_friendly_experts(model: nn.Module):
+    """Temporarily run transformers' fused MoE experts as ``batched_mm`` instead of
+    ``grouped_mm``, whose meta kernel accepts only bfloat16 (a float32 model would not trace).
+    Both compute the same thing with the same weights, so the dataflow is the same."""
+    changed = []
+    for mod in model.modules():
+        config = getattr(mod, "config", None)
+        if getattr(config, "_experts_implementation", None) == "grouped_mm":
+            changed.append(config)
+            config._experts_implementation = "batched_mm"
+    try:
+        yield
+    finally:
+        for config in changed:
+            config._experts_implementation = "grouped_mm"
+
+
+@contextlib.contextmanager
 def _real_state(model: nn.Module, shapes: Mapping[int, tuple]):
     """Temporarily give each sharded parameter a zero tensor of its shard's shape."""
     saved = []
@@ -377,7 +406,7 @@ def trace(
             tracer.active.pop()
             for t in _tensors(output)[:1]:
                 tracer.set_tag(t, frozenset({name}))
-                tracer.origin[id(t)] = (name, t.ndim - 1)
+                tracer.origin[id(t)] = (name, t.ndim - 1, False)
         elif id(mod) in block_ids or mod is model and not blocks:
             # what a block returns in the stream's shape is the stream (not its attention
             # weights or key/value cache, which a sharded attention keeps per rank)
@@ -415,7 +444,8 @@ def trace(
                 lambda t: fake.from_tensor(t.to("meta")) if isinstance(t, torch.Tensor) else t,
                 (args, kwargs),
             )
-            with _meta_state(model, fake), torch.no_grad(), fake, tracer:
+            state = _meta_state(model, fake)
+            with state, _fake_friendly_experts(model), torch.no_grad(), fake, tracer:
                 model(*args, **kwargs)
     finally:
         quiet.setLevel(level)
@@ -623,7 +653,7 @@ def _checked(model: nn.Module, plan: Plan, example_inputs, tp: int = 2) -> Plan:
     """Dry-run the plan at tp=2 on fake tensors with rank 0's shard shapes and fix-ups; when the
     model's code still fails (it reads a global head count somewhere the plan cannot fix), leave
     first the attention groups, then every group, replicated, noting the error."""
-    error = _dry_run(model, plan, example_inputs, tp)
+    error = dry_run(model, plan, example_inputs, tp)
     if error is None:
         return plan
     for attention_only in (True, False):
@@ -631,12 +661,14 @@ def _checked(model: nn.Module, plan: Plan, example_inputs, tp: int = 2) -> Plan:
         for group in plan.groups:
             if group["owners"] or not attention_only:
                 trial.replicate_group(group, f"a dry run of the split forward failed: {error}")
-        if _dry_run(model, trial, example_inputs, tp) is None:
+        if dry_run(model, trial, example_inputs, tp) is None:
             return trial
     return trial
 
 
-def _dry_run(model: nn.Module, plan: Plan, example_inputs, tp: int) -> str | None:
+def dry_run(model: nn.Module, plan: Plan, example_inputs, tp: int) -> str | None:
+    """None when ``model`` runs with ``plan`` at ``tp`` on fake tensors (rank 0's shard shapes,
+    fix-ups applied), else the error in brief. Nothing is allocated or computed."""
     error = _dry_run_once(model, plan, example_inputs, tp, real=False)
     if error == _NOTHING_LEARNED:
         params = list(model.parameters())
@@ -690,6 +722,11 @@ def _dry_run_once(model: nn.Module, plan: Plan, example_inputs, tp: int, real: b
         if t.kind == "module" and t.style == "colwise_gather_output":
             full = _out_width(modules[t.name], _kind(modules[t.name]) or "linear")
             hooks.append(modules[t.name].register_forward_hook(_widen(full)))
+        elif t.kind == "module" and t.style == "rowwise_split_input":
+            local = _in_width(modules[t.name], _kind(modules[t.name]) or "linear")
+            if id(modules[t.name].weight) in shapes:
+                local = shapes[id(modules[t.name].weight)][-1]
+            hooks.append(modules[t.name].register_forward_pre_hook(_narrow(local)))
     args, kwargs = _example_inputs(model) if example_inputs is None else ((), {})
     if example_inputs is not None:
         if isinstance(example_inputs, Mapping):
@@ -715,7 +752,8 @@ def _dry_run_once(model: nn.Module, plan: Plan, example_inputs, tp: int, real: b
             with _real_state(model, shapes), torch.no_grad():
                 model(*args, **kwargs)
         else:
-            with _meta_state(model, fake, shapes), torch.no_grad(), fake:
+            state = _meta_state(model, fake, shapes)
+            with state, _fake_friendly_experts(model), torch.no_grad(), fake:
                 model(*args, **kwargs)
         return None
     except Exception as exc:  # noqa: BLE001 - whatever the model's code raises
@@ -746,6 +784,17 @@ def _head_slicer(head_inputs: Mapping[str, int], heads: int, tp: int):
                 t = t.unflatten(0, (-1, heads))[:, :per].flatten(0, 1) if dim == 0 else t[:, :per]
                 kwargs = {**kwargs, k: t}
         return args, kwargs
+
+    return hook
+
+
+def _narrow(local: int):
+    """rowwise_split_input takes this rank's slice of a replicated input first."""
+
+    def hook(mod, args):
+        if args and isinstance(args[0], torch.Tensor):
+            return (args[0][..., :local], *args[1:])
+        return args
 
     return hook
 

@@ -1,0 +1,120 @@
+"""plan="auto" checks transformers' plan before trusting it, and inference copes with the
+architectures the coverage report found hard (tiny models from `benchmarks.coverage`'s shrinker,
+built from each architecture's default config)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from benchmarks.coverage import build as build_tiny
+from benchmarks.coverage import inputs
+from tests.models import full
+from tpkit.plan import derive_plan, hf_plan
+from tpkit.plan.infer import infer_plan
+
+TOL = 1e-5
+
+# model_type -> (class, share of 2-D parameters the plan must shard, what makes it hard)
+HARD = {
+    "doge": ("DogeForCausalLM", 0.6, "transformers' plan fails a dry run: dt_proj rowwise"),
+    "diffllama": ("DiffLlamaForCausalLM", 0.6, "transformers' plan names only the embedding"),
+    # transformers' plan shards only the MLPs, the tiny model is mostly attention
+    "inkling_text": (
+        "InklingForCausalLM",
+        0.05,
+        "fused expert gate_up named 'colwise'; embed_norm inside the embedding; shared experts",
+    ),
+    "longcat_flash": ("LongcatFlashForCausalLM", 0.9, "moe_identity_expert, MLA"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", 0.9, "fused experts traced on meta in float32"),
+}
+
+
+def check_parity(model_type: str) -> dict:
+    """tp=2 plan="auto" vs the unsharded model: logits, loss and every gradient."""
+    import tpkit
+
+    ref = build_tiny(model_type, HARD[model_type][0]).train()
+    ref.config.use_cache = False
+    x = inputs(ref, "causal-lm")["input_ids"]
+    model = tpkit.tensor_parallel(copy.deepcopy(ref))
+    plan = model._tpkit.plan
+    out_r = ref(input_ids=x, labels=x)
+    out_r.loss.backward()
+    out = model(input_ids=x, labels=x)
+    out.loss.backward()
+    ref_params = dict(ref.named_parameters())
+    grad = max(
+        (full(p.grad) - ref_params[n].grad).abs().max().item()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    )
+    sharded = sum(
+        p.numel()
+        for p in model.parameters()
+        if isinstance(p, DTensor) and p.placements[0] != Replicate() and p.ndim >= 2
+    )
+    return {
+        "sources": sorted({plan.source(p) for p in plan}),
+        "logits": (out.logits - out_r.logits).abs().max().item(),
+        "loss": abs(out.loss.item() - out_r.loss.item()),
+        "grad": grad,
+        "sharded": sharded / sum(p.numel() for p in model.parameters() if p.ndim >= 2),
+        "note": plan.notes.get(type(model).__name__, ""),
+    }
+
+
+@pytest.mark.parametrize("model_type", list(HARD))
+def test_hard_architectures_match_the_unsharded_model(ranks2, model_type):
+    r = ranks2.run(check_parity, model_type, timeout=180)[0]
+    assert r["logits"] <= TOL and r["loss"] <= TOL and r["grad"] <= TOL, r
+    assert r["sharded"] >= HARD[model_type][1], f"{r['sharded']:.1%} of 2-D params sharded: {r}"
+    if model_type in ("doge", "diffllama"):
+        assert r["sources"] == ["inferred"], r
+        assert "base_model_tp_plan is not used" in r["note"], r["note"]
+    else:
+        assert "config" in r["sources"], r
+
+
+def test_auto_keeps_transformers_plan_when_it_runs_and_config_forces_it():
+    doge = build_tiny("doge", "DogeForCausalLM", device="meta")
+    auto = derive_plan(doge)
+    assert "dry run" in auto.notes["DogeForCausalLM"]
+    forced = derive_plan(doge, "config")
+    assert forced.style_for("model.layers.0.self_attn.dt_proj")[0] == "rowwise"
+    llama = build_tiny("llama", "LlamaForCausalLM", device="meta")
+    assert dict(derive_plan(llama)) == dict(hf_plan(llama))
+
+
+def test_heads_cut_into_groups_stay_replicated_with_a_note():
+    """DiffLlama pairs head i with head i + H/2: contiguous head shards would pair others."""
+    plan = infer_plan(build_tiny("diffllama", "DiffLlamaForCausalLM", device="meta"))
+    assert plan.style_for("model.layers.0.self_attn.v_proj") is None
+    assert "cut into groups" in plan.notes["model.layers.*.self_attn.v_proj"]
+    assert plan.style_for("model.layers.0.mlp.down_proj")[0] == "rowwise"
+
+
+def test_fused_expert_gate_up_named_colwise_is_packed():
+    plan = hf_plan(build_tiny("inkling_text", "InklingForCausalLM", device="meta"))
+    assert plan.style_for("model.layers.0.mlp.experts.gate_up_proj")[0] == "packed_colwise"
+
+
+def test_fused_moe_experts_trace_on_meta_in_float32():
+    model = build_tiny("qwen3_moe", "Qwen3MoeForCausalLM", device="meta")
+    assert model.config._experts_implementation == "grouped_mm"
+    plan = infer_plan(model)  # grouped_mm's meta kernel takes only bfloat16
+    assert plan.style_for("model.layers.0.self_attn.o_proj")[0] == "rowwise"
+    assert model.config._experts_implementation == "grouped_mm"  # restored
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_parameters_inside_a_vocab_parallel_embedding_get_their_gradient_summed():
+    """Inkling normalises inside its embedding's forward, before tpkit masks other ranks' tokens:
+    each rank's embed_norm gradient covers its own tokens only."""
+    plan = derive_plan(build_tiny("inkling_text", "InklingForCausalLM", device="meta"))
+    assert plan.style_for("model.embed_tokens")[0] == "vocab_parallel"
+    style = plan.style_for("model.embed_tokens.embed_norm")[0]
+    assert style == "replicated_with_grad_allreduce"

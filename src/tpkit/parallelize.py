@@ -253,6 +253,22 @@ def _enable_loss_parallel(model: nn.Module) -> None:
     model.loss_function = causal_lm_loss
 
 
+def _rope_dim(model: nn.Module, modules: dict[str, nn.Module], name: str) -> int:
+    """MLA's rope width for ``name``'s kv_a projection: the attention module's own value, else
+    its (per-layer) config's, else the model config's, as transformers reads it."""
+    parent = modules.get(name.rsplit(".", 1)[0] if "." in name else "")
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for src in (parent, getattr(parent, "config", None), config):
+        try:
+            value = getattr(src, "qk_rope_head_dim", None)
+        except RuntimeError:  # a heterogeneous config refuses global reads of per-layer values
+            value = None
+        if isinstance(value, int):
+            return value
+    return 0
+
+
 def apply_plan(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
     """Apply a validated plan on a 1D TP mesh: parameter entries, then module styles, then
     ``Replicate()`` for every parameter nothing named, then the plan's fix-ups (per-rank head
@@ -267,10 +283,8 @@ def apply_plan(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
             shard_param(modules[owner], pname, t.style, tp_mesh)
     for t in targets:
         if t.kind == "module":
-            if t.style == "mla_kv_a_proj":  # the rope width, from the config as transformers does
-                config = getattr(model, "config", None)
-                config = config.get_text_config() if hasattr(config, "get_text_config") else config
-                modules[t.name]._tpkit_rope_dim = getattr(config, "qk_rope_head_dim", 0)
+            if t.style == "mla_kv_a_proj":
+                modules[t.name]._tpkit_rope_dim = _rope_dim(model, modules, t.name)
             make_style(t.style)._apply(modules[t.name], tp_mesh)
             styled.add(t.name)
     for name, module in modules.items():

@@ -254,8 +254,10 @@ def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _example_inputs(model: nn.Module) -> tuple[tuple, dict]:
     shape = (_TRACE_BATCH, _TRACE_SEQ)
-    ids = torch.zeros(shape, dtype=torch.long, device="meta")
     config = getattr(model, "config", None)
+    codebooks = getattr(config, "num_codebooks", None)  # MusicGen: codebooks stacked in batch
+    rows = _TRACE_BATCH * (codebooks if isinstance(codebooks, int) and codebooks > 0 else 1)
+    ids = torch.zeros((rows, _TRACE_SEQ), dtype=torch.long, device="meta")
     if config is not None and hasattr(model, "get_input_embeddings"):
         kwargs: dict[str, Any] = {"input_ids": ids}
         if getattr(config, "is_encoder_decoder", False):

@@ -84,11 +84,23 @@ def _head_constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]
             sources.append(config)
         for src in sources:
             for attr in HEAD_ATTRS:
-                value = getattr(src, attr, None) if src is not None else None
+                value = _read(src, attr)
                 if isinstance(value, int) and value > 0 and (attr, value) not in seen:
                     seen.add((attr, value))
                     out.append((name, f"{attr}={value}", value))
     return out
+
+
+def _read(obj: object, attr: str) -> object:
+    """``getattr(obj, attr, None)``, also None where a heterogeneous transformers config refuses
+    a global read of a per-layer attribute (it raises a RuntimeError); the per-layer value is on
+    the layer's module or its own config, which are read too."""
+    if obj is None:
+        return None
+    try:
+        return getattr(obj, attr, None)
+    except RuntimeError:
+        return None
 
 
 def validate(model: nn.Module, plan: Plan, tp_size: int) -> None:

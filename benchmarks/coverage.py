@@ -132,6 +132,8 @@ DERIVED = {
     "mamba_headdim": lambda c: c.get("mamba_expand", 2) * 64 // c.get("n_mamba_heads", 1),
     "mamba_dt_rank": lambda c: 4,
     "time_step_rank": lambda c: 4,
+    # BLT: the byte encoder's patches (hidden x cross_attn_k) are the global model's hidden
+    "hidden_size_global": lambda c: 64 * c.get("cross_attn_k", 1),
     # hybrids whose attention reads [hidden, embeddings] concatenated (Zamba)
     "attention_hidden_size": lambda c: (
         64 * max(1, round(c["_attention_hidden_size"] / c["_hidden"]))
@@ -148,6 +150,23 @@ PATCHES = {
     "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},  # both read, unset
     # the LM head needs a decoder; axial position dims must sum to hidden; LSH hashing seeded
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "hash_seed": 0},
+    # the global transformer is as wide as the byte encoder's patches (64 x cross_attn_k 2)
+    "blt": {
+        "global_config.hidden_size": 128,
+        "global_config.head_dim": 32,
+        "encoder_hash_byte_group_vocab": 1009,
+    },
+    # indexed-attention layers need the indexer sizes, which the default leaves unset
+    **{
+        t: {
+            "indexer_n_heads": 2,
+            "indexer_kv_heads": 1,
+            "indexer_head_dim": 16,
+            "indexer_budget": 8,
+            "indexer_compress_ratio": 2,
+        }
+        for t in ("qwen4_exp", "qwen4_exp_text")
+    },
     # the shared attention block is tied across its uses, so it must be used twice
     "zamba": {
         "num_hidden_layers": 3,
@@ -164,19 +183,8 @@ def _layer_list(values: list, n: int) -> list:
     return out + [values[-1]] * (n - len(out))
 
 
-def tiny_config(model_type: str, class_name: str | None = None):
-    """The architecture's default config with every known size field shrunk; None when the
-    config is not a text one (it holds vision / audio / text sub-configs)."""
-    import transformers
-    from transformers import CONFIG_MAPPING
-
-    cls = CONFIG_MAPPING[model_type]
-    if class_name and hasattr(transformers, class_name):  # e.g. MusicGen's decoder-only config
-        cls = getattr(transformers, class_name).config_class
-    default = cls()
-    fields = default.to_dict()
-    if any(k in fields for k in ("vision_config", "audio_config", "text_config", "encoder")):
-        return None
+def _shrink(fields: dict) -> dict:
+    """The shrunk values for one config's fields (see SIZES and DERIVED)."""
     kwargs = {k: v for v, keys in SIZES.items() for k in keys if k in fields}
     kwargs.update({k: 64 for k in POSITIONS if k in fields})
     kwargs["vocab_size"] = VOCAB
@@ -211,6 +219,26 @@ def tiny_config(model_type: str, class_name: str | None = None):
             kwargs[k] = _layer_list(v, 2)
     if fields.get("layers_block_type") and n_layers:
         kwargs["layers_block_type"] = _layer_list(fields["layers_block_type"], 2)
+    return kwargs
+
+
+def tiny_config(model_type: str, class_name: str | None = None):
+    """The architecture's default config with every known size field shrunk; None when the
+    config is not a text one (it holds vision / audio / text sub-configs)."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    if class_name and hasattr(transformers, class_name):  # e.g. MusicGen's decoder-only config
+        cls = getattr(transformers, class_name).config_class
+    default = cls()
+    fields = default.to_dict()
+    if any(k in fields for k in ("vision_config", "audio_config", "text_config", "encoder")):
+        return None
+    kwargs = _shrink(fields)
+    for k, v in fields.items():  # sub-configs held as dicts (BLT's encoder/decoder/patcher)
+        if isinstance(v, dict) and any(f in v for f in SIZES[64]):
+            kwargs[k] = {**v, **_shrink(v)}
     patches = PATCHES.get(model_type, {})
     kwargs.update({k: v for k, v in patches.items() if "." not in k})
     try:
@@ -333,6 +361,13 @@ def has_hf_plan(model_type: str, class_name: str | None = None) -> bool:
     return bool(getattr(config, "base_model_tp_plan", None))
 
 
+def hf_plan_names_layers(model_type: str, class_name: str | None = None) -> bool:
+    """Whether transformers' plan names a layer (a ``layers.*`` pattern), not just the
+    vocabulary embedding, as some shipped plans do."""
+    config = tiny_config(model_type, class_name)
+    return any("*" in k for k in (getattr(config, "base_model_tp_plan", None) or {}))
+
+
 def _short(exc: BaseException | str) -> str:
     text = str(exc).strip().splitlines()
     last = [ln for ln in text if ln.strip()]
@@ -358,6 +393,7 @@ def run(only: list[str] | None, out_dir: Path) -> dict:
             started = time.time()
             try:
                 row["transformers_plan"] = has_hf_plan(model_type, class_name)
+                row["transformers_plan_names_layers"] = hf_plan_names_layers(model_type, class_name)
                 if tiny_config(model_type, class_name) is None:
                     row.update(status="skipped", why="not a text architecture (multimodal config)")
                     rows.append(row)
@@ -413,7 +449,11 @@ def summarize(rows: list[dict], seconds: float) -> dict:
         "parity_ok_share_of_text": round(len(ok) / max(1, len(text)), 3),
         "parity_ok_share_of_buildable": round(len(ok) / max(1, len(tested)), 3),
         "parity_ok_with_inferred_plan": len(inferred_ok),
+        "parity_ok_sharding_half": sum(1 for r in ok if r.get("share_sharded", 0) >= 0.5),
         "transformers_plan_on_text": sum(1 for r in text if r.get("transformers_plan")),
+        "transformers_plan_naming_layers": sum(
+            1 for r in text if r.get("transformers_plan_names_layers")
+        ),
         "median_inferred_share": _median(
             [r["inferred_share"] for r in text if "inferred_share" in r]
         ),
@@ -443,8 +483,13 @@ def markdown(summary: dict, rows: list[dict]) -> str:
         "rest use transformers' plan, applied by tpkit's styles)",
         "- 'share sharded': 2-D parameters sharded by the plan used; 'inferred share': the same "
         "for the plan tpkit infers (traced on the meta device), also where transformers has one",
+        f"- of those, the plan used shards at least half of the 2-D parameters: "
+        f"{s['parity_ok_sharding_half']} (tiny configs skew this: a 101-row vocabulary, 2 layers, "
+        "fused 3-D MoE experts that inferred plans leave whole)",
         f"- transformers ships a TP plan for {s['transformers_plan_on_text']} of the "
-        f"{s['text_architectures']} text architectures",
+        f"{s['text_architectures']} text architectures; "
+        f"{s['transformers_plan_naming_layers']} of them name a layer, the others only the "
+        "embedding",
         f"- median share of 2-D parameters an inferred plan shards: {s['median_inferred_share']:.1%}",
         f"- wall time: {s['seconds']} s",
         "",

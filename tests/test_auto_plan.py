@@ -30,6 +30,9 @@ HARD = {
     ),
     "longcat_flash": ("LongcatFlashForCausalLM", 0.9, "moe_identity_expert, MLA"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", 0.9, "fused experts traced on meta in float32"),
+    # transformers' plan names only the embedding; inferred: per-head attention sinks, fused
+    # experts stored transposed, gate|up interleaved, with biases (the down bias enters / tp)
+    "gpt_oss": ("GptOssForCausalLM", 0.9, "sinks, transposed interleaved experts with biases"),
     # per-layer configs refuse global reads of head counts; MLA's rope width is per layer
     "dots3_note_text": ("Dots3NoteForCausalLM", 0.5, "heterogeneous per-layer config, MLA"),
 }
@@ -74,7 +77,7 @@ def test_hard_architectures_match_the_unsharded_model(ranks2, model_type):
     r = ranks2.run(check_parity, model_type, timeout=180)[0]
     assert r["logits"] <= TOL and r["loss"] <= TOL and r["grad"] <= TOL, r
     assert r["sharded"] >= HARD[model_type][1], f"{r['sharded']:.1%} of 2-D params sharded: {r}"
-    if model_type in ("doge", "diffllama"):
+    if model_type in ("doge", "diffllama", "gpt_oss"):
         assert r["sources"] == ["inferred"], r
         assert "base_model_tp_plan is not used" in r["note"], r["note"]
     else:
@@ -144,3 +147,27 @@ def test_the_coverage_shrinker_builds_runnable_tiny_models(model_type, cls):
     with torch.no_grad():
         out = model(**inputs(model, "causal-lm"))
     assert torch.isfinite(out.logits).all()
+
+
+@pytest.mark.parametrize(
+    "model_type,cls", [("qwen3_moe", "Qwen3MoeForCausalLM"), ("mixtral", "MixtralForCausalLM")]
+)
+def test_inferred_fused_experts_agree_with_transformers_plan(model_type, cls):
+    model = build_tiny(model_type, cls, device="meta")
+    inferred, shipped = infer_plan(model), hf_plan(model)
+    for name in ("experts", "experts.gate_up_proj", "experts.down_proj"):
+        full_name = f"model.layers.0.mlp.{name}"
+        assert inferred.style_for(full_name)[0] == shipped.style_for(full_name)[0], full_name
+
+
+def test_transposed_experts_split_their_output_dim():
+    """GPT-OSS stores gate_up as [E, hidden, 2 x inter] (is_transposed): the split is dim 2."""
+    from tpkit.plan.validate import param_layouts
+
+    model = build_tiny("gpt_oss", "GptOssForCausalLM", device="meta")
+    layouts = param_layouts(model, infer_plan(model))
+    assert layouts["model.layers.0.mlp.experts.gate_up_proj"][1].dim == 2
+    assert layouts["model.layers.0.mlp.experts.down_proj"][1].dim == 1
+    assert layouts["model.layers.0.mlp.experts.gate_up_proj_bias"][1].dim == 1
+    assert not layouts["model.layers.0.mlp.experts.down_proj_bias"][1].sharded
+    assert layouts["model.layers.0.self_attn.sinks"][1].dim == 0

@@ -430,9 +430,26 @@ class VocabParallelStyle(TPStyle):
 
 class MoeExpertsStyle(AllReduceStyle):
     """Experts whose weights are split by their own parameter entries (gate_up packed_colwise,
-    down rowwise): every float input gets f, the summed output g."""
+    down rowwise): every float input gets f, the summed output g. A replicated
+    ``down_proj_bias`` (GPT-OSS) is added inside every rank's partial sum, so it enters as
+    bias / tp (exact for power-of-two tp) with its gradient summed over the group."""
 
     name = "moe_tp_experts"
+    scale_down_bias = False
+
+    def _setup(self, module):
+        w, b = module._parameters.get("down_proj"), module._parameters.get("down_proj_bias")
+        sharded = isinstance(w, DTensor) and any(p.is_shard() for p in w.placements)
+        self.scale_down_bias = sharded and isinstance(b, DTensor)
+
+    def _pre_hook(self, module, args, kwargs):
+        out = super()._pre_hook(module, args, kwargs)
+        if self.scale_down_bias:
+            b = module._parameters["down_proj_bias"]  # the local tensor, swapped in
+            if torch.is_grad_enabled() and b.requires_grad:
+                b = copy_to_tp(b, self.group)
+            module._parameters["down_proj_bias"] = b / self.tp
+        return out
 
 
 class MoeIdentityExpertStyle(TPStyle):

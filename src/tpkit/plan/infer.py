@@ -635,13 +635,30 @@ def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> 
                 fixups[owner] = {**fixups.get(owner, {}), **fix}
                 for attr in fix.get("divide", []):
                     counts[f"{owner}.{attr}"] = getattr(modules[owner], attr)
+            for pname in _per_head_params(modules[owner], widths):
+                styles[f"{owner}.{pname}"] = "colwise"  # split by heads, like the heads
+                pair.append(f"{owner}.{pname}")
         groups.append({"modules": pair, "owners": sorted(owners & set(fixups)), "counts": counts})
+
+    for name, mod in modules.items():
+        entries = _fused_experts(mod)
+        if entries and name not in exclude:
+            styles[name] = "moe_tp_experts"
+            styles.update({f"{name}.{p}": style for p, style in entries.items()})
+            inter = _experts_inter(mod)
+            groups.append(
+                {
+                    "modules": [name, *(f"{name}.{p}" for p in entries)],
+                    "owners": [],
+                    "counts": {f"intermediate size of {name}": inter},
+                }
+            )
 
     for name, reason in why.items():
         if name not in styles:
             notes[name] = f"replicated: {reason}"
 
-    all_names = list(modules)
+    all_names = list(modules) + [n for n, _ in model.named_parameters(remove_duplicate=False)]
     plan = Plan()
     for pattern, style in _collapse(styles, all_names).items():
         plan.set(pattern, style, "inferred")
@@ -840,6 +857,47 @@ def _fixups(owner: nn.Module, widths: set[int], info: dict, owner_name: str) -> 
     if head_inputs:
         out["head_inputs"] = head_inputs
     return out
+
+
+def _fused_experts(mod: nn.Module) -> dict[str, str]:
+    """Styles for the 3-D weights of a transformers fused-experts module, read from what the
+    module declares about itself (``use_experts_implementation``: ``has_gate``,
+    ``is_concatenated`` [gate; up] or interleaved, ``is_transposed``, ``has_bias``): each
+    expert's up (and gate) projection column-parallel, its down projection row-parallel,
+    the module ``moe_tp_experts`` (f in, one all-reduce out). {} for any other module."""
+    d = mod.__dict__
+    if not all(isinstance(d.get(k), bool) for k in ("has_gate", "is_concatenated")):
+        return {}
+    up = "gate_up_proj" if d["has_gate"] else "up_proj"
+    params = dict(mod.named_parameters(recurse=False))
+    if params.get(up) is None or params[up].ndim != 3 or params.get("down_proj") is None:
+        return {}
+    col = "packed_colwise" if d["has_gate"] and d["is_concatenated"] else "colwise"
+    out = {up: col, "down_proj": "rowwise"}
+    if f"{up}_bias" in params:
+        out[f"{up}_bias"] = col
+    return out
+
+
+def _experts_inter(mod: nn.Module) -> int:
+    """Each expert's intermediate width, from its down projection."""
+    w = mod.down_proj
+    return int(w.shape[1] if mod.__dict__.get("is_transposed") else w.shape[2])
+
+
+def _per_head_params(owner: nn.Module, widths: set[int]) -> list[str]:
+    """The owner's own 1-D parameters with one value per head (GPT-OSS's attention ``sinks``),
+    read by its code next to the rank's heads: they are split as the heads are. Head counts
+    come from the owner's head attributes, or its split widths over its ``head_dim``."""
+    heads = {v for a in HEAD_ATTRS if isinstance(v := owner.__dict__.get(a), int)}
+    head_dim = owner.__dict__.get("head_dim")
+    if isinstance(head_dim, int) and head_dim > 0:
+        heads |= {w // head_dim for w in widths if w % head_dim == 0}
+    return [
+        n
+        for n, p in owner.named_parameters(recurse=False)
+        if p.ndim == 1 and p.shape[0] in heads and p.shape[0] > 1
+    ]
 
 
 def _common_head_inputs(fixups: dict[str, dict]) -> dict[str, dict]:

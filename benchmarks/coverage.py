@@ -326,13 +326,51 @@ def check_parity(model_type: str, class_name: str, kind: str) -> dict:
         got = _logits(model(**x))
     diff = (got - want).abs().max().item()
     tol = TOL * max(1.0, want.abs().max().item())  # float32 sums in another order
+    grad_diff, grad_tol, missing = _grad_diff(ref, model, x, want.shape)
+    skipped = bool(missing) and missing[0].startswith("no reference backward")
     return {
         "source": "config" if "config" in sources else ("inferred" if sources else "none"),
         "max_diff": diff,
         "parity": bool(diff <= tol),
+        "grad_diff": grad_diff,
+        "grad_parity": None if skipped else bool(grad_diff <= grad_tol and not missing),
+        "grads_missing": missing[:3],
         "share_sharded": sharded / max(1, total),
         "notes": dict(list(plan.notes.items())[:4]),
     }
+
+
+def _grad_diff(ref, model, x: dict, shape) -> tuple[float, float, list[str]]:
+    """Backward of the same random projection of the logits through both models: the largest
+    gradient difference over all parameters, its tolerance, and parameters that got a
+    gradient in one model only."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    for m in (ref, model):
+        m.zero_grad(set_to_none=True)
+        try:
+            (_logits(m(**x)) * w).sum().backward()
+        except Exception as exc:  # noqa: BLE001
+            if m is model:
+                raise
+            # the unsharded model has no backward here (Reformer's needs training mode):
+            # both ranks skip the check alike
+            return float("nan"), 0.0, [f"no reference backward: {_short(exc)}"]
+    ref_params = dict(ref.named_parameters())
+    diff, top, missing = 0.0, 0.0, []
+    for name, p in model.named_parameters():
+        g, want = p.grad, ref_params[name].grad
+        if (g is None) != (want is None):
+            missing.append(name)
+            continue
+        if g is None:
+            continue
+        g = g.full_tensor() if isinstance(g, DTensor) else g  # every rank, same order
+        diff = max(diff, (g - want).abs().max().item())
+        top = max(top, want.abs().max().item())
+    return diff, TOL * max(1.0, top), missing
 
 
 def infer_share(model_type: str, class_name: str) -> dict:
@@ -412,6 +450,14 @@ def run(only: list[str] | None, out_dir: Path) -> dict:
                 row.update(r, status="ok" if r["parity"] else "mismatch")
                 if not r["parity"]:
                     row["why"] = f"max |logits diff| = {r['max_diff']:.2e}"
+                elif r["grad_parity"] is None:
+                    row["why"] = f"gradients not checked: {r['grads_missing'][0]}"
+                elif not r["grad_parity"]:
+                    row["why"] = f"gradients: max |diff| = {r['grad_diff']:.2e}" + (
+                        f", only one model has a gradient for {r['grads_missing']}"
+                        if r["grads_missing"]
+                        else ""
+                    )
             except RankError as exc:
                 why = _short(exc)
                 bad_ref = "unsharded reference forward fails" in str(exc)
@@ -449,6 +495,7 @@ def summarize(rows: list[dict], seconds: float) -> dict:
         "parity_ok_share_of_text": round(len(ok) / max(1, len(text)), 3),
         "parity_ok_share_of_buildable": round(len(ok) / max(1, len(tested)), 3),
         "parity_ok_with_inferred_plan": len(inferred_ok),
+        "gradient_parity_ok": sum(1 for r in ok if r.get("grad_parity")),
         "parity_ok_sharding_half": sum(1 for r in ok if r.get("share_sharded", 0) >= 0.5),
         "transformers_plan_on_text": sum(1 for r in text if r.get("transformers_plan")),
         "transformers_plan_naming_layers": sum(
@@ -481,6 +528,8 @@ def markdown(summary: dict, rows: list[dict]) -> str:
         f"{s['parity_ok_share_of_buildable']:.1%} of the runnable ones**",
         f"- of those, with a plan inferred by tpkit: {s['parity_ok_with_inferred_plan']} (the "
         "rest use transformers' plan, applied by tpkit's styles)",
+        f"- of those, every parameter's gradient also matches (backward of a fixed random "
+        f"projection of the logits, same tolerance): {s['gradient_parity_ok']}",
         "- 'share sharded': 2-D parameters sharded by the plan used; 'inferred share': the same "
         "for the plan tpkit infers (traced on the meta device), also where transformers has one",
         f"- of those, the plan used shards at least half of the 2-D parameters: "
@@ -493,12 +542,13 @@ def markdown(summary: dict, rows: list[dict]) -> str:
         f"- median share of 2-D parameters an inferred plan shards: {s['median_inferred_share']:.1%}",
         f"- wall time: {s['seconds']} s",
         "",
-        "| architecture | kind | transformers plan | plan used | parity | max diff | "
+        "| architecture | kind | transformers plan | plan used | parity | max diff | grad diff | "
         "share sharded | inferred share | why not |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         diff = f"{r['max_diff']:.1e}" if "max_diff" in r else ""
+        gdiff = f"{r['grad_diff']:.1e}" if "grad_diff" in r else ""
         share = f"{r['share_sharded']:.0%}" if "share_sharded" in r else ""
         ishare = f"{r['inferred_share']:.0%}" if "inferred_share" in r else ""
         if "inferred_error" in r:
@@ -506,7 +556,8 @@ def markdown(summary: dict, rows: list[dict]) -> str:
         why = r.get("why", "")
         lines.append(
             f"| {r['architecture']} | {r['kind']} | {'yes' if r.get('transformers_plan') else 'no'}"
-            f" | {r.get('source', '')} | {r.get('status', '')} | {diff} | {share} | {ishare} | "
+            f" | {r.get('source', '')} | {r.get('status', '')} | {diff} | {gdiff} | {share} | "
+            f"{ishare} | "
             f"{why.replace('|', '/')} |"
         )
     return "\n".join(lines) + "\n"

@@ -33,6 +33,10 @@ HARD = {
     # transformers' plan names only the embedding; inferred: per-head attention sinks, fused
     # experts stored transposed, gate|up interleaved, with biases (the down bias enters / tp)
     "gpt_oss": ("GptOssForCausalLM", 0.9, "sinks, transposed interleaved experts with biases"),
+    # transformers' plan leaves the xIELU activation's scalars (on split activations) unnamed
+    "apertus": ("ApertusForCausalLM", 0.9, "parameterised activation between colwise and rowwise"),
+    # the short convolution needs in_proj whole: only that group stays replicated
+    "lfm2_moe": ("Lfm2MoeForCausalLM", 0.5, "dry run replicates the fewest groups"),
     # per-layer configs refuse global reads of head counts; MLA's rope width is per layer
     "dots3_note_text": ("Dots3NoteForCausalLM", 0.5, "heterogeneous per-layer config, MLA"),
 }
@@ -77,7 +81,7 @@ def test_hard_architectures_match_the_unsharded_model(ranks2, model_type):
     r = ranks2.run(check_parity, model_type, timeout=180)[0]
     assert r["logits"] <= TOL and r["loss"] <= TOL and r["grad"] <= TOL, r
     assert r["sharded"] >= HARD[model_type][1], f"{r['sharded']:.1%} of 2-D params sharded: {r}"
-    if model_type in ("doge", "diffllama", "gpt_oss"):
+    if model_type in ("doge", "diffllama", "gpt_oss", "lfm2_moe"):
         assert r["sources"] == ["inferred"], r
         assert "base_model_tp_plan is not used" in r["note"], r["note"]
     else:
@@ -171,3 +175,45 @@ def test_transposed_experts_split_their_output_dim():
     assert layouts["model.layers.0.mlp.experts.gate_up_proj_bias"][1].dim == 1
     assert not layouts["model.layers.0.mlp.experts.down_proj_bias"][1].sharded
     assert layouts["model.layers.0.self_attn.sinks"][1].dim == 0
+
+
+def test_transformers_plan_gets_grad_allreduce_for_parameters_on_split_activations():
+    model = build_tiny("apertus", "ApertusForCausalLM", device="meta")
+    assert hf_plan(model).style_for("model.layers.0.mlp.act_fn") is None
+    plan = derive_plan(model)
+    assert plan.style_for("model.layers.0.mlp.act_fn")[0] == "replicated_with_grad_allreduce"
+
+
+def test_a_failing_dry_run_replicates_only_the_groups_it_must():
+    """LFM2's short convolution reads in_proj's output whole; attention and MLP stay split."""
+    plan = infer_plan(build_tiny("lfm2_moe", "Lfm2MoeForCausalLM", device="meta"))
+    assert plan.style_for("model.layers.0.conv.in_proj")[0] == "replicate"
+    assert plan.style_for("model.layers.1.self_attn.q_proj")[0] == "colwise"
+    assert plan.style_for("model.layers.0.feed_forward.w2")[0] == "rowwise"
+
+
+def test_a_replicated_group_takes_its_per_head_norms_along():
+    """3 heads at tp=2: the attention group stays whole, and so must q_norm's gradient (an
+    all-reduce there would double it)."""
+    import transformers as tf
+
+    from tpkit.plan import validate
+
+    config = tf.Qwen3Config(
+        hidden_size=48,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        head_dim=16,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        vocab_size=101,
+    )
+    with torch.device("meta"):
+        model = tf.Qwen3ForCausalLM(config)
+    plan = infer_plan(model)
+    attention = [g for g in plan.groups if "model.layers.*.self_attn.o_proj" in g["modules"]]
+    assert "model.layers.*.self_attn.q_norm" in attention[0]["modules"]
+    validate(model, plan, 2)
+    assert plan.style_for("model.layers.0.self_attn.q_proj")[0] == "replicate"
+    assert plan.style_for("model.layers.0.self_attn.q_norm")[0] == "replicate"
+    assert plan.style_for("model.layers.0.mlp.down_proj")[0] == "rowwise"

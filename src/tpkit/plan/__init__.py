@@ -48,9 +48,11 @@ def _checked_config_plan(model: nn.Module, plan: Plan) -> Plan:
     row-parallel, so the per-head mask is computed for all heads while each rank holds half of
     them); transformers only finds out when forward crashes. One forward on fake tensors with
     rank 0's tp=2 shapes (no memory, no collectives) checks the plan first. In either case, when
-    the inferred plan passes the same check it is used instead, and its notes say why.
+    the inferred plan passes the same check it is used instead, and its notes say why. A plan
+    that passes gets ``replicated_with_grad_allreduce`` for the parameterised modules acting on
+    its column-parallel outputs that it does not name (`infer.complete_grad_allreduce`).
     """
-    from tpkit.plan.infer import dry_run, infer_plan
+    from tpkit.plan.infer import complete_grad_allreduce, dry_run, infer_plan
 
     if not _names_a_layer(model, plan):
         error = "it names only the vocabulary embedding, no layer"
@@ -58,7 +60,7 @@ def _checked_config_plan(model: nn.Module, plan: Plan) -> Plan:
         error = dry_run(model, plan, None, 2)
         error = error and f"it fails a tp=2 dry run ({error})"
     if error is None:
-        return plan
+        return complete_grad_allreduce(model, plan)
     try:
         inferred = infer_plan(model)
     except ValueError:

@@ -622,8 +622,9 @@ def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> 
             else:
                 styles[c] = "colwise"
             counts[f"output features of {c}"] = v.out // max(1, v.split)
-            for user in v.per_head_consumers:
+            for user in sorted(v.per_head_consumers - set(pair)):
                 styles[user] = "replicated_with_grad_allreduce"
+                pair.append(user)  # replicated with the group: then its gradient is whole
         styles[r] = "rowwise"
         counts[f"input features of {r}"] = _in_width(modules[r], nodes[r].kind)
         owners = {n.rsplit(".", 1)[0] for n in pair if "." in n}
@@ -668,21 +669,60 @@ def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> 
     return _checked(model, plan, example_inputs)
 
 
+_COLUMN_STYLES = ("colwise", "packed_colwise", "packed_qkv_colwise", "colwise_embedding")
+
+
+def complete_grad_allreduce(model: nn.Module, plan: Plan) -> Plan:
+    """Add ``replicated_with_grad_allreduce`` for the modules with their own parameters that act
+    on a column-parallel output which ``plan`` (typically transformers') leaves unnamed:
+    Apertus's xIELU activation (scalar ``alpha_p``/``alpha_n`` between up_proj and down_proj)
+    or a per-head norm. Each rank's gradient for them covers only its shard of the activation,
+    so without the all-reduce they drift apart across ranks. Traced on fake tensors; a model
+    that does not trace gets the plan unchanged."""
+    try:
+        nodes = trace(model)["nodes"]
+    except Exception:  # noqa: BLE001 - model code may do anything on meta
+        return plan
+    for t in plan.resolve(model):
+        if t.kind != "module" or t.style not in _COLUMN_STYLES or t.name not in nodes:
+            continue
+        for user in sorted(nodes[t.name].per_head_consumers):
+            if plan.style_for(user) is None:
+                plan.set(user, "replicated_with_grad_allreduce", t.source)
+    return plan
+
+
 def _checked(model: nn.Module, plan: Plan, example_inputs, tp: int = 2) -> Plan:
     """Dry-run the plan at tp=2 on fake tensors with rank 0's shard shapes and fix-ups; when the
-    model's code still fails (it reads a global head count somewhere the plan cannot fix), leave
-    first the attention groups, then every group, replicated, noting the error."""
+    model's code still fails (it reads a global head count somewhere the plan cannot fix, or
+    feeds a split output to a layer that needs it whole, like LFM2's short convolution), leave
+    the fewest groups replicated that make it run, each noted with the error: groups are
+    replicated one more at a time (attention groups first) until the dry run passes, then
+    each is given back its split if the dry run still passes without it."""
     error = dry_run(model, plan, example_inputs, tp)
     if error is None:
         return plan
-    for attention_only in (True, False):
-        trial = Plan().merged(plan)
-        for group in plan.groups:
-            if group["owners"] or not attention_only:
-                trial.replicate_group(group, f"a dry run of the split forward failed: {error}")
-        if dry_run(model, trial, example_inputs, tp) is None:
-            return trial
-    return trial
+    why = f"a dry run of the split forward failed: {error}"
+
+    def trial(replicated: list[int]) -> Plan:
+        out = Plan().merged(plan)
+        for i in replicated:
+            out.replicate_group(plan.groups[i], why)
+        return out
+
+    order = sorted(range(len(plan.groups)), key=lambda i: not plan.groups[i]["owners"])
+    chosen: list[int] = []
+    for i in order:
+        chosen.append(i)
+        if dry_run(model, trial(chosen), example_inputs, tp) is None:
+            break
+    else:
+        return trial(chosen)  # nothing split runs: everything stays replicated, noted
+    for i in list(chosen[:-1]):
+        rest = [j for j in chosen if j != i]
+        if dry_run(model, trial(rest), example_inputs, tp) is None:
+            chosen = rest
+    return trial(chosen)
 
 
 def dry_run(model: nn.Module, plan: Plan, example_inputs, tp: int) -> str | None:

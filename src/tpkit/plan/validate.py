@@ -79,9 +79,11 @@ def _head_constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]
         config = config.get_text_config()
     out, seen = [], set()
     for name, module in owners.items():
-        sources = [module, getattr(module, "config", None)]
+        sources = [module]
         if any(k in name.rsplit(".", 1)[-1].lower() for k in ("attn", "attention")):
-            sources.append(config)
+            # configs hold the model's head counts for every module that keeps a reference
+            # to them (an MLP's config has num_attention_heads too): attention modules only
+            sources += [getattr(module, "config", None), config]
         for src in sources:
             for attr in HEAD_ATTRS:
                 value = _read(src, attr)

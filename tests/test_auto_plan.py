@@ -217,3 +217,26 @@ def test_a_replicated_group_takes_its_per_head_norms_along():
     assert plan.style_for("model.layers.0.self_attn.q_proj")[0] == "replicate"
     assert plan.style_for("model.layers.0.self_attn.q_norm")[0] == "replicate"
     assert plan.style_for("model.layers.0.mlp.down_proj")[0] == "rowwise"
+
+
+def test_an_identity_expert_outside_sharded_experts_is_refused():
+    from tpkit.plan import validate
+
+    model = build_tiny("longcat_flash", "LongcatFlashForCausalLM", device="meta")
+    plan = derive_plan(model, {"model.layers.*.mlp.experts": "replicate"})
+    with pytest.raises(ValueError, match="no module above it is moe_tp_experts"):
+        validate(model, plan, 2)
+
+
+def test_transformers_plan_for_transposed_experts_keeps_its_raw_dims():
+    """Aria's experts are stored [E, in, out]; its shipped plan says packed_rowwise / colwise,
+    naming raw dims as every transformers plan does."""
+    from tpkit.plan.validate import param_layouts
+
+    model = build_tiny("aria_text", "AriaTextForCausalLM", device="meta")
+    plan = derive_plan(model)
+    assert "config" in {plan.source(p) for p in plan}
+    layouts = param_layouts(model, plan)
+    gate_up = layouts["model.layers.0.mlp.experts.gate_up_proj"][1]
+    assert (gate_up.dim, gate_up.split_factor) == (2, 2)
+    assert layouts["model.layers.0.mlp.experts.down_proj"][1].dim == 1

@@ -49,24 +49,31 @@ def _checked_config_plan(model: nn.Module, plan: Plan) -> Plan:
     them); transformers only finds out when forward crashes. One forward on fake tensors with
     rank 0's tp=2 shapes (no memory, no collectives) checks the plan first. In either case, when
     the inferred plan passes the same check it is used instead, and its notes say why. A plan
-    that passes gets ``replicated_with_grad_allreduce`` for the parameterised modules acting on
-    its column-parallel outputs that it does not name (`infer.complete_grad_allreduce`).
+    that passes is completed by the inferred plan's groups it leaves whole (attention with
+    MLA or q/k norms, shared experts, hybrid layers; `infer.complete_with_inferred`).
     """
-    from tpkit.plan.infer import complete_grad_allreduce, dry_run, infer_plan
+    from tpkit.plan.infer import complete_with_inferred, dry_run, infer_plan
 
     if not _names_a_layer(model, plan):
         error = "it names only the vocabulary embedding, no layer"
     else:
         error = dry_run(model, plan, None, 2)
         error = error and f"it fails a tp=2 dry run ({error})"
-    if error is None:
-        return complete_grad_allreduce(model, plan)
     try:
         inferred = infer_plan(model)
     except ValueError:
-        return plan  # nothing better to offer: validation or forward will name the problem
-    if dry_run(model, inferred, None, 2) is not None:
+        inferred = None
+    if error is None:
+        added = complete_with_inferred(model, plan, inferred) if inferred is not None else []
+        if added:
+            plan.notes[type(model).__name__] = (
+                "transformers' base_model_tp_plan leaves whole what the inferred plan splits: "
+                + ", ".join(g["modules"][-1] for g in added)
+                + " (pass plan='config' for transformers' plan alone)"
+            )
         return plan
+    if inferred is None or dry_run(model, inferred, None, 2) is not None:
+        return plan  # nothing better to offer: validation or forward will name the problem
     inferred.notes[type(model).__name__] = (
         f"transformers' base_model_tp_plan is not used: {error}; the inferred plan is (pass "
         "plan='config' to force transformers' plan)"
@@ -103,19 +110,31 @@ def _vocab_children(model: nn.Module, plan: Plan) -> Plan:
     return plan
 
 
+def _completed(model: nn.Module, plan: Plan) -> Plan:
+    from tpkit.plan.infer import complete_grad_allreduce
+
+    return complete_grad_allreduce(model, _vocab_children(model, plan))
+
+
 def derive_plan(model: nn.Module, plan: PlanLike = "auto") -> Plan:
     """Turn what the user passed into a `Plan` for ``model``.
 
-    - ``"auto"``: the model's transformers plan if it ships one and a tp=2 dry run of the model
-      on fake tensors passes with it, else a plan inferred from the model's dataflow;
-      ``"config"`` / ``"infer"`` force one of the two.
+    - ``"auto"``: the model's transformers plan when it ships one that names a layer and runs
+      (a tp=2 dry run on fake tensors), completed by the inferred plan's groups it leaves
+      whole; else the inferred plan, from the model's dataflow, when that one runs; else
+      transformers' plan as it is. ``"config"`` / ``"infer"`` force one of the two, unchecked.
     - a mapping, a `Plan`, or a YAML file path: user entries merged over the ``"auto"`` plan,
       entry by entry (a user entry wins where both name the same module).
+
+    Whatever the source, modules with their own parameters that act on a column-parallel
+    output and that no entry names (Apertus's xIELU activation, a vocab-parallel embedding's
+    inner norm) get ``replicated_with_grad_allreduce``: each rank's gradient for them covers
+    only its shard, so the true one is their sum.
     """
     if plan is None:
         plan = "auto"
     if isinstance(plan, str) and plan in ("auto", "config", "infer"):
-        return _vocab_children(model, _auto_plan(model, plan))
+        return _completed(model, _auto_plan(model, plan))
     if isinstance(plan, (str, Path)):
         user = Plan.from_yaml(plan)
     elif isinstance(plan, Plan):
@@ -130,4 +149,4 @@ def derive_plan(model: nn.Module, plan: PlanLike = "auto") -> Plan:
         base = _auto_plan(model, "auto")
     except ValueError:
         base = Plan()  # nothing to derive: the user's plan is the whole plan
-    return _vocab_children(model, base.merged(user))
+    return _completed(model, base.merged(user))

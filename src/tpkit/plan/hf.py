@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from tpkit.plan.spec import Plan
+from tpkit.plan.spec import Plan, matches
 
 
 def _config_plan(model: nn.Module) -> dict[str, str]:
@@ -51,13 +51,21 @@ def hf_plan(model: nn.Module) -> Plan | None:
             if module is embed and not any(name == join(k) for k in base_entries):
                 plan.set(name, "vocab_parallel", "config")
                 break
+    modules = dict(model.named_modules())
     for key, style in base_entries.items():
         if style == "colwise" and key.endswith("experts.gate_up_proj"):
             # Fused [gate; up] expert weights: every other plan says packed_colwise. A plain
             # colwise split gives rank 0 only gate rows, which the code's chunk(2) then pairs
             # with each other; transformers' loader hides it by sharding gate and up before
             # fusing them, a model built or loaded any other way computes garbage (Inkling).
-            style = "packed_colwise"
+            # Interleaved [g0, u0, g1, u1, ...] experts are right with plain colwise.
+            owner = join(key).rsplit(".", 1)[0]
+            if all(
+                m.__dict__.get("is_concatenated", True) is not False
+                for n, m in modules.items()
+                if matches(owner, n)
+            ):
+                style = "packed_colwise"
         plan.set(join(key), style, "config")
     for cls in reversed(type(model).__mro__):
         for key, style in (getattr(cls, "_tp_plan", None) or {}).items():

@@ -312,18 +312,28 @@ def _meta_state(model: nn.Module, fake, shapes: Mapping[int, tuple] | None = Non
 def _fake_friendly_experts(model: nn.Module):
     """Temporarily run transformers' fused MoE experts as ``batched_mm`` instead of
     ``grouped_mm``, whose meta kernel accepts only bfloat16 (a float32 model would not trace).
-    Both compute the same thing with the same weights, so the dataflow is the same."""
-    changed = []
-    for mod in model.modules():
-        config = getattr(mod, "config", None)
-        if getattr(config, "_experts_implementation", None) == "grouped_mm":
-            changed.append(config)
-            config._experts_implementation = "batched_mm"
+    Both compute the same thing with the same weights, so the dataflow is the same. The raw
+    value of every config reachable from a module (sub-configs too: transformers' setter
+    copies a value into them) is saved and put back as it was."""
+    key = "_experts_implementation_internal"
+    configs: dict[int, Any] = {}
+    todo = [getattr(m, "config", None) for m in model.modules()]
+    while todo:
+        c = todo.pop()
+        if c is None or id(c) in configs or not hasattr(c, "__dict__"):
+            continue
+        configs[id(c)] = c
+        for sub in getattr(c, "sub_configs", None) or {}:
+            todo.append(c.__dict__.get(sub))
+    saved = [(c, c.__dict__[key]) for c in configs.values() if key in c.__dict__]
     try:
+        for c, value in saved:
+            if value == "grouped_mm":
+                c.__dict__[key] = "batched_mm"
         yield
     finally:
-        for config in changed:
-            config._experts_implementation = "grouped_mm"
+        for c, value in saved:
+            c.__dict__[key] = value
 
 
 @contextlib.contextmanager
@@ -641,6 +651,27 @@ def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> 
                 pair.append(f"{owner}.{pname}")
         groups.append({"modules": pair, "owners": sorted(owners & set(fixups)), "counts": counts})
 
+    # A replicated linear whose output is cut unevenly, one part into column linears and the
+    # rest elsewhere (MLA's kv_a_proj_with_mqa: [kv latent | rope key], the rope key broadcast
+    # straight to the rank's heads): that rest gets a partial gradient on each rank. With a
+    # known rope width, mla_kv_a_proj all-reduces it; otherwise its groups stay whole.
+    columns = {c for cols in rows.values() for c in cols}
+    for name, v in nodes.items():
+        if name in styles or not v.uneven or not v.consumers or not v.consumers <= columns:
+            continue
+        parent = modules.get(name.rsplit(".", 1)[0] if "." in name else "")
+        if isinstance(getattr(parent, "qk_rope_head_dim", None), int):
+            styles[name] = "mla_kv_a_proj"
+            for g in groups:
+                if v.consumers & set(g["modules"]):
+                    g["modules"].append(name)
+        else:
+            for g in groups:
+                if v.consumers & set(g["modules"]):
+                    for m in g["modules"]:
+                        styles[m] = "replicate"
+                        why[m] = f"{name} also feeds the split heads directly, not through them"
+
     for name, mod in modules.items():
         entries = _fused_experts(mod)
         if entries and name not in exclude:
@@ -656,7 +687,7 @@ def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> 
             )
 
     for name, reason in why.items():
-        if name not in styles:
+        if name not in styles or styles[name] == "replicate":
             notes[name] = f"replicated: {reason}"
 
     all_names = list(modules) + [n for n, _ in model.named_parameters(remove_duplicate=False)]
@@ -667,6 +698,49 @@ def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> 
     plan.notes.update(_collapse(notes, all_names))
     plan.groups.extend(_collapse_groups(groups))
     return _checked(model, plan, example_inputs)
+
+
+def complete_with_inferred(model: nn.Module, plan: Plan, inferred: Plan, tp: int = 2) -> list:
+    """Add to ``plan`` (in place) every group of ``inferred`` that ``plan`` leaves whole: none of
+    its modules or their ancestors named by ``plan``, and a tp dry run still passing with it
+    (transformers' plans skip MLA's down projections, routers' shared MLPs, hybrid layers...).
+    Returns the groups added."""
+    from tpkit.plan.spec import matches
+
+    names = list(dict(model.named_modules())) + [n for n, _ in model.named_parameters()]
+
+    def named_above(name: str) -> bool:
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            hit = plan.style_for(".".join(parts[:i]))
+            if hit and (i == len(parts) or hit[0] != "replicate"):
+                return True
+        return False
+
+    def add(target: Plan, group: dict) -> None:
+        for pattern in group["modules"]:
+            target.set(pattern, inferred[pattern], "inferred")
+        for owner in group["owners"]:
+            if owner in inferred.fixups:
+                target.fixups[owner] = inferred.fixups[owner]
+        target.groups.append(group)
+
+    added = []
+    for group in inferred.groups:
+        patterns = group["modules"]
+        if not all(p in inferred and inferred[p] != "replicate" for p in patterns):
+            continue  # left whole by inference too, or not one entry per layer kind
+        concrete = [n for p in patterns for n in names if matches(p, n)]
+        if not concrete or any(named_above(n) for n in concrete):
+            continue
+        trial = Plan().merged(plan)
+        trial.fixups.update(plan.fixups)
+        trial.groups.extend(plan.groups)
+        add(trial, group)
+        if dry_run(model, trial, None, tp) is None:
+            add(plan, group)
+            added.append(group)
+    return added
 
 
 _COLUMN_STYLES = ("colwise", "packed_colwise", "packed_qkv_colwise", "colwise_embedding")
@@ -758,55 +832,60 @@ def _dry_run_once(model: nn.Module, plan: Plan, example_inputs, tp: int, real: b
         shapes[id(p)] = local_shape(tuple(p.shape), layout, tp) if layout.sharded else None
     shapes = {k: v for k, v in shapes.items() if v is not None}
     modules = dict(model.named_modules())
-    restore, hooks = [], []
-    for name, mod in modules.items():
-        fix = plan.fixups_for(name) if plan.fixups else {}
-        heads = None
-        for attr in fix.get("divide", []):
-            value = getattr(mod, attr, None)
-            if isinstance(value, int):
-                restore.append((mod, attr, value))
-                setattr(mod, attr, value // tp)
-                heads = heads or (value if attr in HEAD_ATTRS else None)
-        if fix.get("head_inputs") and heads:
-            hooks.append(
-                mod.register_forward_pre_hook(
-                    _head_slicer(fix["head_inputs"], heads, tp), with_kwargs=True
-                )
-            )
-        if isinstance(getattr(mod, "nf", None), int) and id(getattr(mod, "weight", None)) in shapes:
-            restore.append((mod, "nf", mod.nf))
-            mod.nf = shapes[id(mod.weight)][-1]
-    for t in plan.resolve(model):
-        if t.kind == "module" and t.style == "colwise_gather_output":
-            full = _out_width(modules[t.name], _kind(modules[t.name]) or "linear")
-            hooks.append(modules[t.name].register_forward_hook(_widen(full)))
-        elif t.kind == "module" and t.style == "rowwise_split_input":
-            local = _in_width(modules[t.name], _kind(modules[t.name]) or "linear")
-            if id(modules[t.name].weight) in shapes:
-                local = shapes[id(modules[t.name].weight)][-1]
-            hooks.append(modules[t.name].register_forward_pre_hook(_narrow(local)))
-    args, kwargs = _example_inputs(model) if example_inputs is None else ((), {})
-    if example_inputs is not None:
-        if isinstance(example_inputs, Mapping):
-            kwargs = dict(example_inputs)
-        else:
-            args = tuple(example_inputs)
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    if real:
-        device = next(model.parameters()).device
-        args, kwargs = tree_map(
-            lambda t: torch.zeros_like(t, device=device) if isinstance(t, torch.Tensor) else t,
-            (args, kwargs),
-        )
-    else:
-        args, kwargs = tree_map(
-            lambda t: fake.from_tensor(t.to("meta")) if isinstance(t, torch.Tensor) else t,
-            (args, kwargs),
-        )
+    restore: list = []  # (module, attribute, value) to put back
+    hooks: list = []
     quiet = logging.getLogger("torch._subclasses.fake_tensor")
     level, quiet.level = quiet.level, logging.CRITICAL
-    try:
+    try:  # every temporary change is made inside, so the finally undoes all of them
+        for name, mod in modules.items():
+            fix = plan.fixups_for(name) if plan.fixups else {}
+            heads = None
+            for attr in fix.get("divide", []):
+                value = getattr(mod, attr, None)
+                if isinstance(value, int):
+                    restore.append((mod, attr, value))
+                    setattr(mod, attr, value // tp)
+                    heads = heads or (value if attr in HEAD_ATTRS else None)
+            if fix.get("head_inputs") and heads:
+                hooks.append(
+                    mod.register_forward_pre_hook(
+                        _head_slicer(fix["head_inputs"], heads, tp), with_kwargs=True
+                    )
+                )
+            if (
+                isinstance(getattr(mod, "nf", None), int)
+                and id(getattr(mod, "weight", None)) in shapes
+            ):
+                restore.append((mod, "nf", mod.nf))
+                mod.nf = shapes[id(mod.weight)][-1]
+        for t in plan.resolve(model):
+            if t.kind == "module" and t.style == "colwise_gather_output":
+                full = _out_width(modules[t.name], _kind(modules[t.name]) or "linear")
+                hooks.append(modules[t.name].register_forward_hook(_widen(full)))
+            elif t.kind == "module" and t.style == "rowwise_split_input":
+                kind = _kind(modules[t.name]) or "linear"
+                local = _in_width(modules[t.name], kind)
+                if id(modules[t.name].weight) in shapes:
+                    local = shapes[id(modules[t.name].weight)][0 if kind == "conv1d" else -1]
+                hooks.append(modules[t.name].register_forward_pre_hook(_narrow(local)))
+        args, kwargs = _example_inputs(model) if example_inputs is None else ((), {})
+        if example_inputs is not None:
+            if isinstance(example_inputs, Mapping):
+                kwargs = dict(example_inputs)
+            else:
+                args = tuple(example_inputs)
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        if real:
+            device = next(model.parameters()).device
+            args, kwargs = tree_map(
+                lambda t: torch.zeros_like(t, device=device) if isinstance(t, torch.Tensor) else t,
+                (args, kwargs),
+            )
+        else:
+            args, kwargs = tree_map(
+                lambda t: fake.from_tensor(t.to("meta")) if isinstance(t, torch.Tensor) else t,
+                (args, kwargs),
+            )
         if real:
             with _real_state(model, shapes), torch.no_grad():
                 model(*args, **kwargs)
@@ -912,10 +991,16 @@ def _fused_experts(mod: nn.Module) -> dict[str, str]:
     params = dict(mod.named_parameters(recurse=False))
     if params.get(up) is None or params[up].ndim != 3 or params.get("down_proj") is None:
         return {}
-    col = "packed_colwise" if d["has_gate"] and d["is_concatenated"] else "colwise"
-    out = {up: col, "down_proj": "rowwise"}
+    # styles name raw dims, as in transformers' plans (see spec.param_layout): the output dim
+    # of gate_up is -2 ("colwise") or, transposed, -1 ("rowwise"); its 2-D bias [E, out] -1
+    packed = "packed_" if d["has_gate"] and d["is_concatenated"] else ""
+    transposed = d.get("is_transposed") is True
+    out = {
+        up: f"{packed}{'rowwise' if transposed else 'colwise'}",
+        "down_proj": "colwise" if transposed else "rowwise",
+    }
     if f"{up}_bias" in params:
-        out[f"{up}_bias"] = col
+        out[f"{up}_bias"] = f"{packed}rowwise"
     return out
 
 
@@ -933,6 +1018,7 @@ def _per_head_params(owner: nn.Module, widths: set[int]) -> list[str]:
     head_dim = owner.__dict__.get("head_dim")
     if isinstance(head_dim, int) and head_dim > 0:
         heads |= {w // head_dim for w in widths if w % head_dim == 0}
+    heads.discard(head_dim)  # a [head_dim] parameter (DiffLlama's lambdas) acts within a head
     return [
         n
         for n, p in owner.named_parameters(recurse=False)

@@ -42,7 +42,10 @@ STYLES: dict[str, tuple[str, str]] = {
         "input features split per packed part (strided), output all-reduced",
         "all_reduce",
     ),
-    "all_reduce": ("parameters as their own entries say, output all-reduced", "all_reduce"),
+    "all_reduce": (
+        "parameters as their own entries say, input gradients and output all-reduced",
+        "all_reduce",
+    ),
     "moe_identity_expert": (
         "an identity expert inside moe_tp_experts: input / tp, as the experts' sum adds tp copies",
         "",
@@ -132,13 +135,10 @@ class ParamLayout:
 REPLICATED = ParamLayout(None)
 
 
-def _is_transposed(module: nn.Module | None) -> bool:
-    """Weights stored ``[..., in, out]``: transformers' GPT-2 ``Conv1D`` (matched by name so
-    plan/ needs no transformers import) and fused experts declaring ``is_transposed``
-    (GPT-OSS's ``[E, hidden, 2 x inter]``)."""
-    if module is None:
-        return False
-    return type(module).__name__ == "Conv1D" or module.__dict__.get("is_transposed") is True
+def _is_conv1d(module: nn.Module | None) -> bool:
+    # transformers' GPT-2 Conv1D keeps its weight as [in, out]; matched by name so plan/ needs no
+    # transformers import.
+    return module is not None and type(module).__name__ == "Conv1D"
 
 
 def param_layout(
@@ -146,9 +146,11 @@ def param_layout(
 ) -> ParamLayout:
     """The layout a style gives one parameter, from its name and rank alone.
 
-    Linear weights are ``[out, in]`` (Conv1D: ``[in, out]``), 3D expert weights ``[E, out, in]``
-    (``[E, in, out]`` where the experts module says ``is_transposed``), embeddings
-    ``[vocab, hidden]``. Biases of column styles are split with the output; biases of
+    Linear weights are ``[out, in]`` (Conv1D: ``[in, out]``), 3D expert weights ``[E, out, in]``,
+    embeddings ``[vocab, hidden]``. As in transformers' plans, a style names raw dims of an
+    expert tensor: "colwise" splits dim -2, "rowwise" dim -1, whatever the module computes with
+    them (transposed experts: ``packed_rowwise`` gate_up, ``colwise`` down; a 2-D expert bias
+    ``[E, out]``: "rowwise"). 1-D biases of column styles are split with the output; biases of
     row styles are added after the reduction, so they stay replicated.
     """
     style = canonical_style(style)
@@ -158,22 +160,21 @@ def param_layout(
         "mla_kv_a_proj",
     ):
         return REPLICATED
-    # biases are [out] ([E, out] for fused experts): split with the output, last dim
-    is_bias = param_name.endswith("bias") and ndim <= 2
-    transposed = _is_transposed(module)
+    is_bias = param_name.endswith("bias") and ndim == 1
+    conv1d = _is_conv1d(module)
     if style == "vocab_parallel":
-        return ParamLayout(1 if transposed else 0) if ndim == 2 else REPLICATED
+        return ParamLayout(1 if conv1d else 0) if ndim == 2 else REPLICATED
     if style == "colwise_embedding":  # [num_embeddings, dim]: split the dim (e.g. heads)
         return ParamLayout(1) if ndim == 2 else REPLICATED
     if style in ("colwise", "colwise_gather_output", *PACKED_PARTS):
         split = PACKED_PARTS.get(style, 1)
         if is_bias or ndim == 1:
-            return ParamLayout(ndim - 1, split)
-        return ParamLayout(ndim - 1 if transposed else ndim - 2, split)
+            return ParamLayout(0, split)
+        return ParamLayout(ndim - 1 if conv1d else ndim - 2, split)
     # rowwise, rowwise_split_input, packed_rowwise
     if is_bias or ndim == 1:
         return REPLICATED
-    return ParamLayout(ndim - 2 if transposed else ndim - 1, 2 if style == "packed_rowwise" else 1)
+    return ParamLayout(0 if conv1d else ndim - 1, 2 if style == "packed_rowwise" else 1)
 
 
 def local_shape(shape: tuple[int, ...], layout: ParamLayout, tp: int, rank: int = 0) -> tuple:

@@ -122,6 +122,7 @@ def validate(model: nn.Module, plan: Plan, tp_size: int) -> None:
             if count % tp_size:
                 problems.append(f"tp_size={tp_size} does not divide {label} of {owner}; {fix}.")
         problems += _tied_problems(model, plan)
+        problems += _identity_expert_problems(model, plan)
     if problems:
         raise ValueError("Cannot apply tensor parallelism:\n- " + "\n- ".join(problems))
 
@@ -173,6 +174,23 @@ def _pattern_problems(model: nn.Module, plan: Plan) -> list[str]:
         f"{type(model).__name__}; check the name against `tpkit plan` or model.named_modules()."
         for p in user
     ]
+
+
+def _identity_expert_problems(model: nn.Module, plan: Plan) -> list[str]:
+    """moe_identity_expert divides its input by tp for the experts' all-reduce to add back:
+    outside a moe_tp_experts module nothing adds it back."""
+    out = []
+    for t in plan.resolve(model):
+        if t.kind == "module" and t.style == "moe_identity_expert":
+            parts = t.name.split(".")
+            ancestors = (".".join(parts[:i]) for i in range(1, len(parts)))
+            if not any((plan.style_for(a) or ("",))[0] == "moe_tp_experts" for a in ancestors):
+                out.append(
+                    f"{t.name} is moe_identity_expert but no module above it is moe_tp_experts "
+                    "(whose all-reduce restores its input / tp); give its experts module "
+                    "moe_tp_experts or the identity expert 'replicate'."
+                )
+    return out
 
 
 def _tied_problems(model: nn.Module, plan: Plan) -> list[str]:

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from benchmarks.coverage import build as build_tiny
 from benchmarks.coverage import inputs
 from tests.models import full
-from tpkit.plan import derive_plan, hf_plan
+from tpkit.plan import Plan, derive_plan, hf_plan
 from tpkit.plan.infer import infer_plan
 
 TOL = 1e-5
@@ -240,3 +240,30 @@ def test_transformers_plan_for_transposed_experts_keeps_its_raw_dims():
     gate_up = layouts["model.layers.0.mlp.experts.gate_up_proj"][1]
     assert (gate_up.dim, gate_up.split_factor) == (2, 2)
     assert layouts["model.layers.0.mlp.experts.down_proj"][1].dim == 1
+
+
+def test_replicating_an_inferred_column_drops_its_norms_gradient_all_reduce():
+    """Qwen3's q_norm acts per head on q_proj's split output; with q_proj replicated by the
+    user, its gradient is whole on every rank and must not be summed."""
+    import transformers as tf
+
+    config = tf.Qwen3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        vocab_size=101,
+    )
+    with torch.device("meta"):
+        model = tf.Qwen3ForCausalLM(config)
+    q_norm = "model.layers.0.self_attn.q_norm"
+    assert derive_plan(model, "infer").style_for(q_norm)[0] == "replicated_with_grad_allreduce"
+    user = {"model.layers.*.self_attn.q_proj": "replicate"}
+    plan = derive_plan(model, Plan().merged(infer_plan(model)).merged(user))
+    assert plan.style_for(q_norm)[0] == "replicate"
+    assert plan.style_for("model.layers.0.self_attn.k_norm")[0] == "replicated_with_grad_allreduce"
+    # the same over transformers' plan, which names q_norm itself
+    assert hf_plan(model).style_for(q_norm)[0] == "replicated_with_grad_allreduce"
+    assert derive_plan(model, user).style_for(q_norm)[0] == "replicate"

@@ -751,18 +751,33 @@ def complete_grad_allreduce(model: nn.Module, plan: Plan) -> Plan:
     on a column-parallel output which ``plan`` (typically transformers') leaves unnamed:
     Apertus's xIELU activation (scalar ``alpha_p``/``alpha_n`` between up_proj and down_proj)
     or a per-head norm. Each rank's gradient for them covers only its shard of the activation,
-    so without the all-reduce they drift apart across ranks. Traced on fake tensors; a model
-    that does not trace gets the plan unchanged."""
+    so without the all-reduce they drift apart across ranks. Conversely an inferred or
+    transformers entry of that style whose columns are no longer split (a user entry replicated them) becomes
+    ``replicate``. Traced on fake tensors; a model that does not trace gets the plan
+    unchanged."""
     try:
         nodes = trace(model)["nodes"]
     except Exception:  # noqa: BLE001 - model code may do anything on meta
         return plan
+    split: set[str] = set()  # consumers of some column-parallel output
     for t in plan.resolve(model):
         if t.kind != "module" or t.style not in _COLUMN_STYLES or t.name not in nodes:
             continue
+        split |= nodes[t.name].per_head_consumers
         for user in sorted(nodes[t.name].per_head_consumers):
             if plan.style_for(user) is None:
                 plan.set(user, "replicated_with_grad_allreduce", t.source)
+    # a derived per-head norm whose columns a user entry has replicated acts on whole
+    # activations now: its gradient is whole on every rank, and summing it would multiply it
+    for t in plan.resolve(model):
+        if (
+            t.kind == "module"
+            and t.style == "replicated_with_grad_allreduce"
+            and t.source in ("inferred", "config")
+            and t.name not in split
+            and any(t.name in v.per_head_consumers for v in nodes.values())
+        ):
+            plan.set(t.name, "replicate", t.source)
     return plan
 
 

@@ -767,16 +767,26 @@ def complete_grad_allreduce(model: nn.Module, plan: Plan) -> Plan:
         for user in sorted(nodes[t.name].per_head_consumers):
             if plan.style_for(user) is None:
                 plan.set(user, "replicated_with_grad_allreduce", t.source)
-    # a derived per-head norm whose columns a user entry has replicated acts on whole
+    # a derived per-head norm whose columns user entries have all replicated acts on whole
     # activations now: its gradient is whole on every rank, and summing it would multiply it
+    # (other producers, like MLA's replicated kv_a_proj feeding split heads, keep it)
     for t in plan.resolve(model):
         if (
-            t.kind == "module"
-            and t.style == "replicated_with_grad_allreduce"
-            and t.source in ("inferred", "config")
-            and t.name not in split
-            and any(t.name in v.per_head_consumers for v in nodes.values())
+            t.kind != "module"
+            or t.style != "replicated_with_grad_allreduce"
+            or t.source not in ("inferred", "config")
+            or t.name in split
         ):
+            continue
+        producers = [n for n, v in nodes.items() if t.name in v.per_head_consumers]
+        user_replicated = [
+            n
+            for n in producers
+            if (hit := plan.style_for(n))
+            and hit[0] == "replicate"
+            and plan.source(hit[1]) == "user"
+        ]
+        if producers and len(user_replicated) == len(producers):
             plan.set(t.name, "replicate", t.source)
     return plan
 

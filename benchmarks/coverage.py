@@ -394,16 +394,14 @@ def infer_share(model_type: str, class_name: str) -> dict:
     return {"inferred_share": sharded / max(1, total), "inferred_notes": len(plan.notes)}
 
 
-def has_hf_plan(model_type: str, class_name: str | None = None) -> bool:
-    config = tiny_config(model_type, class_name)
-    return bool(getattr(config, "base_model_tp_plan", None))
-
-
-def hf_plan_names_layers(model_type: str, class_name: str | None = None) -> bool:
-    """Whether transformers' plan names a layer (a ``layers.*`` pattern), not just the
-    vocabulary embedding, as some shipped plans do."""
-    config = tiny_config(model_type, class_name)
-    return any("*" in k for k in (getattr(config, "base_model_tp_plan", None) or {}))
+def hf_plan_facts(config) -> dict:
+    """Whether transformers ships a plan for the config, and whether it names a layer (a
+    ``layers.*`` pattern) rather than only the vocabulary embedding, as some shipped plans do."""
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    return {
+        "transformers_plan": bool(plan),
+        "transformers_plan_names_layers": any("*" in k for k in plan),
+    }
 
 
 def _short(exc: BaseException | str) -> str:
@@ -430,9 +428,9 @@ def run(only: list[str] | None, out_dir: Path) -> dict:
             row = {"architecture": model_type, "class": class_name, "kind": kind}
             started = time.time()
             try:
-                row["transformers_plan"] = has_hf_plan(model_type, class_name)
-                row["transformers_plan_names_layers"] = hf_plan_names_layers(model_type, class_name)
-                if tiny_config(model_type, class_name) is None:
+                config = tiny_config(model_type, class_name)
+                row.update(hf_plan_facts(config))
+                if config is None:
                     row.update(status="skipped", why="not a text architecture (multimodal config)")
                     rows.append(row)
                     continue

@@ -8,13 +8,15 @@ import copy
 
 import pytest
 import torch
+import transformers as tf
 from torch.distributed.tensor import DTensor, Replicate
 
 from benchmarks.coverage import build as build_tiny
 from benchmarks.coverage import inputs
 from tests.models import full
-from tpkit.plan import Plan, derive_plan, hf_plan
+from tpkit.plan import Plan, derive_plan, hf_plan, validate
 from tpkit.plan.infer import infer_plan
+from tpkit.plan.validate import param_layouts
 
 TOL = 1e-5
 
@@ -40,6 +42,21 @@ HARD = {
     # per-layer configs refuse global reads of head counts; MLA's rope width is per layer
     "dots3_note_text": ("Dots3NoteForCausalLM", 0.5, "heterogeneous per-layer config, MLA"),
 }
+
+
+def _meta_qwen3(heads: int, kv_heads: int):
+    """A one-layer Qwen3 on the meta device with ``heads`` heads of 16."""
+    config = tf.Qwen3Config(
+        hidden_size=16 * heads,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=16,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        vocab_size=101,
+    )
+    with torch.device("meta"):
+        return tf.Qwen3ForCausalLM(config)
 
 
 def check_parity(model_type: str) -> dict:
@@ -166,8 +183,6 @@ def test_inferred_fused_experts_agree_with_transformers_plan(model_type, cls):
 
 def test_transposed_experts_split_their_output_dim():
     """GPT-OSS stores gate_up as [E, hidden, 2 x inter] (is_transposed): the split is dim 2."""
-    from tpkit.plan.validate import param_layouts
-
     model = build_tiny("gpt_oss", "GptOssForCausalLM", device="meta")
     layouts = param_layouts(model, infer_plan(model))
     assert layouts["model.layers.0.mlp.experts.gate_up_proj"][1].dim == 2
@@ -195,21 +210,7 @@ def test_a_failing_dry_run_replicates_only_the_groups_it_must():
 def test_a_replicated_group_takes_its_per_head_norms_along():
     """3 heads at tp=2: the attention group stays whole, and so must q_norm's gradient (an
     all-reduce there would double it)."""
-    import transformers as tf
-
-    from tpkit.plan import validate
-
-    config = tf.Qwen3Config(
-        hidden_size=48,
-        num_attention_heads=3,
-        num_key_value_heads=3,
-        head_dim=16,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        vocab_size=101,
-    )
-    with torch.device("meta"):
-        model = tf.Qwen3ForCausalLM(config)
+    model = _meta_qwen3(heads=3, kv_heads=3)
     plan = infer_plan(model)
     attention = [g for g in plan.groups if "model.layers.*.self_attn.o_proj" in g["modules"]]
     assert "model.layers.*.self_attn.q_norm" in attention[0]["modules"]
@@ -220,8 +221,6 @@ def test_a_replicated_group_takes_its_per_head_norms_along():
 
 
 def test_an_identity_expert_outside_sharded_experts_is_refused():
-    from tpkit.plan import validate
-
     model = build_tiny("longcat_flash", "LongcatFlashForCausalLM", device="meta")
     plan = derive_plan(model, {"model.layers.*.mlp.experts": "replicate"})
     with pytest.raises(ValueError, match="no module above it is moe_tp_experts"):
@@ -231,8 +230,6 @@ def test_an_identity_expert_outside_sharded_experts_is_refused():
 def test_transformers_plan_for_transposed_experts_keeps_its_raw_dims():
     """Aria's experts are stored [E, in, out]; its shipped plan says packed_rowwise / colwise,
     naming raw dims as every transformers plan does."""
-    from tpkit.plan.validate import param_layouts
-
     model = build_tiny("aria_text", "AriaTextForCausalLM", device="meta")
     plan = derive_plan(model)
     assert "config" in {plan.source(p) for p in plan}
@@ -245,19 +242,7 @@ def test_transformers_plan_for_transposed_experts_keeps_its_raw_dims():
 def test_replicating_an_inferred_column_drops_its_norms_gradient_all_reduce():
     """Qwen3's q_norm acts per head on q_proj's split output; with q_proj replicated by the
     user, its gradient is whole on every rank and must not be summed."""
-    import transformers as tf
-
-    config = tf.Qwen3Config(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        vocab_size=101,
-    )
-    with torch.device("meta"):
-        model = tf.Qwen3ForCausalLM(config)
+    model = _meta_qwen3(heads=4, kv_heads=2)
     q_norm = "model.layers.0.self_attn.q_norm"
     assert derive_plan(model, "infer").style_for(q_norm)[0] == "replicated_with_grad_allreduce"
     user = {"model.layers.*.self_attn.q_proj": "replicate"}

@@ -131,8 +131,13 @@ def derive_plan(model: nn.Module, plan: PlanLike = "auto") -> Plan:
     inner norm) get ``replicated_with_grad_allreduce``: each rank's gradient for them covers
     only its shard, so the true one is their sum.
     """
-    if plan is None:
-        plan = "auto"
+    from tpkit.plan.infer import reuse_traces
+
+    with reuse_traces():
+        return _derive(model, "auto" if plan is None else plan)
+
+
+def _derive(model: nn.Module, plan: PlanLike) -> Plan:
     if isinstance(plan, str) and plan in ("auto", "config", "infer"):
         return _completed(model, _auto_plan(model, plan))
     if isinstance(plan, (str, Path)):

@@ -36,6 +36,7 @@ import logging
 import math
 import re
 from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -356,11 +357,37 @@ def _real_state(model: nn.Module, shapes: Mapping[int, tuple]):
             mod._parameters[k] = v
 
 
+#: model id -> its default fake trace, while `reuse_traces` is active
+_TRACES: ContextVar[dict[int, dict] | None] = ContextVar("tpkit_traces", default=None)
+
+
+@contextlib.contextmanager
+def reuse_traces():
+    """Trace each model once inside the block (one `derive_plan`): the fake-tensor forward is
+    the costly step (0.9 s for a 32-layer Llama), and inference and the grad all-reduce
+    completion both read it while the model does not change."""
+    token = _TRACES.set({})
+    try:
+        yield
+    finally:
+        _TRACES.reset(token)
+
+
 def trace(
     model: nn.Module, example_inputs: tuple | dict | None = None, real: bool = False
 ) -> dict[str, Any]:
     """Run one forward of ``model`` on fake meta tensors (``real=True``: on its own weights, for
     code that needs values) and return what the tags say (nodes, modules' inputs)."""
+    cache = _TRACES.get() if example_inputs is None and not real else None
+    if cache is not None and id(model) in cache:
+        return cache[id(model)]
+    info = _trace(model, example_inputs, real)
+    if cache is not None:
+        cache[id(model)] = info
+    return info
+
+
+def _trace(model: nn.Module, example_inputs, real: bool) -> dict[str, Any]:
     names = {id(m): n for n, m in model.named_modules()}
     modules = dict(model.named_modules())
     nodes = {n: _Node(k, _out_width(m, k)) for n, m in model.named_modules() if (k := _kind(m))}

@@ -55,8 +55,11 @@ def check_param_bytes(name: str) -> dict:
 def check_training_drift(name: str, steps: int = 4) -> dict:
     """Replicated parameters that see sharded activations (q_norm) must not drift over steps."""
     ref, model = pair(name)
-    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # lr 1e-3: AdamW turns gradient elements at the float noise floor (rarely routed experts,
+    # unseen vocabulary rows) into steps of size lr, so the parameter tolerance scales with lr;
+    # drift between replicas is checked bitwise below, whatever the lr
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for step in range(steps):
         x = batch(ref.config.vocab_size, seed=step)

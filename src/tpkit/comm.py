@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from tpkit.mesh import tpkit_timeout
+
 
 def _all_reduce(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     dist.all_reduce(t, group=group)
@@ -104,7 +106,7 @@ def gather_from_tp(x: torch.Tensor, sizes: list[int], rank: int, group: ProcessG
 #
 # gloo's all-reduce of a decode step's few KiB costs ~1 ms on a loaded CPU host (a TCP round trip
 # plus hand-offs to gloo's worker thread on every rank); a decode step issues 2 per block. With
-# TPKIT_CPU_SHM_ALLREDUCE=1, no-grad all-reduces of CPU tensors up to ``_ShmChannel.SLOT`` bytes
+# TPKIT_CPU_SHM_ALLREDUCE=1, no-grad all-reduces of CPU tensors up to ``ShmChannel.SLOT`` bytes
 # on a gloo group whose ranks share a host go through a shared-memory buffer instead: each rank
 # writes its partial sum to its slot, posts one byte to every peer's pipe, waits for the peers'
 # bytes, and sums the slots in rank order (the same bits on every rank). Two buffers alternate,
@@ -114,7 +116,7 @@ def gather_from_tp(x: torch.Tensor, sizes: list[int], rank: int, group: ProcessG
 _SHM_CHANNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> channel
 
 
-class _ShmChannel:
+class ShmChannel:
     SLOT = 1 << 18  # bytes per rank per buffer
 
     def __init__(self, group: ProcessGroup):
@@ -142,7 +144,7 @@ class _ShmChannel:
             for i in range(self.t):
                 os.unlink(f"{base}.{i}")
         self.k, self.pending, self.me = 0, [0] * self.t, bytes([self.r])
-        self.timeout = 600.0
+        self.timeout = tpkit_timeout()  # a dead peer fails like a gloo collective would
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         import select
@@ -158,7 +160,12 @@ class _ShmChannel:
         pending, r = self.pending, self.r
         while any(pending[i] == 0 for i in range(self.t) if i != r):
             if not select.select([self.rd], [], [], self.timeout)[0]:
-                raise RuntimeError(f"tpkit shm all-reduce: no peer post in {self.timeout:.0f} s")
+                missing = [i for i in range(self.t) if i != r and pending[i] == 0]
+                raise RuntimeError(
+                    f"tpkit shm all-reduce: timed out after {self.timeout:g} s waiting for "
+                    f"group rank(s) {missing}; a peer died or skipped this collective. "
+                    "TPKIT_TIMEOUT sets the timeout in seconds."
+                )
             for b in os.read(self.rd, 256):
                 pending[b] += 1
         for i in range(self.t):
@@ -168,7 +175,7 @@ class _ShmChannel:
         return x
 
 
-def _shm_channel(group: ProcessGroup) -> _ShmChannel | None:
+def _shm_channel(group: ProcessGroup) -> ShmChannel | None:
     key = group if group is not None else dist.group.WORLD
     if key not in _SHM_CHANNELS:
         import socket
@@ -176,13 +183,13 @@ def _shm_channel(group: ProcessGroup) -> _ShmChannel | None:
         ok = dist.get_backend(group) == "gloo" and dist.get_world_size(group) < 256
         hosts: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        _SHM_CHANNELS[key] = _ShmChannel(group) if ok and len(set(hosts)) == 1 else None
+        _SHM_CHANNELS[key] = ShmChannel(group) if ok and len(set(hosts)) == 1 else None
     return _SHM_CHANNELS[key]
 
 
 def _no_grad_all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     x = x if x.is_contiguous() else x.contiguous()
-    if _SHM and x.device.type == "cpu" and x.numel() * x.element_size() <= _ShmChannel.SLOT:
+    if _SHM and x.device.type == "cpu" and x.numel() * x.element_size() <= ShmChannel.SLOT:
         ch = _shm_channel(group)
         if ch is not None:
             return ch.all_reduce(x)

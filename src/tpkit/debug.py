@@ -1,4 +1,5 @@
-"""``TPKIT_DEBUG=1``: check at every forward what tensor parallelism silently assumes.
+"""Check what tensor parallelism silently assumes: by default at the first forwards, with
+``TPKIT_DEBUG=1`` at every forward.
 
 1. Inputs agree across the TP group. Every rank of a group must get the same batch; if not, each
    computes a different half of a different sum and the result is quietly wrong.
@@ -10,6 +11,12 @@ Both are cheap: each rank all-gathers a few float64 numbers per tensor (shape an
 never the tensors. torch lacks such a check (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` compares the
 shapes of collectives, not the values of inputs or parameters). On a mismatch every rank raises
 the same ``RuntimeError`` naming the first input or parameter that differs, so nothing hangs.
+
+Without TPKIT_DEBUG the inputs of the first `FIRST_FORWARDS` forwards are checked (one small
+all-gather each, then the hook removes itself), which catches the common mistakes (ranks seeded
+differently, each loading its own batch, sequence lengths that differ: gloo would abort the
+process inside its all-reduce) at no cost to a training or decode loop. The first forward also
+refuses parameters still on the meta device (a model built empty and never loaded).
 """
 
 from __future__ import annotations
@@ -36,6 +43,35 @@ def debug_enabled() -> bool:
     return os.environ.get("TPKIT_DEBUG", "").lower() not in ("", "0", "false", "no")
 
 
+#: Forwards whose inputs are checked across the TP group by default (TPKIT_DEBUG: all of them).
+FIRST_FORWARDS = 2
+
+
+def install_first_forward_checks(
+    model: nn.Module, tp_mesh: DeviceMesh, count: int = FIRST_FORWARDS
+):
+    """Check the inputs of the first ``count`` forwards of ``model`` across the TP group, and at
+    the first one that no parameter is left on the meta device; then remove the hook."""
+    calls = [0]
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if calls[0] == 0:
+            meta = next((n for n, p in module.named_parameters() if p.device.type == "meta"), None)
+            if meta is not None:  # local: every rank of a model built alike sees the same
+                raise RuntimeError(
+                    f"{type(module).__name__} still has parameters on the meta device (e.g. "
+                    f"{meta}): it was built empty and never loaded. Load weights with "
+                    "tpkit.from_pretrained(path) or tpkit.load_local_state_dict(model, shards)."
+                )
+        calls[0] += 1
+        if calls[0] >= count:
+            handle.remove()
+        check_inputs(args, kwargs, tp_mesh)
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    return handle
+
+
 def install_debug_checks(model: nn.Module, tp_mesh: DeviceMesh):
     """Register a forward pre-hook on ``model`` that runs `check_inputs` and
     `check_replicated_params` over ``tp_mesh`` before every forward. Returns the hook handle."""
@@ -57,7 +93,7 @@ def check_inputs(args: tuple, kwargs: dict, tp_mesh: DeviceMesh) -> None:
     if any(not torch.equal(h, headers[0]) for h in headers):
         ranks = dist.get_process_group_ranks(tp_mesh.get_group())
         raise RuntimeError(
-            "TPKIT_DEBUG: the ranks of a TP group passed different sets of tensor inputs to "
+            "tpkit: the ranks of a TP group passed different sets of tensor inputs to "
             f"forward (this rank: {names}; tensor counts per rank {ranks}: "
             f"{[int(h[0]) for h in headers]}). Every rank of a TP group must call the model with "
             "the same arguments."
@@ -140,7 +176,7 @@ def _raise_first_difference(
     ranks = dist.get_process_group_ranks(tp_mesh.get_group())
     per_rank = "; ".join(f"rank {r}: {_describe(s[i])}" for r, s in zip(ranks, sigs))
     raise RuntimeError(
-        f"TPKIT_DEBUG: {kind} '{names[i]}' differs across the TP group ({per_rank}). {fix}"
+        f"tpkit: {kind} '{names[i]}' differs across the TP group ({per_rank}). {fix}"
     )
 
 

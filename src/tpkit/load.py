@@ -257,6 +257,7 @@ def from_pretrained(
     for group in owners.values():
         key = next((k for _, _, full in group if (k := _checkpoint_key(full, index, prefix))), None)
         keys[group[0][2]] = key
+    _check_against_model(model, index, keys, path)
     unmapped = [n for n, k in keys.items() if k is None]
     options = dict(
         tp_size=tp_size,
@@ -289,6 +290,38 @@ def from_pretrained(
         with contextlib.suppress(OSError):
             model.generation_config = transformers.GenerationConfig.from_pretrained(str(path))
     return model.eval()
+
+
+def _check_against_model(
+    model: nn.Module, index: CheckpointIndex, keys: dict[str, str | None], path: Path
+) -> None:
+    """Every stored tensor the model will read must have the model's global shape and a dtype
+    that converts to it; checked on every rank before any collective, so a checkpoint of another
+    model size (a 512-row embedding into a 256-vocab model) is one clear error, never a silent
+    partial load."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    problems = []
+    for name, key in keys.items():
+        if key is None:
+            continue
+        entry, p = index.entries[key], params[name]
+        if tuple(entry.shape) != tuple(p.shape):
+            problems.append(
+                f"{name}: the model expects shape {tuple(p.shape)}, {entry.file} holds {key!r} "
+                f"with shape {tuple(entry.shape)}"
+            )
+        elif p.is_floating_point() != entry.dtype.is_floating_point:
+            problems.append(
+                f"{name}: the model expects {p.dtype}, {entry.file} holds {key!r} as "
+                f"{entry.dtype} (a quantized or integer checkpoint is not a float one)"
+            )
+    if problems:
+        more = f"\n- ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise ValueError(
+            f"The checkpoint in {path} does not fit the model built from its config "
+            f"({type(model).__name__}):\n- " + "\n- ".join(problems[:10]) + more + "\nCheck "
+            "that config.json belongs to these weights (vocab_size, hidden sizes, layers)."
+        )
 
 
 def _mark_loaded(model: nn.Module, how: str) -> None:

@@ -27,8 +27,26 @@ log = get_logger(__name__)
 
 #: Default process-group timeout. Short enough that a rank that never arrives at a collective
 #: fails loudly within minutes instead of hanging a job for torch's default 10 to 30 minutes.
-DEFAULT_TIMEOUT_S = float(os.environ.get("TPKIT_TIMEOUT", "300"))
+DEFAULT_TIMEOUT_S = 300.0
 _pg_timeout_s: float | None = None  # what init_distributed gave the process group
+#: (device type, dp, tp) -> the mesh built for it: every `tensor_parallel` call with the same sizes
+#: shares one mesh, so repeated calls create no new process groups (each holds threads and fds).
+_MESHES: dict[tuple[str, int, int], DeviceMesh] = {}
+
+
+def tpkit_timeout() -> float:
+    """TPKIT_TIMEOUT (seconds, default 300), read at call time: the timeout of every process group
+    tpkit creates and of tpkit's own waits (the shared-memory all-reduce)."""
+    raw = os.environ.get("TPKIT_TIMEOUT")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"TPKIT_TIMEOUT={raw!r} is not a number of seconds.") from None
+    if value <= 0:
+        raise ValueError(f"TPKIT_TIMEOUT={raw!r} must be > 0 seconds.")
+    return value
 
 
 @dataclass(frozen=True)
@@ -84,12 +102,12 @@ def init_distributed(
     if device_type == "cuda":
         torch.cuda.set_device(env.local_rank % max(torch.cuda.device_count(), 1))
     backend = backend or default_backend(device_type)
-    timeout_s = timeout_s or DEFAULT_TIMEOUT_S
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    seconds = timeout_s if timeout_s is not None else tpkit_timeout()
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=seconds))
     global _pg_timeout_s
-    _pg_timeout_s = timeout_s
+    _pg_timeout_s = seconds
     _install_timeout_report()
-    log.info("process group up: %s, %d ranks, timeout %g s", backend, env.world_size, timeout_s)
+    log.info("process group up: %s, %d ranks, timeout %g s", backend, env.world_size, seconds)
     return dist_env()
 
 
@@ -124,10 +142,40 @@ def build_mesh(
     dp_size: int = 1,
     device_type: str | None = None,
 ) -> DeviceMesh:
-    """A ``("dp", "tp")`` DeviceMesh over the default group, tp innermost (contiguous ranks)."""
-    return init_device_mesh(
-        device_type or default_device_type(), (dp_size, tp_size), mesh_dim_names=("dp", "tp")
-    )
+    """A ``("dp", "tp")`` DeviceMesh over the default group, tp innermost (contiguous ranks).
+
+    Built once per (device type, dp, tp) and process group: later calls return the same mesh,
+    so a loop of ``tensor_parallel`` calls creates no new process groups. Every group of the mesh
+    gets TPKIT_TIMEOUT (torch gives sub-groups its 30-minute default, not the default group's
+    timeout) and a collective timeout in any of them prints tpkit's report.
+    """
+    device_type = device_type or default_device_type()
+    key = (device_type, dp_size, tp_size)
+    mesh = _MESHES.get(key)
+    if mesh is not None and _mesh_alive(mesh):
+        return mesh
+    mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    timeout = datetime.timedelta(seconds=tpkit_timeout())
+    default = dist.distributed_c10d._get_default_group()
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        if group is not default:  # the default group keeps what its creator chose
+            # private but stable since torch 2.2; the only way to set a live group's timeout
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+    _install_timeout_report()
+    _MESHES[key] = mesh
+    return mesh
+
+
+def _mesh_alive(mesh: DeviceMesh) -> bool:
+    """False once the process group the mesh was built on was destroyed (and maybe re-made)."""
+    try:
+        return all(
+            dist.distributed_c10d._rank_not_in_group(mesh.get_group(d)) is False
+            for d in range(mesh.ndim)
+        )
+    except (RuntimeError, ValueError, KeyError):
+        return False
 
 
 def tp_submesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -198,11 +246,11 @@ def timeout_report(exc: BaseException, tb=None, grace_s: float | None = None) ->
     """
     if not is_collective_timeout(exc) or not dist.is_initialized():
         return None
-    collective, where = _collective_frame(tb if tb is not None else exc.__traceback__)
+    collective, where = collective_frame(tb if tb is not None else exc.__traceback__)
     if collective is None:
         return None  # a timeout outside torch.distributed (a user's own) is not ours to explain
     rank, world = dist.get_rank(), dist.get_world_size()
-    timeout_s = _pg_timeout_s or DEFAULT_TIMEOUT_S
+    timeout_s = _pg_timeout_s or tpkit_timeout()
     grace_s = min(timeout_s, 30.0) if grace_s is None else grace_s
     others: dict[int, str] = {}
     try:
@@ -239,9 +287,12 @@ def timeout_report(exc: BaseException, tb=None, grace_s: float | None = None) ->
     return "\n".join(lines)
 
 
-def _collective_frame(tb) -> tuple[str | None, str]:
-    """(torch.distributed function that waited, 'called at file:line in fn' of its caller);
-    (None, "") when the traceback never entered torch.distributed."""
+def collective_frame(tb) -> tuple[str | None, str]:
+    """(torch.distributed function that waited, 'called at file:line in fn' of the user's code
+    that led there); (None, "") when the traceback never entered torch.distributed.
+
+    The caller named is the last frame outside torch and tpkit before the collective (the
+    user's ``model(x)`` or ``save_checkpoint(...)`` line), not tpkit's own comm.py frame."""
     frames = traceback.extract_tb(tb) if tb is not None else []
     torch_dir = os.path.join("torch", "distributed", "")
     first = next((i for i, f in enumerate(frames) if torch_dir in f.filename), None)
@@ -253,7 +304,9 @@ def _collective_frame(tb) -> tuple[str | None, str]:
         if torch_dir in f.filename and not f.filename.endswith("c10d_logger.py")
     ]
     collective = named[0].name if named else frames[first].name
-    caller = frames[first - 1] if first > 0 else frames[first]
+    library = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    outside = [f for f in frames[:first] if not f.filename.startswith(library)]
+    caller = outside[-1] if outside else frames[first - 1] if first > 0 else frames[first]
     return collective, f"called at {caller.filename}:{caller.lineno} in {caller.name}"
 
 

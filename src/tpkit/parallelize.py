@@ -7,16 +7,20 @@ and mesh built, the RNG synced across the TP group, and the plan applied.
 
 from __future__ import annotations
 
+import inspect
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-from tpkit.debug import debug_enabled, install_debug_checks
+from tpkit.debug import debug_enabled, install_debug_checks, install_first_forward_checks
 from tpkit.fsdp import apply_fsdp, repeated_blocks
 from tpkit.generation import install_generate_guard
+from tpkit.log import get_logger
 from tpkit.mesh import (
     build_mesh,
     default_device_type,
@@ -26,7 +30,7 @@ from tpkit.mesh import (
     sync_rng,
     tp_submesh,
 )
-from tpkit.plan import Plan, PlanLike, derive_plan, validate
+from tpkit.plan import Plan, PlanLike, check_plan_arg, derive_plan, validate
 from tpkit.rng import install_region_rng
 from tpkit.sequence_parallel import (
     COLUMN_STYLES,
@@ -41,6 +45,8 @@ from tpkit.styles import (
     make_style,
     shard_param,
 )
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -64,10 +70,12 @@ def _launch_hint(n: int) -> str:
 
 def _pick_device(device_ids: Sequence | None, local_rank: int, device_type: str) -> torch.device:
     if device_ids:
-        if local_rank >= len(device_ids):
+        # every rank of the node checks against the node's rank count, so all raise alike
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        if max(local_rank + 1, local_world) > len(device_ids):
             raise ValueError(
-                f"device_ids has {len(device_ids)} entries but this is local rank {local_rank}; "
-                "give one device per rank on this node, or leave device_ids unset."
+                f"device_ids has {len(device_ids)} entries but this node runs {local_world} "
+                "ranks; give one device per rank on this node, or leave device_ids unset."
             )
         return torch.device(device_ids[local_rank])
     if device_type == "cuda":
@@ -124,6 +132,11 @@ def tensor_parallel(
     when given).
     """
     _reject_peft_wrapper(model)
+    _check_sizes_are_ints(tp_size=tp_size, dp_size=dp_size)
+    check_plan_arg(plan)
+    done = _already_parallel(model, tp_size, dp_size, plan, mesh)
+    if done is not None:
+        return done
     env = dist_env()
     if mesh is None and not env.is_distributed:
         distinct = {str(d) for d in device_ids or ()}
@@ -138,6 +151,7 @@ def tensor_parallel(
                 f"tp_size={tp_size or 1} x dp_size={dp_size or 1} needs {n} processes. "
                 + _launch_hint(n)
             )
+        _log_single_process_once()
         return model.to(device_ids[0]) if device_ids else model
 
     if mesh is not None:
@@ -157,7 +171,9 @@ def tensor_parallel(
     the_plan = derive_plan(model, plan)
     # every check that can fail, before any collective, on every rank alike
     validate(model, the_plan, tp)
-    _check_training_options(model, the_plan, dp, sharded, sequence_parallel, param_dtype)
+    _check_training_options(
+        model, the_plan, dp, sharded, sequence_parallel, loss_parallel, param_dtype
+    )
 
     if mesh is None:
         init_distributed(device_type=device_type)
@@ -182,6 +198,67 @@ def tensor_parallel(
         install_generate_guard(model)
         if debug_enabled():  # TPKIT_DEBUG=1: inputs and replicated params agree at every forward
             install_debug_checks(model, tp_mesh)
+        else:  # the inputs of the first forwards agree across the TP group, then no more cost
+            install_first_forward_checks(model, tp_mesh)
+    return model
+
+
+_said_single = []
+
+
+def _log_single_process_once() -> None:
+    if not _said_single:
+        _said_single.append(True)
+        log.info(
+            "tensor_parallel: one process (no torchrun), so the model is returned unsplit. "
+            + _launch_hint(2).replace("\n", " ")
+        )
+
+
+def _check_sizes_are_ints(**sizes) -> None:
+    """``tp_size="2"`` or ``2.0`` would fail deep inside mesh arithmetic: refuse it here."""
+    for name, value in sizes.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise TypeError(
+                f"{name} must be an int or None, got {value!r} ({type(value).__name__}); "
+                f"pass {name}={int(value) if _is_whole(value) else 2}."
+            )
+
+
+def _is_whole(value) -> bool:
+    try:
+        return float(value) == int(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _already_parallel(model, tp_size, dp_size, plan, mesh) -> nn.Module | None:
+    """A model tpkit already split: returned as it is when the call asks for nothing new (so
+    ``tensor_parallel(tpkit.from_pretrained(p))`` is harmless), else a clear error. Applying the
+    styles twice would split the shards again and silently corrupt the forward."""
+    state = getattr(model, "_tpkit", None)
+    if state is None:
+        foreign = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
+        if foreign is not None:
+            raise ValueError(
+                f"{type(model).__name__} already has DTensor parameters (e.g. {foreign}): it "
+                "was distributed by other code (parallelize_module, FSDP, transformers' tp_plan). "
+                "tensor_parallel needs the plain model: load it without tp_plan/device_mesh."
+            )
+        return None
+    same = (
+        tp_size in (None, state.tp_size)
+        and dp_size in (None, state.dp_size)
+        and (mesh is None or mesh is state.mesh)
+        and (isinstance(plan, str) and plan == "auto")
+    )
+    if not same:
+        raise ValueError(
+            f"{type(model).__name__} is already tensor-parallel (tp_size={state.tp_size}, "
+            f"dp_size={state.dp_size}); tensor_parallel cannot split it again with "
+            f"tp_size={tp_size}, dp_size={dp_size}, plan={plan!r}. Call it once on the "
+            "unsharded model with the options you want (tpkit.from_pretrained takes them too)."
+        )
     return model
 
 
@@ -201,8 +278,12 @@ def _reject_peft_wrapper(model: nn.Module) -> None:
         )
 
 
-def _check_training_options(model, plan, dp, sharded, sequence_parallel, param_dtype) -> None:
+def _check_training_options(
+    model, plan, dp, sharded, sequence_parallel, loss_parallel, param_dtype
+) -> None:
     problems = []
+    if loss_parallel:
+        problems += _loss_parallel_problems(model, plan)
     if param_dtype is not None and not (sharded and dp > 1):
         problems.append(
             f"param_dtype={param_dtype} is FSDP2's mixed precision and needs sharded=True with "
@@ -212,6 +293,21 @@ def _check_training_options(model, plan, dp, sharded, sequence_parallel, param_d
         problems += sequence_parallel_problems(model, plan)
     if problems:
         raise ValueError("Cannot apply tensor parallelism:\n- " + "\n- ".join(problems))
+
+
+def _loss_parallel_problems(model: nn.Module, plan: Plan) -> list[str]:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {id(m): n for n, m in model.named_modules()}
+    hit = plan.style_for(names[id(head)]) if head is not None and id(head) in names else None
+    forward = getattr(inspect.unwrap(type(model).forward), "__code__", None)
+    calls_loss = forward is not None and "loss_function" in forward.co_names
+    if hit is None or hit[0] != "colwise_gather_output" or not calls_loss:
+        return [
+            f"loss_parallel needs a causal LM whose output head uses colwise_gather_output and "
+            f"whose loss goes through model.loss_function; {type(model).__name__} does not "
+            "(use loss_parallel=False)."
+        ]
+    return []
 
 
 def _rng_regions(model: nn.Module, plan: Plan, sequence_parallel: bool) -> dict[str, list[str]]:
@@ -238,17 +334,7 @@ def _enable_loss_parallel(model: nn.Module) -> None:
     """Vocab-sharded logits into a vocab-parallel cross-entropy, never gathered (training)."""
     from tpkit.loss import causal_lm_loss
 
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    style = head.__dict__.get("_tpkit_style_obj") if head is not None else None
-    if (
-        style is None
-        or style.name != "colwise_gather_output"
-        or not hasattr(model, "loss_function")
-    ):
-        raise ValueError(
-            f"loss_parallel needs a causal LM whose output head uses colwise_gather_output and "
-            f"whose loss goes through model.loss_function; {type(model).__name__} does not."
-        )
+    style = model.get_output_embeddings().__dict__["_tpkit_style_obj"]  # checked before
     style.loss_parallel = True
     model.loss_function = causal_lm_loss
 

@@ -43,21 +43,87 @@ class Entry:
     offset: int  # absolute byte offset of the tensor's data in the file
 
 
+#: safetensors' own limit on the JSON header (``MAX_HEADER_SIZE`` in the Rust crate).
+MAX_HEADER_BYTES = 100_000_000
+
+
+class CheckpointError(ValueError):
+    """A safetensors file whose header does not describe its bytes (truncated, overlapping or
+    out-of-range offsets, malformed JSON) or does not fit the model it is loaded into."""
+
+
 def _read_header(path: str) -> dict[str, Entry]:
+    """Parse and check a safetensors header against the file's size, before any byte is trusted.
+
+    Checks what the safetensors library checks (header length, JSON, dtype, shapes, offsets that
+    match each tensor's byte size, lie inside the file and neither overlap nor leave holes), so a
+    truncated or crafted file is refused here, on every rank alike, with the file and tensor
+    named, instead of loading wrong bytes or failing mid-load on one rank.
+    """
+    size = os.path.getsize(path)
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {what}; the file is corrupt or truncated.")
+
+    if size < 8:
+        raise bad(f"{size} bytes is too short for a safetensors header")
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise bad(f"header length {n} exceeds the file ({size} bytes) or 100 MB")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad(f"the header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
     base = 8 + n
-    out = {}
+    out: dict[str, Entry] = {}
+    spans = []
     for key, info in header.items():
         if key == "__metadata__":
             continue
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+            raise bad(f"tensor {key!r} lacks dtype, shape or data_offsets")
         if info["dtype"] not in DTYPES:
-            raise ValueError(f"{path}: tensor {key!r} has unsupported dtype {info['dtype']}.")
-        out[key] = Entry(
-            path, DTYPES[info["dtype"]], tuple(info["shape"]), base + info["data_offsets"][0]
-        )
+            raise CheckpointError(
+                f"{path}: tensor {key!r} has unsupported dtype {info['dtype']!r} (tpkit reads "
+                f"{', '.join(DTYPES)})."
+            )
+        shape, offsets = info["shape"], info["data_offsets"]
+        if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+            raise bad(f"tensor {key!r} has an invalid shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+            raise bad(f"tensor {key!r} has invalid data_offsets {offsets!r}")
+        dtype = DTYPES[info["dtype"]]
+        begin, end = offsets
+        nbytes = _prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if end - begin != nbytes:
+            raise bad(
+                f"tensor {key!r} ({info['dtype']} {shape}) needs {nbytes} bytes but its "
+                f"data_offsets {offsets} span {end - begin}"
+            )
+        if base + end > size:
+            raise bad(
+                f"tensor {key!r} ends at byte {base + end}, past the end of the file ({size})"
+            )
+        spans.append((begin, end, key))
+        out[key] = Entry(path, dtype, tuple(shape), base + begin)
+    spans.sort()
+    at = 0
+    for begin, end, key in spans:
+        if begin != at:
+            what = "overlaps the tensor before it" if begin < at else "leaves a hole before it"
+            raise bad(f"tensor {key!r} at data_offsets [{begin}, {end}] {what}")
+        at = end
+    if base + at != size:
+        raise bad(f"the tensors end at byte {base + at} but the file has {size}")
     return out
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class CheckpointIndex:
@@ -66,13 +132,20 @@ class CheckpointIndex:
 
     def __init__(self, path: str | os.PathLike):
         path = Path(path)
+        weight_map: dict[str, str] = {}
         if path.is_file():
             files = [path]
         else:
             index = sorted(path.glob("*.safetensors.index.json"))
             if index:
-                weight_map = json.loads(index[0].read_text())["weight_map"]
+                weight_map = _weight_map(index[0])
                 files = sorted({path / f for f in weight_map.values()})
+                absent = [str(f) for f in files if not f.is_file()]
+                if absent:
+                    raise CheckpointError(
+                        f"{index[0]} names {len(absent)} file(s) that do not exist, e.g. "
+                        f"{absent[0]}; the checkpoint is incomplete."
+                    )
             else:
                 files = sorted(path.glob("*.safetensors"))
         if not files:
@@ -85,6 +158,12 @@ class CheckpointIndex:
         self._scratch = torch.empty(0, dtype=torch.uint8)
         for f in files:
             self.entries.update(_read_header(str(f)))
+        lost = [k for k, f in weight_map.items() if k not in self.entries]
+        if lost:
+            raise CheckpointError(
+                f"{path}: the index maps {len(lost)} tensor(s) to files that do not hold them, "
+                f"e.g. {lost[0]!r} -> {weight_map[lost[0]]}."
+            )
 
     def __contains__(self, key: str) -> bool:
         return key in self.entries
@@ -149,6 +228,26 @@ class CheckpointIndex:
             out.copy_(result)
             return out
         return result.to(dtype) if dtype is not None and dtype != e.dtype else result
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        data = json.loads(index.read_text())
+        weight_map = data["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index}: not a safetensors index ({exc!r}).") from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str)
+        and isinstance(v, str)
+        and v
+        and not Path(v).is_absolute()
+        and ".." not in Path(v).parts
+        for k, v in weight_map.items()
+    ):
+        raise CheckpointError(
+            f"{index}: weight_map must map tensor names to file names inside the checkpoint."
+        )
+    return weight_map
 
 
 def _pread_into(fd: int, dst: torch.Tensor, offset: int, nbytes: int) -> None:

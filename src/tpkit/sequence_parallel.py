@@ -177,6 +177,20 @@ def sequence_parallel_problems(model: nn.Module, plan: Plan) -> list[str]:
         problems.append(
             f"sequence_parallel needs repeated blocks (an nn.ModuleList) in {type(model).__name__}."
         )
+    styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
+    regions = {n.rsplit(".", 1)[0] for n, s in styles.items() if s in COLUMN_STYLES and "." in n}
+    apart = [
+        n
+        for n, s in styles.items()
+        if s in ROW_STYLES and (n.rsplit(".", 1)[0] if "." in n else "") not in regions
+    ]
+    if apart:
+        problems.append(
+            f"sequence_parallel needs every row-parallel layer in the same module as the column "
+            f"layers feeding it (Llama's self_attn, mlp), so that the module's output is the "
+            f"sequence chunk; {type(model).__name__}'s {apart[0]} is not (a post-norm block whose "
+            "residual add sits in a module of its own). Use sequence_parallel=False."
+        )
     return problems
 
 

@@ -134,6 +134,13 @@ def _check_peft_type(model: nn.Module) -> None:
     bad = {
         n: str(c.peft_type) for n, c in configs.items() if str(c.peft_type) != str(PeftType.LORA)
     }
+    dora = [n for n, c in configs.items() if getattr(c, "use_dora", False)]
+    if dora:
+        raise ValueError(
+            f"tpkit.integrations.peft does not support DoRA (adapter {dora[0]!r} has "
+            "use_dora=True): DoRA rescales by the norm of each whole weight row or column, "
+            "which no rank holds. Use plain LoRA (use_dora=False) on a tensor-parallel model."
+        )
     if not bad:
         bad_layers = [n for n, m in _tuner_layers(model) if not _is_lora_layer(m)]
         if not bad_layers:

@@ -19,6 +19,7 @@ __all__ = [
     "Plan",
     "PlanLike",
     "Target",
+    "check_plan_arg",
     "derive_plan",
     "hf_plan",
     "param_layout",
@@ -137,9 +138,39 @@ def derive_plan(model: nn.Module, plan: PlanLike = "auto") -> Plan:
         return _derive(model, "auto" if plan is None else plan)
 
 
+def check_plan_arg(plan: PlanLike) -> None:
+    """Refuse a ``plan`` argument that names nothing (a mode typo such as ``"infered"``, a YAML
+    path that does not exist) with the fix, before anything else runs; cheap and pure, so
+    ``tensor_parallel`` checks it even in a single process, where it would otherwise be
+    ignored until the script first runs under torchrun."""
+    if plan is None or isinstance(plan, (Plan, Mapping)):
+        return
+    if isinstance(plan, str) and plan in ("auto", "config", "infer"):
+        return
+    if isinstance(plan, (str, Path)) and Path(plan).exists():
+        return
+    if isinstance(plan, str) and (":" in plan or "\n" in plan):
+        return  # YAML text
+    if isinstance(plan, str):
+        import difflib
+
+        close = difflib.get_close_matches(plan, ["auto", "config", "infer"], n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(
+            f"plan={plan!r} is not a plan mode and no such YAML file exists; {hint}use 'auto', "
+            "'config', 'infer', a {pattern: style} dict, a tpkit.Plan or the path of a YAML plan."
+        )
+    if isinstance(plan, Path):
+        raise FileNotFoundError(f"plan file {plan} does not exist.")
+    raise TypeError(
+        f"plan must be 'auto', 'config', 'infer', a dict, a Plan or a YAML path, got {type(plan)}"
+    )
+
+
 def _derive(model: nn.Module, plan: PlanLike) -> Plan:
     if isinstance(plan, str) and plan in ("auto", "config", "infer"):
         return _completed(model, _auto_plan(model, plan))
+    check_plan_arg(plan)
     if isinstance(plan, (str, Path)):
         user = Plan.from_yaml(plan)
     elif isinstance(plan, Plan):

@@ -352,12 +352,21 @@ class Plan(Mapping[str, str]):
         import yaml
 
         text = str(text_or_path)
+        where = "the YAML plan text"
         if not text.lstrip().startswith(("{", "plan")) and Path(text).exists():
+            where = f"YAML plan file {text}"
             text = Path(text).read_text()
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ValueError(f"{where} is not valid YAML{at}: {problem}.") from None
         if not isinstance(data, Mapping):
             raise ValueError(
-                f"A YAML plan must be a mapping of pattern -> style, got {type(data)}."
+                f"{where} must be a mapping of pattern -> style (or {{plan: {{...}}}}), got "
+                f"{type(data).__name__}."
             )
         return cls.from_dict(data, source=source)
 

@@ -123,6 +123,9 @@ def validate(model: nn.Module, plan: Plan, tp_size: int) -> None:
                 problems.append(f"tp_size={tp_size} does not divide {label} of {owner}; {fix}.")
         problems += _tied_problems(model, plan)
         problems += _identity_expert_problems(model, plan)
+        problems += _dtype_problems(model, plan)
+        if not problems:
+            problems += _user_dataflow_problems(model, plan, tp_size)
     if problems:
         raise ValueError("Cannot apply tensor parallelism:\n- " + "\n- ".join(problems))
 
@@ -191,6 +194,64 @@ def _identity_expert_problems(model: nn.Module, plan: Plan) -> list[str]:
                     "moe_tp_experts or the identity expert 'replicate'."
                 )
     return out
+
+
+def _dtype_problems(model: nn.Module, plan: Plan) -> list[str]:
+    """Integer (quantized) weights cannot be split by these styles: their bytes are not the
+    values a slice of the float weight would hold (packed 4-bit, per-block scales)."""
+    out = []
+    for full, (style, layout, module) in param_layouts(model, plan).items():
+        p = module._parameters[full.rsplit(".", 1)[-1]]
+        if layout.sharded and not (p.is_floating_point() or p.is_complex()):
+            out.append(
+                f"{full} ({style}) holds {p.dtype} values ({type(p).__name__}): quantized or "
+                "integer weights cannot be split as float ones; load the model in a float "
+                "dtype (dtype=torch.bfloat16) or leave this module replicated."
+            )
+            if len(out) >= 5:
+                break
+    return out
+
+
+def _user_dataflow_problems(model: nn.Module, plan: Plan, tp_size: int) -> list[str]:
+    """User entries that the model's dataflow cannot run: a column layer fed by another column
+    layer's split output (``down_proj: colwise`` after ``up_proj: colwise``), a row layer fed a
+    whole activation. Found by one forward on fake tensors with rank 0's shard shapes (no
+    memory, no collectives), only when the user named a module: derived plans are checked when
+    they are made."""
+    user = [p for p in plan if plan.source(p) == "user"]
+    if not user:
+        return []
+    from tpkit.plan.infer import dry_run, trace
+
+    error = dry_run(model, plan, None, tp_size)
+    if error is None or dry_run(model, Plan(), None, tp_size) is not None:
+        return []  # runs, or the default trace inputs do not fit this model's forward at all
+    hints = []
+    try:
+        nodes = trace(model)["nodes"]
+    except Exception:  # noqa: BLE001 - the dry run's error alone still says what failed
+        nodes = {}
+    styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
+    column = {"colwise", "packed_colwise", "packed_qkv_colwise"}
+    for name, style in styles.items():
+        feeders = sorted(s for s in getattr(nodes.get(name), "src", ()) if s in styles)
+        split_in = [s for s in feeders if styles[s] in column]
+        if style in column and split_in:
+            hints.append(
+                f"{name} is {style} but its input comes from {split_in[0]} "
+                f"({styles[split_in[0]]}), whose output is already split: make {name} rowwise"
+            )
+        elif style in ("rowwise", "packed_rowwise") and name in nodes and not split_in:
+            hints.append(
+                f"{name} is {style} but its input is not split by a column layer: make its "
+                "producer colwise, or use rowwise_split_input"
+            )
+    lines = [
+        f"the plan (with entries {', '.join(map(repr, user[:4]))}) fails a tp={tp_size} "
+        f"forward on fake tensors: {error}"
+    ]
+    return lines + hints[:3]
 
 
 def _tied_problems(model: nn.Module, plan: Plan) -> list[str]:

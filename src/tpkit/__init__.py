@@ -11,6 +11,7 @@ from tpkit.checkpoint import (
     save_tensor_parallel,
 )
 from tpkit.clip import clip_grad_norm_
+from tpkit.dcp_io import UnsafeCheckpointError
 from tpkit.launch import launch
 from tpkit.load import (
     convert_state_dict,
@@ -28,6 +29,7 @@ __all__ = [
     "STYLES",
     "Plan",
     "TPState",
+    "UnsafeCheckpointError",
     "apply_plan",
     "build_mesh",
     "clip_grad_norm_",

@@ -5,7 +5,9 @@
   checkpoint from rank 0 while every rank takes part in the gathers.
 - `save_checkpoint` / `load_checkpoint`: torch.distributed.checkpoint (DCP) of the model and
   optimizer; DCP records global shapes, so a checkpoint saved at one (dp, tp) layout loads into
-  any other. Writes go to a temporary directory that is renamed into place only when complete.
+  any other. Writes go to a temporary directory that is fsynced, marked complete and swapped into
+  place (`tpkit.atomic`); loads read only plain data and check keys and shapes first; packed
+  (strided) shards are saved in their global layout (`tpkit.dcp_io`).
 - `export_checkpoint`: DCP -> safetensors HF checkpoint, without a process group.
 """
 
@@ -14,8 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
 from torch.distributed.tensor import DTensor
+
+from tpkit import atomic
+from tpkit.dcp_io import (
+    METADATA_FILE,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    StridedSavePlanner,
+    UnsafeCheckpointError,
+    read_metadata,
+)
 
 MODEL_KEY, OPTIM_KEY = "model", "optim"
 EXTRA_FILE, CONFIG_DIR = "tpkit_extra.json", "hf_config"
@@ -108,6 +121,71 @@ def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[s
     return {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
 
 
+def _on_rank0(fn: Callable[[], Any], what: str) -> None:
+    """Run ``fn`` on rank 0 only (file-system work); if it fails there, every rank raises, so no
+    rank is left waiting at the next collective for one that has given up."""
+    error: Exception | None = None
+    if _rank() == 0:
+        try:
+            fn()
+        except Exception as exc:
+            error = exc
+    report = None
+    if dist.is_initialized():
+        box = [None if error is None else (type(error).__name__, str(error))]
+        dist.broadcast_object_list(box, src=0)
+        report = box[0]
+    if error is not None:
+        raise error
+    if report is not None:
+        name, message = report
+        cls = ValueError if name == "ValueError" else RuntimeError
+        raise cls(f"{what} failed on rank 0: {name}: {message}")
+
+
+def _run_dcp(what: str, directory: Path, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Call ``dcp.save`` / ``dcp.load``, turning DCP's ``CheckpointException`` (a BaseException,
+    which ``except Exception`` does not catch) into a RuntimeError chained from it, or into the
+    `UnsafeCheckpointError` a rank refused a file with. DCP hands every rank the same failures."""
+    try:
+        fn(*args, **kwargs)
+    except CheckpointException as exc:
+        for _, failure in sorted(exc.failures.items()):
+            error = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(error, UnsafeCheckpointError):
+                raise UnsafeCheckpointError(str(error)) from exc
+        raise RuntimeError(f"{what} {directory} failed: {exc}") from exc
+
+
+def _not_a_checkpoint(directory: Path) -> str:
+    if directory.is_dir() and any(directory.iterdir()):
+        return f"{directory} is not a complete tpkit/DCP checkpoint"
+    return f"{directory} is not a tpkit/DCP checkpoint (no {METADATA_FILE} file)"
+
+
+def _prepare_save(directory: Path) -> None:
+    atomic.recover(directory, legacy_file=METADATA_FILE)
+    if directory.is_dir() and not atomic.is_complete(directory, legacy_file=METADATA_FILE):
+        held = sorted(p.name for p in directory.iterdir())
+        if held:
+            raise ValueError(
+                f"{directory} exists, is not empty and is not a complete checkpoint (it holds "
+                f"{_some(held)}); refusing to replace it. Move it away or save somewhere else."
+            )
+    atomic.prepare_tmp(directory, legacy_file=METADATA_FILE)
+
+
+def _finish_save(directory: Path, model: nn.Module, extra_json: str) -> None:
+    tmp = atomic.tmp_sibling(directory)
+    (tmp / EXTRA_FILE).write_text(extra_json)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.architectures = [type(model).__name__]  # as save_pretrained records it
+        config.save_pretrained(str(tmp / CONFIG_DIR))
+    atomic.mark_complete(tmp)  # fsyncs every file first; the marker is the last thing written
+    atomic.swap_in(directory, legacy_file=METADATA_FILE)
+
+
 def save_checkpoint(
     directory: str | os.PathLike,
     model: nn.Module,
@@ -117,32 +195,106 @@ def save_checkpoint(
     """Save a reshardable DCP checkpoint of ``model`` (and ``optimizer``) to ``directory``.
 
     ``extra_state`` (step, scheduler state, ...) must be JSON-serialisable: it is written as JSON,
-    never pickled. The checkpoint is written to ``<directory>.tmp`` and renamed into place by rank
-    0 once every rank has finished, so a crash mid-save leaves the previous checkpoint intact.
+    never pickled. The checkpoint is written to ``<directory>.tmp``, fsynced, marked complete and
+    swapped into place by rank 0 once every rank has finished (`tpkit.atomic`): a crash at any
+    point leaves a complete copy that `load_checkpoint` finds, and the next save first restores
+    it as ``directory``. Packed (strided) shards such as GPT-2's ``c_attn`` are written in their
+    global layout (`tpkit.dcp_io`).
     """
     directory = Path(directory)
     extra_json = json.dumps(extra_state)  # fails here, on every rank, before any collective
-    tmp = directory.with_name(directory.name + ".tmp")
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
-    dcp.save(_states(model, optimizer), checkpoint_id=str(tmp))
-    if _rank() == 0:
-        (tmp / EXTRA_FILE).write_text(extra_json)
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.architectures = [type(model).__name__]  # as save_pretrained records it
-            config.save_pretrained(str(tmp / CONFIG_DIR))
-    _barrier()
-    if _rank() == 0:
-        old = directory.with_name(directory.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if directory.exists():
-            os.replace(directory, old)
-        os.replace(tmp, directory)
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    states = _states(model, optimizer)
+    _on_rank0(lambda: _prepare_save(directory), f"preparing to save {directory}")
+    tmp = atomic.tmp_sibling(directory)
+    _run_dcp(
+        "saving",
+        directory,
+        dcp.save,
+        states,
+        storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+        planner=StridedSavePlanner(),
+    )
+    _on_rank0(lambda: _finish_save(directory, model, extra_json), f"finishing {directory}")
     return directory
+
+
+def _some(items: list[str], limit: int = 10) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+def _describe(md: Any) -> str:
+    if isinstance(md, TensorStorageMetadata):
+        return f"tensor {tuple(md.size)}"
+    if isinstance(md, torch.Tensor):
+        return f"tensor {tuple(md.shape)}"
+    return "a non-tensor value"
+
+
+def _check_matches(
+    metadata: Metadata, states: dict[str, Any], source: Path, with_optimizer: bool
+) -> None:
+    """Compare the checkpoint's keys and global shapes with the state dict about to be loaded,
+    on every rank from the same file, before any collective: DCP would ignore checkpoint keys the
+    model lacks and raise a BaseException (on every rank, after collectives) for shapes."""
+    # DCP's own flattening (private): the comparison must use exactly the keys DCP will use.
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(states)
+    saved = metadata.state_dict_metadata
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+
+    def namespace(key: str) -> str:
+        path = paths.get(key)
+        return str(path[0]) if path else key.split(".", 1)[0]
+
+    unexpected = sorted(k for k in saved if namespace(k) in states and k not in flat)
+    missing = sorted(k for k in flat if k not in saved)
+    mismatched = []
+    for key in sorted(k for k in flat if k in saved):
+        md, value = saved[key], flat[key]
+        saved_tensor = isinstance(md, TensorStorageMetadata)
+        if saved_tensor != isinstance(value, torch.Tensor) or (
+            saved_tensor and tuple(md.size) != tuple(value.shape)
+        ):
+            mismatched.append(f"{key}: checkpoint {_describe(md)}, model {_describe(value)}")
+    if not (unexpected or missing or mismatched):
+        return
+    what = "model and optimizer" if with_optimizer else "model"
+    lines = [f"The checkpoint {source} does not match the {what} it is loaded into:"]
+    for title, keys in (
+        ("in the checkpoint but not in the " + what, unexpected),
+        ("in the " + what + " but not in the checkpoint", missing),
+        ("with a different shape", mismatched),
+    ):
+        if keys:
+            lines.append(f"  {len(keys)} keys {title}:")
+            lines += [f"    {k}" for k in keys[:10]]
+            if len(keys) > 10:
+                lines.append(f"    ... ({len(keys) - 10} more)")
+    saved_optim = any(namespace(k) == OPTIM_KEY for k in saved)
+    if with_optimizer and not saved_optim and all(k.startswith(OPTIM_KEY + ".") for k in missing):
+        lines.append(
+            "It was saved without optimizer state: load it with optimizer=None (the optimizer "
+            "then starts fresh)."
+        )
+    else:
+        hint = "the same model class and configuration"
+        if (source / CONFIG_DIR).is_dir():
+            config_dir = str(source / CONFIG_DIR)
+            hint = f"the configuration saved with it: AutoConfig.from_pretrained({config_dir!r})"
+        lines.append(
+            "A checkpoint loads into any dp/tp layout of the architecture it was saved from "
+            f"(same layers and sizes, same optimizer class): build the model from {hint}."
+        )
+    raise ValueError("\n".join(lines))
+
+
+def _find_source(directory: Path) -> Path:
+    source = atomic.find_complete(directory, legacy_file=METADATA_FILE)
+    if source is None:
+        raise FileNotFoundError(_not_a_checkpoint(directory) + ".")
+    return source
 
 
 def load_checkpoint(
@@ -151,12 +303,26 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint written by `save_checkpoint` into ``model`` (and ``optimizer``), whatever
-    the (dp, tp) layout it was saved with; return the ``extra_state`` saved with it."""
-    directory = Path(directory)
-    if not (directory / ".metadata").exists():
-        raise FileNotFoundError(f"{directory} is not a tpkit/DCP checkpoint (no .metadata file).")
+    the (dp, tp) layout it was saved with; return the ``extra_state`` saved with it.
+
+    Nothing in the checkpoint is unpickled beyond plain data (`tpkit.dcp_io`): a file that asks
+    for more raises `tpkit.dcp_io.UnsafeCheckpointError`. Keys or global shapes that differ from
+    the model's (and optimizer's) raise one ValueError listing them, on every rank, before any
+    collective. If ``directory`` is missing or incomplete after an interrupted save, the complete
+    ``<directory>.tmp`` or ``<directory>.old`` is read instead (with a warning).
+    """
+    source = _find_source(Path(directory))
+    metadata = read_metadata(source)  # every rank, no collective: refusals raise everywhere
     states = _states(model, optimizer)  # get_state_dict initialises an empty optimizer's state
-    dcp.load(states, checkpoint_id=str(directory))
+    _check_matches(metadata, states, source, optimizer is not None)
+    _run_dcp(
+        "loading",
+        source,
+        dcp.load,
+        states,
+        storage_reader=SafeFileSystemReader(str(source)),
+        planner=SafeLoadPlanner(checkpoint_dir=source),
+    )
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -165,8 +331,38 @@ def load_checkpoint(
         set_state_dict(
             model, optimizer, model_state_dict=states[MODEL_KEY], optim_state_dict=states[OPTIM_KEY]
         )
-    extra = directory / EXTRA_FILE
+    extra = source / EXTRA_FILE
     return json.loads(extra.read_text()) if extra.exists() else {}
+
+
+_HF_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", atomic.COMPLETE_MARKER)
+
+
+def _check_export_target(out_dir: Path) -> None:
+    if (out_dir.exists() or out_dir.is_symlink()) and not out_dir.is_dir():
+        raise FileExistsError(
+            f"{out_dir} exists and is not a directory: export writes a directory (config.json "
+            "and safetensors). Give a new directory path."
+        )
+    if not out_dir.is_dir():
+        return
+    held = sorted(p.name for p in out_dir.iterdir())
+    if held and not any(any(out_dir.glob(pattern)) for pattern in _HF_FILES):
+        raise ValueError(
+            f"{out_dir} is not empty and does not hold a Hugging Face checkpoint (it holds "
+            f"{_some(held)}); refusing to replace it. Give an empty or new directory."
+        )
+
+
+def _hf_model_class(config: Any, model_cls: str | type | None) -> Any:
+    import transformers
+
+    if model_cls is not None:
+        return getattr(transformers, model_cls) if isinstance(model_cls, str) else model_cls
+    for name in getattr(config, "architectures", None) or []:
+        if hasattr(transformers, name):
+            return getattr(transformers, name)
+    return transformers.AutoModelForCausalLM
 
 
 def export_checkpoint(
@@ -174,34 +370,52 @@ def export_checkpoint(
 ) -> Path:
     """Turn a DCP checkpoint into a safetensors HF checkpoint (config + weights), no process group.
 
-    Loads the full tensors in this one process, so it needs the model's size in memory once.
+    Loads the full tensors in this one process, so it needs the model's size in memory once. Reads
+    nothing but plain data from the checkpoint (`tpkit.dcp_io`). ``out_dir`` must be new, empty
+    or an HF checkpoint: it is written as ``<out_dir>.tmp`` and swapped in whole (`tpkit.atomic`),
+    so no file of a previous export (a stale ``model.safetensors.index.json``) survives.
     """
     import transformers
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
-    if not (checkpoint_dir / CONFIG_DIR).exists():
+    _check_export_target(out_dir)
+    source = _find_source(checkpoint_dir)
+    if not (source / CONFIG_DIR).exists():
         raise FileNotFoundError(
             f"{checkpoint_dir} has no {CONFIG_DIR}/: it was not saved from a transformers model."
         )
-    full: dict[str, Any] = {}
-    _load_state_dict(
-        full,
-        storage_reader=dcp.FileSystemReader(str(checkpoint_dir)),
-        planner=_EmptyStateDictLoadPlanner(),
+    metadata = read_metadata(source)
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    weights: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        path = tuple(paths.get(key) or key.split(".", 1))
+        if len(path) == 2 and path[0] == MODEL_KEY:
+            is_tensor = isinstance(md, TensorStorageMetadata)
+            weights[path[1]] = (
+                torch.empty(md.size, dtype=md.properties.dtype) if is_tensor else None
+            )
+    _run_dcp(
+        "exporting",
+        source,
+        dcp.load,
+        {MODEL_KEY: weights},
+        storage_reader=SafeFileSystemReader(str(source)),
+        planner=SafeLoadPlanner(checkpoint_dir=source),
         no_dist=True,
     )
-    weights = full[MODEL_KEY]
-    config = transformers.AutoConfig.from_pretrained(str(checkpoint_dir / CONFIG_DIR))
-    from tpkit.load import _instantiate, _model_class
-
+    config = transformers.AutoConfig.from_pretrained(str(source / CONFIG_DIR))
+    cls = _hf_model_class(config, model_cls)
     with torch.device("meta"):
-        model = _instantiate(_model_class(config, model_cls), config)
+        model = (
+            cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
+        )
     model.load_state_dict(weights, strict=False, assign=True)
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if missing:
         raise ValueError(f"The checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}.")
-    model.save_pretrained(str(out_dir))
+    tmp = atomic.prepare_tmp(out_dir, legacy_file="config.json")
+    model.save_pretrained(str(tmp))
+    atomic.mark_complete(tmp)
+    atomic.swap_in(out_dir, legacy_file="config.json")
     return out_dir

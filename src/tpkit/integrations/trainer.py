@@ -76,7 +76,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpkit import atomic
 from tpkit.checkpoint import load_checkpoint, save_checkpoint, save_tensor_parallel
+from tpkit.dcp_io import METADATA_FILE
 
 #: Subdirectory of a Trainer checkpoint holding tpkit's DCP checkpoint (model + optimizer).
 DCP_DIR = "tpkit_dcp"
@@ -468,7 +470,8 @@ def _save_optimizer_and_scheduler(original):
 # ---- resuming ----------------------------------------------------------------------------------
 def _dcp_dir(checkpoint: str) -> str:
     path = os.path.join(checkpoint, DCP_DIR)
-    if not os.path.exists(os.path.join(path, ".metadata")):
+    # a save interrupted between its two renames leaves a complete .tmp/.old that loads
+    if atomic.find_complete(path, legacy_file=METADATA_FILE) is None:
         raise ValueError(
             f"{checkpoint} has no {DCP_DIR}/ checkpoint: it was not written by a Trainer training a "
             "tpkit model with tpkit.integrations.trainer.patch_trainer() (or was saved with "
@@ -526,7 +529,7 @@ def _load_best_model(original):
         if tp_state(model) is None:
             return original(self)
         best = self.state.best_model_checkpoint
-        if os.path.exists(os.path.join(best, DCP_DIR, ".metadata")):
+        if atomic.find_complete(os.path.join(best, DCP_DIR), legacy_file=METADATA_FILE):
             load_checkpoint(os.path.join(best, DCP_DIR), model)
         else:  # save_only_model=True: the gathered full weights are all there is
             load_full_weights(model, best)

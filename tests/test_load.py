@@ -37,7 +37,7 @@ def check_from_pretrained(name: str, path: str, tp_size: int | None = None, **sa
     return {
         "diff": diff,
         "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
-        "loaded_from": model.__dict__.get("_tpkit_loaded_from"),
+        "loaded_from": getattr(getattr(model, "_tpkit", None), "loaded_from", None),
         "local_numel": sum(p.to_local().numel() for p in model.parameters()),
         "total": sum(p.numel() for p in ref.parameters()),
         "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,

@@ -1,5 +1,5 @@
 """Trust under bad inputs and faults: every case is one clear error on every rank, never a hang,
-a silent wrong result or a lost checkpoint. (Checkpoint-file cases: test_checkpoint_trust.py.)"""
+a silent wrong result or a lost checkpoint. (Checkpoint-file cases: test_checkpoint.py.)"""
 
 from __future__ import annotations
 
@@ -252,7 +252,7 @@ def test_repeated_tensor_parallel_calls_leak_no_groups(ranks2):
 
 def check_shm_dead_peer(timeout_s: str) -> str:
     """Rank 1 never enters the shared-memory all-reduce: rank 0 must fail within TPKIT_TIMEOUT."""
-    from tpkit.comm import ShmChannel
+    from tpkit.shm import ShmChannel
 
     saved = dict(os.environ)
     os.environ["TPKIT_TIMEOUT"] = timeout_s
@@ -304,7 +304,7 @@ def test_dp_sub_groups_get_tpkit_timeout():
 
 
 def test_timeout_report_names_the_users_line():
-    from tpkit.mesh import collective_frame
+    from tpkit.timeouts import collective_frame
 
     def user_code():
         from tpkit import comm

@@ -4,47 +4,44 @@ import tpkit                                   # torchrun --nproc-per-node 2 scr
 model = tpkit.tensor_parallel(model)           # every rank holds ~1/N of the weights
 """
 
-from tpkit.checkpoint import (
-    export_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    save_tensor_parallel,
-)
+from tpkit.checkpoint import export_checkpoint, load_checkpoint, save_checkpoint
 from tpkit.clip import clip_grad_norm_
 from tpkit.dcp_io import UnsafeCheckpointError
 from tpkit.launch import launch
-from tpkit.load import (
-    convert_state_dict,
-    from_pretrained,
-    infer_sharded_device_map,
-    load_local_state_dict,
-)
+from tpkit.load import from_pretrained
 from tpkit.mesh import build_mesh, dist_env, init_distributed
-from tpkit.parallelize import TPState, apply_plan, tensor_parallel
-from tpkit.plan import STYLES, Plan, derive_plan, validate
+from tpkit.parallelize import TPState, tensor_parallel
+from tpkit.plan import Plan, StyleSpec, derive_plan, explain, validate
+from tpkit.save import save_tensor_parallel
+from tpkit.shards import convert_state_dict, infer_sharded_device_map, load_local_state_dict
+from tpkit.sizes import ParallelDims
+from tpkit.styles import TPStyle, register_style
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "STYLES",
+    "ParallelDims",
     "Plan",
+    "StyleSpec",
     "TPState",
+    "TPStyle",
     "UnsafeCheckpointError",
-    "apply_plan",
     "build_mesh",
     "clip_grad_norm_",
     "convert_state_dict",
+    "derive_plan",
+    "dist_env",
+    "explain",
     "export_checkpoint",
     "from_pretrained",
     "infer_sharded_device_map",
-    "load_checkpoint",
-    "load_local_state_dict",
-    "save_checkpoint",
-    "save_tensor_parallel",
-    "derive_plan",
-    "dist_env",
     "init_distributed",
     "launch",
+    "load_checkpoint",
+    "load_local_state_dict",
+    "register_style",
+    "save_checkpoint",
+    "save_tensor_parallel",
     "tensor_parallel",
     "validate",
 ]

@@ -138,8 +138,9 @@ def is_complete(directory: str | os.PathLike, *, legacy_file: str | None = None)
 
 
 def _candidates(directory: Path, legacy_file: str | None) -> list[Path]:
-    """Complete fallback copies of ``directory``, newest first."""
-    out = []
+    """The complete copies of ``directory``: itself when complete, then its fallbacks, newest
+    first."""
+    out = [directory] if is_complete(directory, legacy_file=legacy_file) else []
     if is_complete(tmp_sibling(directory)):
         out.append(tmp_sibling(directory))
     if is_complete(old_sibling(directory), legacy_file=legacy_file):
@@ -151,11 +152,9 @@ def find_complete(directory: str | os.PathLike, *, legacy_file: str | None = Non
     """The copy to read: ``directory`` if complete, else a complete ``.tmp`` (newer), else a
     complete ``.old`` (a warning says which), else None. Changes nothing on disk."""
     directory = Path(directory)
-    if is_complete(directory, legacy_file=legacy_file):
-        return directory
     candidates = _candidates(directory, legacy_file)
-    if not candidates:
-        return None
+    if not candidates or candidates[0] == directory:
+        return candidates[0] if candidates else None
     state = "is incomplete" if directory.exists() else "is missing"
     log.warning(
         "%s %s (a save was interrupted); reading the complete copy %s instead.",
@@ -172,11 +171,9 @@ def recover(directory: str | os.PathLike, *, legacy_file: str | None = None) -> 
     ``directory`` in the way is moved to ``<directory>.incomplete``, not deleted. Returns
     ``directory`` when it is complete afterwards, None when no complete copy exists."""
     directory = Path(directory)
-    if is_complete(directory, legacy_file=legacy_file):
-        return directory
     candidates = _candidates(directory, legacy_file)
-    if not candidates:
-        return None
+    if not candidates or candidates[0] == directory:
+        return candidates[0] if candidates else None
     if directory.exists():
         aside = _incomplete_sibling(directory)
         shutil.rmtree(aside, ignore_errors=True)

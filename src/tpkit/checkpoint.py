@@ -1,8 +1,5 @@
-"""Checkpoints: whole HF checkpoints out of a sharded model, and reshardable DCP checkpoints.
+"""Reshardable checkpoints of training state: torch.distributed.checkpoint (DCP), made safe.
 
-- `save_tensor_parallel(model)`: inside it ``model.state_dict()`` returns full tensors (gathered
-  one parameter at a time) and ``model.save_pretrained(dir)`` writes a normal transformers
-  checkpoint from rank 0 while every rank takes part in the gathers.
 - `save_checkpoint` / `load_checkpoint`: torch.distributed.checkpoint (DCP) of the model and
   optimizer; DCP records global shapes, so a checkpoint saved at one (dp, tp) layout loads into
   any other. Writes go to a temporary directory that is fsynced, marked complete and swapped into
@@ -13,10 +10,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +27,9 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from tpkit import atomic
+from tpkit.build import instantiate, model_class
 from tpkit.dcp_io import (
     METADATA_FILE,
     SafeFileSystemReader,
@@ -42,73 +38,12 @@ from tpkit.dcp_io import (
     UnsafeCheckpointError,
     read_metadata,
 )
+from tpkit.mesh import rank
+
+__all__ = ["export_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 MODEL_KEY, OPTIM_KEY = "model", "optim"
 EXTRA_FILE, CONFIG_DIR = "tpkit_extra.json", "hf_config"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _full_state_dict_hook(rank0_only: bool, cpu_offload: bool):
-    def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-        keep = not rank0_only or _rank() == 0
-        for key in list(state_dict):
-            value = state_dict[key]
-            if isinstance(value, DTensor):
-                full = value.full_tensor()  # a collective: every rank, same order
-                if cpu_offload:
-                    full = full.cpu()
-                if keep:
-                    state_dict[key] = full
-                else:
-                    del state_dict[key]
-                    del full
-            elif not keep:
-                del state_dict[key]
-
-    return hook
-
-
-@contextlib.contextmanager
-def save_tensor_parallel(
-    model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True
-) -> Iterator[nn.Module]:
-    """Inside this context the model's state dict is full and ``save_pretrained`` writes a normal,
-    unsharded checkpoint that plain transformers loads.
-
-    Every rank must enter it and call the same methods (the gathers are collectives). With
-    ``rank0_only`` (default) only rank 0 keeps the gathered tensors: other ranks hold at most one
-    full tensor at a time and get an empty state dict. ``cpu_offload`` moves each gathered tensor
-    to CPU at once, so GPU memory stays at the shards plus one tensor.
-    """
-    handle = model.register_state_dict_post_hook(_full_state_dict_hook(rank0_only, cpu_offload))
-    original = model.__dict__.get("save_pretrained")
-    if hasattr(model, "save_pretrained"):
-        bound = type(model).save_pretrained.__get__(model)
-
-        def save_pretrained(save_directory, *args, **kwargs):
-            state_dict = kwargs.pop("state_dict", None) or model.state_dict()
-            if _rank() == 0:
-                bound(save_directory, *args, state_dict=state_dict, is_main_process=True, **kwargs)
-            del state_dict
-            _barrier()
-
-        model.save_pretrained = save_pretrained
-    try:
-        yield model
-    finally:
-        handle.remove()
-        if original is None:
-            model.__dict__.pop("save_pretrained", None)
-        else:
-            model.save_pretrained = original
 
 
 # ---- DCP ---------------------------------------------------------------------------------------
@@ -125,7 +60,7 @@ def _on_rank0(fn: Callable[[], Any], what: str) -> None:
     """Run ``fn`` on rank 0 only (file-system work); if it fails there, every rank raises, so no
     rank is left waiting at the next collective for one that has given up."""
     error: Exception | None = None
-    if _rank() == 0:
+    if rank() == 0:
         try:
             fn()
         except Exception as exc:
@@ -238,7 +173,7 @@ def _check_matches(
     on every rank from the same file, before any collective: DCP would ignore checkpoint keys the
     model lacks and raise a BaseException (on every rank, after collectives) for shapes."""
     # DCP's own flattening (private): the comparison must use exactly the keys DCP will use.
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from tpkit.compat import flatten_state_dict
 
     flat, _ = flatten_state_dict(states)
     saved = metadata.state_dict_metadata
@@ -354,17 +289,6 @@ def _check_export_target(out_dir: Path) -> None:
         )
 
 
-def _hf_model_class(config: Any, model_cls: str | type | None) -> Any:
-    import transformers
-
-    if model_cls is not None:
-        return getattr(transformers, model_cls) if isinstance(model_cls, str) else model_cls
-    for name in getattr(config, "architectures", None) or []:
-        if hasattr(transformers, name):
-            return getattr(transformers, name)
-    return transformers.AutoModelForCausalLM
-
-
 def export_checkpoint(
     checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, model_cls: str | None = None
 ) -> Path:
@@ -404,11 +328,8 @@ def export_checkpoint(
         no_dist=True,
     )
     config = transformers.AutoConfig.from_pretrained(str(source / CONFIG_DIR))
-    cls = _hf_model_class(config, model_cls)
     with torch.device("meta"):
-        model = (
-            cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
-        )
+        model = instantiate(model_class(config, model_cls), config)
     model.load_state_dict(weights, strict=False, assign=True)
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]

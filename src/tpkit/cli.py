@@ -5,49 +5,24 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
-from torch import nn
 
-
-def build_on_meta(path: str, model_cls: str | None = None) -> nn.Module:
-    """Instantiate a model from a checkpoint dir or config.json on the meta device (no weights)."""
-    import transformers
-
-    p = Path(path)
-    config = transformers.AutoConfig.from_pretrained(str(p.parent if p.is_file() else p))
-    names = [model_cls] if model_cls else list(getattr(config, "architectures", None) or [])
-    classes = [getattr(transformers, n) for n in names if hasattr(transformers, n)]
-    classes += [
-        transformers.AutoModelForCausalLM,
-        transformers.AutoModelForSeq2SeqLM,
-        transformers.AutoModel,
-    ]
-    errors = []
-    with torch.device("meta"):
-        for cls in classes:
-            try:
-                if hasattr(cls, "from_config"):
-                    return cls.from_config(config)
-                return cls(config)
-            except (ValueError, KeyError, TypeError) as exc:
-                errors.append(f"{getattr(cls, '__name__', cls)}: {exc}")
-    raise ValueError(f"Could not build a model for {path}:\n" + "\n".join(errors))
+__all__ = ["main"]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from tpkit.plan import derive_plan, validate
+    from tpkit.build import build_on_meta
+    from tpkit.plan import derive_plan, explain, validate
 
     model = build_on_meta(args.model, args.model_cls)
-    plan = derive_plan(model, args.plan or "auto")
+    plan = derive_plan(model, args.plan or "auto", args.tp)  # groups tp does not divide: noted
     try:
-        # first: validation leaves inferred pairs that tp does not divide replicated, with a note
         validate(model, plan, args.tp)
         error = None
     except ValueError as exc:
         error = exc
-    print(plan.explain(model, tp_size=args.tp))
+    print(explain(plan, model, tp_size=args.tp))
     if error is not None:
         print(f"\n{error}", file=sys.stderr)
         return 1

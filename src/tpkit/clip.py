@@ -15,7 +15,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from tpkit.compat import StridedShard
+
+__all__ = ["clip_grad_norm_"]
 
 
 def _copies(grad: torch.Tensor, world: int) -> int:
@@ -25,7 +28,7 @@ def _copies(grad: torch.Tensor, world: int) -> int:
     mesh = grad.device_mesh
     distinct = 1
     for size, placement in zip(mesh.shape, grad.placements):
-        if isinstance(placement, (Shard, _StridedShard)):
+        if isinstance(placement, (Shard, StridedShard)):
             distinct *= size
     return world // distinct
 

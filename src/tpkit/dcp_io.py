@@ -11,7 +11,7 @@ What torch's DCP lacks, and what this module adds:
   loads non-tensor items with ``torch.load(weights_only=True)``. Tensor data was already read with
   ``weights_only=True`` by DCP. A refused file raises `UnsafeCheckpointError` naming the file and
   the refused global.
-- **Strided (packed) shards.** A DTensor with a ``_StridedShard(dim, split_factor)`` placement
+- **Strided (packed) shards.** A DTensor with a ``StridedShard(dim, split_factor)`` placement
   (GPT-2's packed ``c_attn`` q|k|v, fused gate|up, FSDP2 over TP on the same dim) holds on each
   rank ``split_factor`` separate pieces of the global tensor, not one block. DCP describes every
   local tensor as one block (``compute_local_shape_and_global_offset``), so saving GPT-2 at tp=2
@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -54,9 +53,10 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
-# Private torch names, unavoidable here: ``_StridedShard`` is the placement this module exists to
+from tpkit.compat import StridedShard, set_element
+
+# Private torch names, unavoidable here: ``StridedShard`` is the placement this module exists to
 # handle (torch has no public name for it); ``set_element`` is how DCP puts a loaded non-tensor
 # item back into the nested state dict (the planner API offers no other way); ``_split_tensor`` (in
 # `_global_indices`) is DTensor's own definition of which elements a rank holds.
@@ -169,7 +169,7 @@ class SafeFileSystemReader(FileSystemReader):
 def _is_strided(obj: Any) -> bool:
     return (
         isinstance(obj, DTensor)
-        and any(isinstance(p, _StridedShard) for p in obj.placements)
+        and any(isinstance(p, StridedShard) for p in obj.placements)
         and not hasattr(obj.to_local(), "__create_write_items__")  # a tensor subclass's own way
         and obj.device_mesh.get_coordinate() is not None
     )
@@ -181,10 +181,10 @@ def _global_indices(t: DTensor, dim: int) -> list[int]:
     coordinate = t.device_mesh.get_coordinate()
     index = torch.arange(t.shape[dim])
     for mesh_dim, placement in enumerate(t.placements):
-        if not isinstance(placement, (Shard, _StridedShard)) or placement.dim % t.ndim != dim:
+        if not isinstance(placement, (Shard, StridedShard)) or placement.dim % t.ndim != dim:
             continue
-        if isinstance(placement, _StridedShard):
-            split = _StridedShard(0, split_factor=placement.split_factor)
+        if isinstance(placement, StridedShard):
+            split = StridedShard(0, split_factor=placement.split_factor)
         else:
             split = Shard(0)
         pieces, _ = split._split_tensor(index, t.device_mesh.size(mesh_dim), with_padding=False)
@@ -206,7 +206,7 @@ def _runs(indices: list[int]) -> list[tuple[int, int, int]]:
 
 def local_pieces(fqn: str, t: DTensor) -> Iterator[tuple[torch.Size, torch.Tensor]]:
     """The contiguous pieces of a DTensor's local tensor in the global tensor: ``(global offsets,
-    view of the local tensor)`` for each, in local order. A ``_StridedShard`` dim gives one piece
+    view of the local tensor)`` for each, in local order. A ``StridedShard`` dim gives one piece
     per packed part; other dims one piece. Empty pieces are skipped."""
     local = t.to_local()
     per_dim = []
@@ -232,7 +232,7 @@ def _strided_pieces(state_dict: dict[str, Any]) -> dict[str, dict[torch.Size, to
 
 
 class StridedSavePlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner`` that writes a ``_StridedShard`` DTensor as one chunk per contiguous
+    """``DefaultSavePlanner`` that writes a ``StridedShard`` DTensor as one chunk per contiguous
     piece at its true global offsets (DCP writes one block per local tensor, which for a packed
     q|k|v or gate|up shard overlaps the other ranks' blocks and misplaces the data)."""
 
@@ -285,7 +285,7 @@ _GLOBAL_IN_MESSAGE = re.compile(r"Unsupported global: (?:GLOBAL )?(\S+)")
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that loads non-tensor items with ``torch.load(weights_only=True)``
-    (torch's uses ``weights_only=False``) and reads ``_StridedShard`` DTensors piece by piece, the
+    (torch's uses ``weights_only=False``) and reads ``StridedShard`` DTensors piece by piece, the
     way `StridedSavePlanner` wrote them (or from any other layout: chunks are resharded).
 
     ``checkpoint_dir`` only names files in errors.

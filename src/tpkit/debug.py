@@ -34,6 +34,16 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from tpkit.log import get_logger
 
+__all__ = [
+    "FIRST_FORWARDS",
+    "check_inputs",
+    "check_replicated_params",
+    "debug_enabled",
+    "install_debug_checks",
+    "install_first_forward_checks",
+    "install_input_checks",
+]
+
 log = get_logger(__name__)
 
 _MAX_DIMS = 6  # shape entries compared per tensor; more dims are folded into the checksums
@@ -45,6 +55,14 @@ def debug_enabled() -> bool:
 
 #: Forwards whose inputs are checked across the TP group by default (TPKIT_DEBUG: all of them).
 FIRST_FORWARDS = 2
+
+
+def install_input_checks(model: nn.Module, tp_mesh: DeviceMesh):
+    """The checks tensor_parallel installs: every forward under TPKIT_DEBUG=1 (inputs and
+    replicated parameters), else the inputs of the first `FIRST_FORWARDS` forwards."""
+    if debug_enabled():
+        return install_debug_checks(model, tp_mesh)
+    return install_first_forward_checks(model, tp_mesh)
 
 
 def install_first_forward_checks(

@@ -32,6 +32,8 @@ from torch import nn
 
 from tpkit.debug import check_inputs
 
+__all__ = ["install_generate_guard"]
+
 
 def _move(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, torch.Tensor):

@@ -32,6 +32,19 @@ from typing import Any
 
 from tpkit.log import get_logger
 
+__all__ = [
+    "LaunchError",
+    "RemoteTraceback",
+    "default_nproc",
+    "ensure_ranks",
+    "inside_launched_rank",
+    "launch",
+    "run_script",
+    "threads_per_rank",
+    "torchrun_command",
+    "torchrun_env",
+]
+
 log = get_logger(__name__)
 
 #: Environment variables torchrun sets in every rank it starts.
@@ -93,10 +106,9 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None, **kwarg
     Every line a rank prints appears in the caller's output (the notebook cell), prefixed
     ``[rankN]:``.
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     if inside_launched_rank():
         raise RuntimeError(
@@ -108,22 +120,7 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None, **kwarg
         raise ValueError(f"nproc must be >= 1, got {nproc}.")
     method = _start_method(fn, args, kwargs)
     workdir = tempfile.mkdtemp(prefix="tpkit-launch-")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"tpkit-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # what `torchrun --standalone` uses: a free local port
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method=method,
-        # Tee each rank's output through this process's sys.stdout/sys.stderr, each line
-        # prefixed [rankN]:, so it shows in the notebook cell, not in the kernel's terminal.
-        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(workdir, "logs"), tee=Std.ALL),
-        log_line_prefix_template="[rank${rank}]:",
-        shutdown_timeout=5,  # SIGTERM, then SIGKILL after 5 s: no worker outlives launch()
-    )
+    config = _launch_config(nproc, method, workdir)
     log.info("launching %s on %d ranks (%s)", getattr(fn, "__qualname__", fn), nproc, method)
     errors = os.path.join(workdir, "errors")
     os.makedirs(errors)
@@ -141,6 +138,29 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None, **kwarg
     return results[0]
 
 
+def _launch_config(nproc: int, method: str, workdir: str):
+    """torch's ``LaunchConfig`` for one node, as ``torchrun --standalone`` would set it up."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"tpkit-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # what `torchrun --standalone` uses: a free local port
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method=method,
+        # Tee each rank's output through this process's sys.stdout/sys.stderr, each line
+        # prefixed [rankN]:, so it shows in the notebook cell, not in the kernel's terminal.
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(workdir, "logs"), tee=Std.ALL),
+        log_line_prefix_template="[rank${rank}]:",
+        shutdown_timeout=5,  # SIGTERM, then SIGKILL after 5 s: no worker outlives launch()
+    )
+
+
 def _run_rank(fn: Callable, args: tuple, kwargs: dict, error_dir: str) -> Any:
     """What each launched rank runs: ``fn``, then a clean process-group teardown. On an exception,
     write it (pickled, with its formatted traceback) for the caller, then re-raise so the launcher
@@ -154,7 +174,7 @@ def _run_rank(fn: Callable, args: tuple, kwargs: dict, error_dir: str) -> Any:
     try:
         out = fn(*args, **kwargs)
     except BaseException as exc:
-        from tpkit.mesh import timeout_report
+        from tpkit.timeouts import timeout_report
 
         report = timeout_report(exc, exc.__traceback__)
         if report and hasattr(exc, "add_note"):
@@ -353,17 +373,16 @@ def run_script(
     target: Sequence[str],
     nproc: int | None = None,
     *,
-    nnodes: str | int = 1,
-    rdzv_endpoint: str | None = None,
     backend: str | None = None,
     threads: int | None = None,
-    module: bool = False,
+    **command: Any,
 ) -> int:
-    """Replace this process with torchrun running ``target`` (what ``tpkit run`` does).
+    """Replace this process with torchrun running ``target`` (what ``tpkit run`` does);
+    ``command``: `torchrun_command`'s options (``nnodes``, ``rdzv_endpoint``, ``module``).
 
     Returns only if torchrun could not be started (never, in practice)."""
     nproc = default_nproc() if nproc is None else int(nproc)
-    cmd = torchrun_command(target, nproc, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, module=module)
+    cmd = torchrun_command(target, nproc, **command)
     env = torchrun_env(nproc, backend=backend, threads=threads)
     log.info("%s", " ".join(cmd))
     sys.stdout.flush()

@@ -14,6 +14,8 @@ import logging
 import os
 import sys
 
+__all__ = ["all_ranks_enabled", "get_logger", "log_every_rank"]
+
 _ROOT = "tpkit"
 
 

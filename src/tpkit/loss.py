@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from tpkit.comm import chunk_offset
+from tpkit.plan.layout import chunk_offset
+
+__all__ = ["causal_lm_loss", "enable_loss_parallel", "vocab_parallel_cross_entropy"]
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -102,3 +105,9 @@ def causal_lm_loss(
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch
+
+
+def enable_loss_parallel(model: nn.Module) -> None:
+    """Make ``model``'s loss the vocab-parallel cross-entropy. Its head's style was built with
+    ``loss_parallel`` (validation checked it gathers and that forward calls loss_function)."""
+    model.loss_function = causal_lm_loss

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+__all__ = ["install_region_rng", "rng_state"]
+
 _OFFSET = 2718  # Megatron's model-parallel seed offset
 
 
@@ -31,17 +33,18 @@ class _RegionRNG:
     saved: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
 
     def enter(self) -> None:
-        self.saved.append(_get())
+        self.saved.append(rng_state())
         _set(self.cpu, self.cuda)
 
     def leave(self) -> None:
         if not self.saved:
             return
-        self.cpu, self.cuda = _get()
+        self.cpu, self.cuda = rng_state()
         _set(*self.saved.pop())
 
 
-def _get() -> tuple[torch.Tensor, torch.Tensor | None]:
+def rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The default CPU (and, once initialised, CUDA) generator states."""
     cuda = (
         torch.cuda.get_rng_state()
         if torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -58,10 +61,10 @@ def _set(cpu: torch.Tensor, cuda: torch.Tensor | None) -> None:
 
 def _region_state(tp_rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A per-rank stream derived from the (synced) default one, without advancing it."""
-    saved = _get()
+    saved = rng_state()
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) + _OFFSET + tp_rank
     torch.manual_seed(seed)
-    state = _get()
+    state = rng_state()
     _set(*saved)
     return state
 

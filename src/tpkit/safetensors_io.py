@@ -10,12 +10,22 @@ at most ``BLOCK_BYTES``, so the peak is the shard plus one block.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+__all__ = [
+    "BLOCK_BYTES",
+    "DTYPES",
+    "MAX_HEADER_BYTES",
+    "CheckpointError",
+    "CheckpointIndex",
+    "Entry",
+]
 
 BLOCK_BYTES = 8 << 20
 
@@ -61,65 +71,75 @@ def _read_header(path: str) -> dict[str, Entry]:
     named, instead of loading wrong bytes or failing mid-load on one rank.
     """
     size = os.path.getsize(path)
-
-    def bad(what: str) -> CheckpointError:
-        return CheckpointError(f"{path}: {what}; the file is corrupt or truncated.")
-
     if size < 8:
-        raise bad(f"{size} bytes is too short for a safetensors header")
+        raise _corrupt(path, f"{size} bytes is too short for a safetensors header")
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > min(MAX_HEADER_BYTES, size - 8):
-            raise bad(f"header length {n} exceeds the file ({size} bytes) or 100 MB")
+            raise _corrupt(path, f"header length {n} exceeds the file ({size} bytes) or 100 MB")
         raw = f.read(n)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad(f"the header is not valid JSON ({exc})") from None
+        raise _corrupt(path, f"the header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
-        raise bad("the header is not a JSON object")
+        raise _corrupt(path, "the header is not a JSON object")
     base = 8 + n
     out: dict[str, Entry] = {}
     spans = []
     for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-            raise bad(f"tensor {key!r} lacks dtype, shape or data_offsets")
-        if info["dtype"] not in DTYPES:
-            raise CheckpointError(
-                f"{path}: tensor {key!r} has unsupported dtype {info['dtype']!r} (tpkit reads "
-                f"{', '.join(DTYPES)})."
-            )
-        shape, offsets = info["shape"], info["data_offsets"]
-        if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
-            raise bad(f"tensor {key!r} has an invalid shape {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
-            raise bad(f"tensor {key!r} has invalid data_offsets {offsets!r}")
-        dtype = DTYPES[info["dtype"]]
-        begin, end = offsets
-        nbytes = _prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if end - begin != nbytes:
-            raise bad(
-                f"tensor {key!r} ({info['dtype']} {shape}) needs {nbytes} bytes but its "
-                f"data_offsets {offsets} span {end - begin}"
-            )
-        if base + end > size:
-            raise bad(
-                f"tensor {key!r} ends at byte {base + end}, past the end of the file ({size})"
-            )
-        spans.append((begin, end, key))
-        out[key] = Entry(path, dtype, tuple(shape), base + begin)
+        if key != "__metadata__":
+            out[key] = _entry(path, key, info, base, size)
+            spans.append((out[key].offset - base, out[key].offset - base + _nbytes(out[key]), key))
     spans.sort()
     at = 0
     for begin, end, key in spans:
         if begin != at:
             what = "overlaps the tensor before it" if begin < at else "leaves a hole before it"
-            raise bad(f"tensor {key!r} at data_offsets [{begin}, {end}] {what}")
+            raise _corrupt(path, f"tensor {key!r} at data_offsets [{begin}, {end}] {what}")
         at = end
     if base + at != size:
-        raise bad(f"the tensors end at byte {base + at} but the file has {size}")
+        raise _corrupt(path, f"the tensors end at byte {base + at} but the file has {size}")
     return out
+
+
+def _corrupt(path: str, what: str) -> CheckpointError:
+    return CheckpointError(f"{path}: {what}; the file is corrupt or truncated.")
+
+
+def _entry(path: str, key: str, info: object, base: int, size: int) -> Entry:
+    """One header entry, checked: dtype known, shape and offsets whole numbers, offsets that span
+    exactly the tensor's bytes and end inside the file."""
+
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise _corrupt(path, f"tensor {key!r} lacks dtype, shape or data_offsets")
+    if info["dtype"] not in DTYPES:
+        raise CheckpointError(
+            f"{path}: tensor {key!r} has unsupported dtype {info['dtype']!r} (tpkit reads "
+            f"{', '.join(DTYPES)})."
+        )
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+        raise _corrupt(path, f"tensor {key!r} has an invalid shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+        raise _corrupt(path, f"tensor {key!r} has invalid data_offsets {offsets!r}")
+    entry = Entry(path, DTYPES[info["dtype"]], tuple(shape), base + offsets[0])
+    begin, end = offsets
+    if end - begin != _nbytes(entry):
+        raise _corrupt(
+            path,
+            f"tensor {key!r} ({info['dtype']} {shape}) needs {_nbytes(entry)} bytes but its "
+            f"data_offsets {offsets} span {end - begin}",
+        )
+    if base + end > size:
+        raise _corrupt(
+            path, f"tensor {key!r} ends at byte {base + end}, past the end of the file ({size})"
+        )
+    return entry
+
+
+def _nbytes(entry: Entry) -> int:
+    return math.prod(entry.shape) * torch.empty((), dtype=entry.dtype).element_size()
 
 
 def _is_count(value: object) -> bool:
@@ -192,8 +212,8 @@ class CheckpointIndex:
         shape = e.shape or (1,)
         ranges = ranges or [(0, shape[dim])]
         esize = torch.empty((), dtype=e.dtype).element_size()
-        outer = _prod(shape[:dim])
-        inner = _prod(shape[dim + 1 :])
+        outer = math.prod(shape[:dim])
+        inner = math.prod(shape[dim + 1 :])
         size = shape[dim]
         picked = sum(b - a for a, b in ranges)
         local_shape = (*shape[:dim], picked, *shape[dim + 1 :])
@@ -258,10 +278,3 @@ def _pread_into(fd: int, dst: torch.Tensor, offset: int, nbytes: int) -> None:
         if n <= 0:
             raise OSError(f"short read at byte {offset + got} (wanted {nbytes - got} more)")
         got += n
-
-
-def _prod(shape) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out

@@ -19,6 +19,9 @@ Where the collectives go, and why there:
   biases) get their gradients all-reduced over the TP group.
 - Only while training with grad enabled: in eval and ``generate`` (one token per step) the model
   runs exactly as without SP.
+
+What SP cannot run (encoder-decoders, MoE experts, post-norm blocks) is refused by
+`tpkit.plan.validate` before anything is split.
 """
 
 from __future__ import annotations
@@ -32,23 +35,25 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from tpkit.fsdp import repeated_blocks
-from tpkit.plan.spec import Plan
+from tpkit.plan import Plan, style_spec
+from tpkit.plan.layout import tp_regions
+from tpkit.plan.trace import repeated_blocks
+from tpkit.styles.base import map_output
 
-COLUMN_STYLES = ("colwise", "packed_colwise", "packed_qkv_colwise")
-ROW_STYLES = ("rowwise", "packed_rowwise")
+__all__ = ["SPState", "SequenceParallel"]
+
 SEQ_DIM = 1
 
 
 # ---- collectives along the sequence dimension ------------------------------------------------
-def _all_gather(x: torch.Tensor, group: ProcessGroup, tp: int) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, group: ProcessGroup, rank: int, tp: int) -> torch.Tensor:
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(tp)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=SEQ_DIM)
 
 
-def _chunk(x: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+def _chunk(x: torch.Tensor, group: ProcessGroup, rank: int, tp: int) -> torch.Tensor:
     n = x.shape[SEQ_DIM] // tp
     return x.narrow(SEQ_DIM, rank * n, n).contiguous()
 
@@ -61,59 +66,35 @@ def _reduce_scatter(x: torch.Tensor, group: ProcessGroup, rank: int, tp: int) ->
         return out.movedim(0, SEQ_DIM)
     x = x.contiguous().clone()  # gloo has no reduce-scatter: all-reduce, keep our chunk
     dist.all_reduce(x, group=group)
-    return _chunk(x, rank, tp)
+    return _chunk(x, group, rank, tp)
 
 
-class _Scatter(torch.autograd.Function):
-    """Keep this rank's chunk; backward all-gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group, rank, tp):
-        ctx.args = (group, tp)
-        return _chunk(x, rank, tp)
+class _SequenceOp(torch.autograd.Function):
+    """``forward_op`` on the way in, ``backward_op`` on the gradient: the four pairings SP uses
+    are chunk/gather (enter the first block), gather/chunk (leave the last: the gradient is
+    whole everywhere), gather/reduce-scatter (enter a region: the column layers' input
+    gradients are partial) and reduce-scatter/gather (a row layer's output)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, *ctx.args), None, None, None
-
-
-class _Gather(torch.autograd.Function):
-    """All-gather; backward keeps this rank's chunk (the gradient is already whole everywhere)."""
-
-    @staticmethod
-    def forward(ctx, x, group, rank, tp):
-        ctx.args = (rank, tp)
-        return _all_gather(x, group, tp)
+    def forward(ctx, x, forward_op, backward_op, group, rank, tp):
+        ctx.backward_op, ctx.args = backward_op, (group, rank, tp)
+        return forward_op(x, group, rank, tp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _chunk(grad, *ctx.args), None, None, None
+        return ctx.backward_op(grad, *ctx.args), None, None, None, None, None
 
 
-class _GatherReduceScatterGrad(torch.autograd.Function):
-    """All-gather; backward reduce-scatters (the column layers' input gradients are partial)."""
-
-    @staticmethod
-    def forward(ctx, x, group, rank, tp):
-        ctx.args = (group, rank, tp)
-        return _all_gather(x, group, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, *ctx.args), None, None, None
+def _scatter(x: torch.Tensor, state: SPState) -> torch.Tensor:
+    return _SequenceOp.apply(x, _chunk, _all_gather, state.group, state.rank, state.tp)
 
 
-class _ReduceScatter(torch.autograd.Function):
-    """Reduce-scatter; backward all-gathers."""
+def _gather(x: torch.Tensor, state: SPState) -> torch.Tensor:
+    return _SequenceOp.apply(x, _all_gather, _chunk, state.group, state.rank, state.tp)
 
-    @staticmethod
-    def forward(ctx, x, group, rank, tp):
-        ctx.args = (group, tp)
-        return _reduce_scatter(x, group, rank, tp)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, *ctx.args), None, None, None
+def _gather_reduce_scatter_grad(x: torch.Tensor, state: SPState) -> torch.Tensor:
+    return _SequenceOp.apply(x, _all_gather, _reduce_scatter, state.group, state.rank, state.tp)
 
 
 # ---- runtime state shared by the hooks ------------------------------------------------------
@@ -128,10 +109,12 @@ class SPState:
     gathered: list[torch.Tensor] = field(default_factory=list)
 
     def reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
-        return _ReduceScatter.apply(y, self.group, self.rank, self.tp)
+        return _SequenceOp.apply(y, _reduce_scatter, _all_gather, self.group, self.rank, self.tp)
 
 
 def _hidden_key(args: tuple, kwargs: dict) -> tuple[str, Any] | None:
+    """Where a block's hidden states are: the first positional tensor, ``hidden_states``, or the
+    first float keyword tensor."""
     if args and isinstance(args[0], torch.Tensor):
         return ("arg", 0)
     if isinstance(kwargs.get("hidden_states"), torch.Tensor):
@@ -148,83 +131,50 @@ def _replace(args: tuple, kwargs: dict, key, fn):
     return args, {**kwargs, key[1]: fn(kwargs[key[1]])}
 
 
-def _map_first(output: Any, fn) -> Any:
-    if isinstance(output, torch.Tensor):
-        return fn(output)
-    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-        return (fn(output[0]), *output[1:])
-    return output
+class SequenceParallel:
+    """Where SP acts in one model, decided from the plan before any style exists.
 
+    ``state`` is shared by every hook and style of the model; `style_sp` maps module names to it
+    for the styles that change under SP (column and row layers inside regions, replicated layers
+    outside them that see a sequence chunk); `install` adds the block and region hooks."""
 
-# ---- checks (pure, before any collective) ---------------------------------------------------
-def sequence_parallel_problems(model: nn.Module, plan: Plan) -> list[str]:
-    """Why SP cannot apply to this model, if it cannot (empty list when it can)."""
-    problems = []
-    config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        problems.append(
-            f"sequence_parallel supports decoder-only models; {type(model).__name__} is an "
-            "encoder-decoder (its cross-attention reads the encoder's whole sequence). Use "
-            "sequence_parallel=False."
-        )
-    moe = [t.name for t in plan.resolve(model) if t.style == "moe_tp_experts"]
-    if moe:
-        problems.append(
-            f"sequence_parallel does not support tensor-parallel MoE experts ({moe[0]}); use "
-            "sequence_parallel=False."
-        )
-    if not repeated_blocks(model):
-        problems.append(
-            f"sequence_parallel needs repeated blocks (an nn.ModuleList) in {type(model).__name__}."
-        )
-    styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
-    regions = {n.rsplit(".", 1)[0] for n, s in styles.items() if s in COLUMN_STYLES and "." in n}
-    apart = [
-        n
-        for n, s in styles.items()
-        if s in ROW_STYLES and (n.rsplit(".", 1)[0] if "." in n else "") not in regions
-    ]
-    if apart:
-        problems.append(
-            f"sequence_parallel needs every row-parallel layer in the same module as the column "
-            f"layers feeding it (Llama's self_attn, mlp), so that the module's output is the "
-            f"sequence chunk; {type(model).__name__}'s {apart[0]} is not (a post-norm block whose "
-            "residual add sits in a module of its own). Use sequence_parallel=False."
-        )
-    return problems
+    def __init__(self, model: nn.Module, plan: Plan, tp_mesh: DeviceMesh):
+        self.state = SPState(tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size())
+        self.blocks = repeated_blocks(model)
+        names = {id(m): n for n, m in model.named_modules()}
+        block_names = [names[id(b)] for b in self.blocks]
 
+        def in_block(name: str) -> bool:
+            return any(name == b or name.startswith(b + ".") for b in block_names)
 
-# ---- installation ---------------------------------------------------------------------------
-def install_sequence_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> SPState:
-    """Turn the applied TP styles of every block into their SP variants (see module docstring)."""
-    state = SPState(tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size())
-    blocks = repeated_blocks(model)
-    modules = dict(model.named_modules())
-    names = {id(m): n for n, m in modules.items()}
-    block_names = [names[id(b)] for b in blocks]
-    styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
-    regions = {}
-    for name, style in styles.items():
-        if style in COLUMN_STYLES and "." in name:
-            parent = name.rsplit(".", 1)[0]
-            if any(parent == b or parent.startswith(b + ".") for b in block_names):
-                regions.setdefault(parent, modules[parent])
-    for name, module in modules.items():
-        obj = module.__dict__.get("_tpkit_style_obj")
-        in_block = any(name.startswith(b + ".") for b in block_names)
-        if obj is None or not in_block:
-            continue
-        in_region = any(name.startswith(r + ".") for r in regions)
-        if obj.name in (*COLUMN_STYLES, *ROW_STYLES) and in_region:
-            obj.sp = state
-        elif obj.name == "replicate" and not in_region:
-            obj.sp_grad_allreduce = state  # norms on a sequence chunk: partial gradients
-    for region in regions.values():
-        region.register_forward_pre_hook(_region_enter(state), with_kwargs=True)
-        region.register_forward_hook(_region_exit(state), always_call=True)
-    blocks[0].register_forward_pre_hook(_first_block(model, state), with_kwargs=True)
-    blocks[-1].register_forward_hook(_last_block(state), always_call=True)
-    return state
+        self.regions = [r for r in tp_regions(model, plan) if in_block(r)]
+        styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
+        self.style_sp: dict[str, SPState] = {}
+        for name, module in model.named_modules():
+            if not any(name.startswith(b + ".") for b in block_names):
+                continue
+            in_region = any(name.startswith(r + ".") for r in self.regions)
+            style = styles.get(name)
+            if style is not None and style_spec(style).shard in ("out", "in") and in_region:
+                if style_spec(style).role in ("column", "row"):
+                    self.style_sp[name] = self.state
+            elif (
+                style in (None, "replicate")
+                and not in_region
+                and any(p is not None for p in module._parameters.values())
+            ):
+                self.style_sp[name] = self.state  # norms on a sequence chunk: partial grads
+
+    def install(self, model: nn.Module) -> SPState:
+        """Block and region hooks (see the module docstring)."""
+        modules = dict(model.named_modules())
+        state = self.state
+        for name in self.regions:
+            modules[name].register_forward_pre_hook(_region_enter(state), with_kwargs=True)
+            modules[name].register_forward_hook(_region_exit(state), always_call=True)
+        self.blocks[0].register_forward_pre_hook(_first_block(model, state), with_kwargs=True)
+        self.blocks[-1].register_forward_hook(_last_block(state), always_call=True)
+        return state
 
 
 def _first_block(model: nn.Module, state: SPState):
@@ -241,9 +191,7 @@ def _first_block(model: nn.Module, state: SPState):
                 f"of tp_size={state.tp}; pad the batch (e.g. pad_to_multiple_of={state.tp} in the "
                 "tokenizer or data collator)."
             )
-        return _replace(
-            args, kwargs, key, lambda t: _Scatter.apply(t, state.group, state.rank, state.tp)
-        )
+        return _replace(args, kwargs, key, lambda t: _scatter(t, state))
 
     return hook
 
@@ -253,7 +201,7 @@ def _last_block(state: SPState):
         if not state.active:
             return output
         state.active = False
-        return _map_first(output, lambda y: _Gather.apply(y, state.group, state.rank, state.tp))
+        return map_output(output, lambda y: _gather(y, state))
 
     return hook
 
@@ -265,7 +213,7 @@ def _region_enter(state: SPState):
         key = _hidden_key(args, kwargs)
 
         def gather(x):
-            full = _GatherReduceScatterGrad.apply(x, state.group, state.rank, state.tp)
+            full = _gather_reduce_scatter_grad(x, state)
             state.gathered.append(full)
             return full
 

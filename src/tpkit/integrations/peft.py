@@ -28,28 +28,13 @@ never imports integrations, and *unpatched* ``peft.get_peft_model`` on a tpkit m
 nn.Linear adapters from the *local* shard (peft reads ``weight.to_local().shape`` for a DTensor
 weight on a mesh not named "fsdp"), each rank with its own random adapter. ``tpkit.tensor_parallel``
 of a PeftModel must go through this module's `tensor_parallel` (core's plan does not see the
-wrapped names). These functions size adapters from the global shapes and then lay them out:
-
-- column-parallel base (``colwise``, ``packed_colwise``, GPT-2's ``packed_qkv_colwise``): ``lora_A``
-  replicated, ``lora_B`` split like the base weight (the same strided split for packed q|k|v and
-  gate|up), with Megatron's f on ``lora_B``'s input, so the r-wide activation's gradient is summed
-  once per layer. The base layer keeps its own f.
-- row-parallel base (``rowwise``): ``lora_A`` split by input rows, ``lora_B`` replicated (its
-  gradient all-reduced), and the adapter output added to the base layer's *partial* sums before
-  its single all-reduce: `tpkit.styles.RowwiseStyle.defer_reduction` holds the base's reduction
-  and bias back while the peft wrapper runs, and a hook on the wrapper finishes it.
-- output head (``colwise_gather_output``), vocab-parallel embedding and replicated layers: the
-  adapters are replicated (r x vocab is small), act after the base's collective, no new one.
-
-So a forward issues exactly the collectives of the base model; backward adds one all-reduce of
-r-wide activations per column-parallel adapter and one of ``lora_B``'s gradient per row-parallel
-adapter. LoRA dropout draws the same mask on every TP rank where the input is replicated and a
-per-rank mask where it is sharded.
+wrapped names). These functions size adapters from the global shapes and then lay them out as
+the base layer's style says (`tpkit.integrations.lora`): a forward issues exactly the base
+model's collectives.
 
 ``save_pretrained`` gathers only the adapter tensors (every rank takes part, rank 0 writes), so the
 files are exactly what peft writes for the unsharded model; `from_pretrained` / `load_adapter` load
-such files into a sharded model. ``merge_and_unload`` adds each rank's local delta to its shard of
-the base weight (no communication). FSDP2 (dp x tp): adapters must exist before ``fully_shard``:
+such files into a sharded model. FSDP2 (dp x tp): adapters must exist before ``fully_shard``:
 use `tensor_parallel` on the PEFT model, or `get_peft_model` on a tpkit model built with
 ``sharded=False`` (FSDP is then applied after the adapters).
 
@@ -61,27 +46,25 @@ than LoRA.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
-import types
-from collections.abc import Iterator
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from tpkit.checkpoint import _barrier, _rank
-from tpkit.fsdp import _strided_1d, apply_fsdp
-from tpkit.parallelize import tensor_parallel as _core_tensor_parallel
-from tpkit.styles import (
-    ReplicateGradAllReduceStyle,
-    ReplicateStyle,
-    TPStyle,
-    make_style,
+from tpkit.fsdp import apply_fsdp, is_fsdp, strided_1d
+from tpkit.integrations.lora import (
+    check_peft_type,
+    embedding_targeted,
+    gathered_adapter_state_dict,
+    global_features,
+    global_in_out,
+    hf_model,
+    lay_out_adapters,
+    tuner_layers,
 )
+from tpkit.mesh import barrier, rank
+from tpkit.parallelize import TPOptions, apply_pending_fsdp, split, tp_state
 
 __all__ = [
     "from_pretrained",
@@ -92,351 +75,6 @@ __all__ = [
     "tensor_parallel",
     "unpatch_peft",
 ]
-
-COLUMN = ("colwise", "packed_colwise", "packed_qkv_colwise")
-REPLICATED = (
-    "colwise_gather_output",
-    "vocab_parallel",
-    "replicate",
-    "replicated_with_grad_allreduce",
-)
-ROW = ("rowwise",)
-
-
-# ---- what the model is -------------------------------------------------------------------------
-def _hf_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PeftModel (or the model itself)."""
-    if hasattr(model, "get_base_model"):
-        return model.get_base_model()
-    return model
-
-
-def _state(model: nn.Module):
-    return getattr(_hf_model(model), "_tpkit", None)
-
-
-def _is_fsdp(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def _tuner_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
-
-
-def _check_peft_type(model: nn.Module) -> None:
-    from peft import PeftType
-
-    configs = getattr(model, "peft_config", {}) or {}
-    bad = {
-        n: str(c.peft_type) for n, c in configs.items() if str(c.peft_type) != str(PeftType.LORA)
-    }
-    dora = [n for n, c in configs.items() if getattr(c, "use_dora", False)]
-    if dora:
-        raise ValueError(
-            f"tpkit.integrations.peft does not support DoRA (adapter {dora[0]!r} has "
-            "use_dora=True): DoRA rescales by the norm of each whole weight row or column, "
-            "which no rank holds. Use plain LoRA (use_dora=False) on a tensor-parallel model."
-        )
-    if not bad:
-        bad_layers = [n for n, m in _tuner_layers(model) if not _is_lora_layer(m)]
-        if not bad_layers:
-            return
-        bad = {"layers": ", ".join(bad_layers[:3])}
-    raise ValueError(
-        f"tpkit.integrations.peft supports LoRA adapters only; got {bad}. Other peft tuners would "
-        "see sharded weights as if they were whole."
-    )
-
-
-def _is_lora_layer(m: nn.Module) -> bool:
-    from peft.tuners.lora import layer as lora_layer
-
-    return isinstance(m, (lora_layer.Linear, lora_layer.Embedding))
-
-
-@contextlib.contextmanager
-def global_features() -> Iterator[None]:
-    """While active, peft sizes adapters of tpkit-sharded layers from their global shapes.
-
-    peft reads ``weight.to_local().shape`` for an nn.Linear with a DTensor weight (transformers'
-    own TP computes on full-width inputs of local size); tpkit keeps ``in_features`` and
-    ``out_features`` global, and that is what the adapters must have.
-    """
-    from peft.tuners import tuners_utils
-    from peft.tuners.lora import layer as lora_layer
-
-    original = tuners_utils._get_in_out_features
-    patched = _global_in_out(original)
-    owners = [m for m in (tuners_utils, lora_layer) if m.__dict__.get("_get_in_out_features")]
-    for m in owners:
-        m._get_in_out_features = patched
-    try:
-        yield
-    finally:
-        for m in owners:
-            m._get_in_out_features = original
-
-
-def _global_in_out(original):
-    if getattr(original, "_tpkit_patch", False):
-        return original
-
-    @functools.wraps(original)
-    def patched(module: nn.Module):
-        if isinstance(module, nn.Linear) and getattr(module, "_tpkit_style", None) is not None:
-            return module.in_features, module.out_features
-        return original(module)
-
-    patched._tpkit_patch = True
-    return patched
-
-
-# ---- layouts -----------------------------------------------------------------------------------
-class _RowShardLocal(TPStyle):
-    """``lora_A`` of a row-parallel base: weight ``Shard(1)`` (input rows), local product, no
-    collective (the partial sums join the base's before its all-reduce)."""
-
-    name = "rowwise"
-
-    def _apply(self, module, device_mesh):
-        module = super()._apply(module, device_mesh)
-        module._tpkit_style = "lora_row_local"
-        return module
-
-
-class _TPDropout(nn.Module):
-    """LoRA dropout with its own generator: seeded alike on the TP group for a replicated input
-    (every rank must drop the same features), per rank for a sharded one. The default and
-    per-region streams of `tpkit.rng` are left untouched."""
-
-    def __init__(self, p: float, seed: int):
-        super().__init__()
-        self.p, self.seed, self._gen = p, seed, None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0:
-            return x
-        if self._gen is None or self._gen.device != x.device:
-            self._gen = torch.Generator(device=x.device).manual_seed(self.seed)
-        keep = torch.empty_like(x).bernoulli_(1 - self.p, generator=self._gen)
-        return x * keep / (1 - self.p)
-
-
-def _sync_from_rank0(module: nn.Module) -> None:
-    """Adapters are initialised randomly on each rank: make every rank hold rank 0's."""
-    if not dist.is_initialized():
-        return
-    for p in module.parameters(recurse=True):
-        if not isinstance(p, DTensor):
-            dist.broadcast(p.data, src=0)
-
-
-def _base_style(layer: nn.Module):
-    return layer.get_base_layer().__dict__.get("_tpkit_style_obj")
-
-
-def _shard_layer(name: str, layer: nn.Module, mesh, seeds: dict[str, int]) -> None:
-    from peft.tuners.lora import layer as lora_layer
-
-    style = _base_style(layer)
-    if style is None:
-        return
-    kind = style.name
-    if getattr(layer, "lora_variant", None):
-        raise ValueError(
-            f"{name}: LoRA variants (adapters {sorted(layer.lora_variant)}: DoRA and the like) are "
-            "not supported on tensor-parallel bases; use plain LoRA."
-        )
-    if getattr(style, "sp", None) is not None:
-        raise ValueError(f"{name}: LoRA with sequence_parallel=True is not supported yet.")
-    if kind == "colwise_gather_output" and getattr(style, "loss_parallel", False):
-        raise ValueError(
-            f"{name}: LoRA on the output head with loss_parallel=True is not supported."
-        )
-    if kind not in COLUMN + ROW + REPLICATED:
-        raise ValueError(
-            f"{name}: LoRA on a '{kind}' tensor-parallel layer is not supported; supported base "
-            f"styles: {', '.join(COLUMN + ROW + REPLICATED)}. Leave it out of target_modules."
-        )
-    tp_rank = mesh.get_local_rank()
-    if isinstance(layer, lora_layer.Embedding):
-        if kind not in ("vocab_parallel", "replicate"):
-            raise ValueError(f"{name}: LoRA on a '{kind}' embedding is not supported.")
-        for dict_name in ("lora_embedding_A", "lora_embedding_B"):
-            pdict = getattr(layer, dict_name)
-            if any(not isinstance(p, DTensor) for p in pdict.parameters()):
-                _sync_from_rank0(pdict)
-                ReplicateStyle()._apply(pdict, mesh)
-        if kind == "vocab_parallel" and "_tpkit_pad" not in layer.__dict__:
-            # the base's padding_idx is now this rank's local row (or None): peft's lookup of the
-            # whole A table needs the global one back
-            pad = layer.get_base_layer().padding_idx
-            t = torch.tensor([pad + style.start if pad is not None else -1])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=style.group)
-            layer.__dict__["_tpkit_pad"] = None if t.item() < 0 else int(t.item())
-            layer._embed = types.MethodType(_embed_global_pad, layer)
-        if layer.__dict__.get("_tpkit_style_obj") is None:
-            # peft's embedding reads the tables directly: swap in local tensors around its forward
-            ReplicateStyle()._apply(layer, mesh)
-            layer._tpkit_style = "parent_swap"
-        layer.get_delta_weight = types.MethodType(_embedding_delta_weight, layer)
-        return
-    if not isinstance(layer, lora_layer.Linear):
-        raise ValueError(f"{name}: {type(layer).__name__} adapters are not supported by tpkit.")
-    for adapter in list(layer.lora_A):
-        A, B = layer.lora_A[adapter], layer.lora_B[adapter]
-        if isinstance(A.weight, DTensor):
-            continue  # already laid out
-        _sync_from_rank0(A)
-        _sync_from_rank0(B)
-        if kind in COLUMN:
-            ReplicateStyle()._apply(A, mesh)
-            make_style(kind)._apply(B, mesh)  # split like the base weight; f on its input
-            replicated_input = True
-        elif kind in ROW:
-            if B.bias is not None:
-                raise ValueError(
-                    f"{name}: lora_bias=True on a row-parallel layer would add the bias on every "
-                    "rank before the reduction; use lora_bias=False."
-                )
-            _RowShardLocal()._apply(A, mesh)
-            ReplicateGradAllReduceStyle()._apply(B, mesh)  # acts on partial sums: grad summed
-            replicated_input = False
-        else:
-            ReplicateStyle()._apply(A, mesh)
-            ReplicateStyle()._apply(B, mesh)
-            replicated_input = True
-        drop = layer.lora_dropout[adapter]
-        if isinstance(drop, nn.Dropout) and drop.p > 0:
-            # the same on every rank of the group (torchrun ranks seed alike: tpkit's rule),
-            # distinct per layer, and per rank where the input is sharded
-            index = seeds.setdefault(name, len(seeds) + 1)
-            rank_part = 0 if replicated_input else tp_rank + 1
-            seed = (torch.initial_seed() + 7919 * index + 104729 * rank_part) % 2**62
-            layer.lora_dropout[adapter] = _TPDropout(drop.p, seed)
-    if kind in ROW and not layer.__dict__.get("_tpkit_row_hooks"):
-        base = layer.get_base_layer()
-
-        def defer(module, args, kwargs, style=style):
-            style.defer_reduction = True
-
-        def finish(module, args, kwargs, output, style=style, base=base):
-            style.defer_reduction = False
-            if output is None:  # the forward raised: drop what it left, keep its exception
-                base.__dict__.pop("_tpkit_deferred_bias", None)
-                return None
-            return style.finish_deferred(base, output)
-
-        layer.register_forward_pre_hook(defer, with_kwargs=True)
-        layer.register_forward_hook(finish, with_kwargs=True, always_call=True)
-        layer.__dict__["_tpkit_row_hooks"] = True
-    layer.get_delta_weight = types.MethodType(_local_delta_weight, layer)
-
-
-def _embed_global_pad(
-    self, input: torch.Tensor, weight: torch.Tensor, input_fn=None, output_fn=None
-):
-    """peft's ``lora.Embedding._embed`` with the unsharded base's padding_idx."""
-    base = self.get_base_layer()
-    if input_fn is not None:
-        input = input_fn((input,))
-    out = nn.functional.embedding(
-        input,
-        weight,
-        padding_idx=self.__dict__["_tpkit_pad"],
-        max_norm=base.max_norm,
-        norm_type=base.norm_type,
-        scale_grad_by_freq=base.scale_grad_by_freq,
-        sparse=base.sparse,
-    )
-    return output_fn(out) if output_fn is not None else out
-
-
-def _local_delta_weight(self, adapter: str) -> torch.Tensor:
-    """peft's ``B @ A * scaling`` as a DTensor laid out like the base weight, from this rank's
-    shards alone: a column base's rows of B (strided parts included) times the whole A, or the
-    whole B times a row base's columns of A, are exactly this rank's shard of the delta."""
-    from peft.utils.other import transpose
-
-    A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
-    local_a = A.to_local() if isinstance(A, DTensor) else A
-    local_b = B.to_local() if isinstance(B, DTensor) else B
-    delta = transpose(local_b @ local_a, self.fan_in_fan_out) * self.scaling[adapter]
-    return _as_base_shard(self, delta, replicated=not _is_sharded(A) and not _is_sharded(B))
-
-
-def _embedding_delta_weight(self, adapter: str) -> torch.Tensor:
-    """peft's embedding delta ``(B @ A).T * scaling`` from the replicated tables, cut to the
-    base's vocab shard."""
-    A, B = self.lora_embedding_A[adapter], self.lora_embedding_B[adapter]
-    local_a = A.to_local() if isinstance(A, DTensor) else A
-    local_b = B.to_local() if isinstance(B, DTensor) else B
-    delta = (local_b @ local_a).T * self.scaling[adapter]
-    return _as_base_shard(self, delta, replicated=True)
-
-
-def _is_sharded(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor) and any(not p.is_replicate() for p in t.placements)
-
-
-def _as_base_shard(layer: nn.Module, delta: torch.Tensor, replicated: bool) -> torch.Tensor:
-    weight = layer.get_base_layer().weight
-    if not isinstance(weight, DTensor):
-        return delta
-    if weight.device_mesh.ndim > 1:
-        raise ValueError(
-            "Merging LoRA into an FSDP2-sharded (dp x tp) model is not supported: save the "
-            "adapter (model.save_pretrained) and merge it on a tp-only model."
-        )
-    if replicated:  # the whole delta on every rank: keep this rank's part of the base layout
-        return distribute_tensor(
-            delta.detach().to(weight.dtype),
-            weight.device_mesh,
-            weight.placements,
-            src_data_rank=None,
-        )
-    return DTensor.from_local(
-        delta.to(weight.dtype),
-        weight.device_mesh,
-        weight.placements,
-        run_check=False,
-        shape=weight.shape,
-        stride=weight.stride(),
-    )
-
-
-def shard_adapters(model: nn.Module) -> nn.Module:
-    """Lay out every LoRA adapter of a PEFT model on a tpkit base that is not laid out yet
-    (after ``add_adapter`` / ``load_adapter``). Run on every rank; idempotent."""
-    state = _state(model)
-    if state is None or state.tp_size <= 1 and state.dp_size <= 1:
-        return model
-    _check_peft_type(model)
-    seeds = model.__dict__.setdefault("_tpkit_lora_seeds", {})
-    for name, layer in _tuner_layers(model):
-        _shard_layer(name, layer, state.tp_mesh, seeds)
-    # whatever adapter parameter is still a plain tensor (modules_to_save copies, ...) is replicated
-    for module in model.modules():
-        if any(
-            isinstance(p, nn.Parameter) and not isinstance(p, DTensor)
-            for p in module._parameters.values()
-            if p is not None
-        ):
-            _sync_from_rank0(module)
-            for pname, p in list(module._parameters.items()):
-                if p is not None and not isinstance(p, DTensor):
-                    dt = distribute_tensor(
-                        p.detach(), state.tp_mesh, [Replicate()], src_data_rank=None
-                    )
-                    module.register_parameter(
-                        pname, nn.Parameter(dt, requires_grad=p.requires_grad)
-                    )
-    _install_save(model)
-    return model
 
 
 # ---- entry points ------------------------------------------------------------------------------
@@ -487,38 +125,34 @@ def tensor_parallel(model: nn.Module, *args, **kwargs) -> nn.Module:
     """`tpkit.tensor_parallel` for a PEFT model: shard the base with the base model's plan, then
     lay out the adapters, then (dp > 1) FSDP2 over everything, adapters included. Same arguments;
     a model that is not a PEFT model goes straight to `tpkit.tensor_parallel`."""
+    device_ids = args[0] if args else kwargs.pop("device_ids", None)
+    options = TPOptions.of(kwargs)
     if not hasattr(model, "peft_config"):
-        return _core_tensor_parallel(model, *args, **kwargs)
-    _check_peft_type(model)
-    hf = _hf_model(model)
-    sharded = kwargs.pop("sharded", None)
-    param_dtype = kwargs.pop("param_dtype", None)
+        return apply_pending_fsdp(split(model, device_ids, options))
+    check_peft_type(model)
+    hf = hf_model(model)
     # the base model as tpkit's plan knows it: each peft wrapper swapped back for its base layer
     modules = dict(hf.named_modules())
     swaps = []
-    for name, layer in _tuner_layers(hf):
+    for name, layer in tuner_layers(hf):
         parent, _, attr = name.rpartition(".")
         swaps.append((modules[parent], attr, layer))
     for parent, attr, layer in swaps:
         parent._modules[attr] = layer.get_base_layer()
     try:
-        _core_tensor_parallel(hf, *args, sharded=False, **kwargs)
+        split(hf, device_ids, options)  # FSDP2, when asked, waits for the adapters
     finally:
         for parent, attr, layer in swaps:
             parent._modules[attr] = layer
-    state = getattr(hf, "_tpkit", None)
-    if state is None:
+    if tp_state(hf) is None:
         return model  # one process: nothing to do
     shard_adapters(model)
-    if (state.dp_size > 1 if sharded is None else sharded) and state.dp_size > 1:
-        _apply_fsdp(hf, state.mesh["dp"], param_dtype=param_dtype)
-    elif param_dtype is not None:
-        raise ValueError("param_dtype is FSDP2's mixed precision and needs dp_size > 1.")
+    _with_frozen_strided(hf, apply_pending_fsdp)
     return model
 
 
 def _refuse_fsdp(model: nn.Module) -> None:
-    if _is_fsdp(model):
+    if is_fsdp(model):
         raise ValueError(
             "This tpkit model is already FSDP2-sharded over dp: adapters cannot join FSDP's "
             "parameter groups afterwards. Add them before sharding: "
@@ -530,66 +164,32 @@ def _refuse_fsdp(model: nn.Module) -> None:
 
 def _maybe_fsdp(peft_model: nn.Module, state, fsdp: bool | None) -> None:
     if state.dp_size > 1 and (fsdp is None or fsdp):
-        _apply_fsdp(_hf_model(peft_model), state.mesh["dp"])
+        hf = hf_model(peft_model)
+        _with_frozen_strided(hf, lambda m: apply_fsdp(m, state.mesh["dp"]))
 
 
-def _apply_fsdp(model: nn.Module, dp_mesh, param_dtype=None) -> None:
-    """`tpkit.fsdp.apply_fsdp`, which registers a dp-averaging gradient hook on the packed 1-D
-    biases it keeps out of FSDP; frozen ones (a LoRA base) cannot take a hook, so they are
-    unfrozen for the call (the hook then never fires) and frozen again."""
-    frozen = [p for p in model.parameters() if not p.requires_grad and _strided_1d(p)]
+def _with_frozen_strided(model: nn.Module, fn) -> None:
+    """``fn(model)`` (FSDP2), with the frozen packed 1-D biases FSDP keeps out briefly
+    unfrozen: `tpkit.fsdp.apply_fsdp` registers a dp-averaging gradient hook on them, which a
+    frozen tensor cannot take (the hook then never fires)."""
+    frozen = [p for p in model.parameters() if not p.requires_grad and strided_1d(p)]
     for p in frozen:
         p.requires_grad_(True)
     try:
-        apply_fsdp(model, dp_mesh, param_dtype=param_dtype)
+        fn(model)
     finally:
         for p in frozen:
             p.requires_grad_(False)
 
 
-# ---- saving ------------------------------------------------------------------------------------
-def _adapter_prefixes(model: nn.Module) -> list[str]:
-    out = []
-    for name, layer in _tuner_layers(model):
-        for attr in tuple(layer.adapter_layer_names) + tuple(layer.other_param_names):
-            if isinstance(getattr(layer, attr, None), nn.Module):
-                out.append(f"{name}.{attr}.")
-    return out
-
-
-def _embedding_prefixes(model: nn.Module) -> list[str]:
-    """The input / output embedding modules, which peft may save with the adapter."""
-    if not hasattr(model, "get_input_embeddings"):
-        return []
-    wanted = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
-    return [f"{n}." for n, m in model.named_modules() if id(m) in wanted]
-
-
-def _embedding_targeted(model: nn.Module) -> bool:
-    """peft's ``save_embedding_layers="auto"``: save them when an adapter sits on one (its other
-    trigger, a resized vocabulary, is not detected here: pass ``save_embedding_layers=True``)."""
-    if not hasattr(model, "get_input_embeddings"):
-        return False
-    layers = {id(m) for _, m in _tuner_layers(model)}
-    return bool(layers & {id(model.get_input_embeddings()), id(model.get_output_embeddings())})
-
-
-def gathered_adapter_state_dict(
-    model: nn.Module, embeddings: bool = False
-) -> dict[str, torch.Tensor]:
-    """Full (unsharded) adapter tensors under the model's state-dict keys, on rank 0; every rank
-    must call it (each DTensor is gathered with a collective, in the same order everywhere).
-    ``embeddings``: the input / output embedding layers too, for peft's
-    ``save_embedding_layers`` to choose from."""
-    prefixes = tuple(_adapter_prefixes(model) + (_embedding_prefixes(model) if embeddings else []))
-    out = {}
-    for key, value in model.state_dict().items():
-        if not key.startswith(prefixes) and "modules_to_save" not in key:
-            continue
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        if _rank() == 0:
-            out[key] = full.detach().cpu()
-    return out
+def shard_adapters(model: nn.Module) -> nn.Module:
+    """Lay out every LoRA adapter of a PEFT model on a tpkit base that is not laid out yet
+    (after ``add_adapter`` / ``load_adapter``; `tpkit.integrations.lora`), and make its
+    ``save_pretrained`` gather. Run on every rank; idempotent."""
+    lay_out_adapters(model)
+    if tp_state(model) is not None:
+        _install_save(model)
+    return model
 
 
 def _install_save(model: nn.Module) -> None:
@@ -599,12 +199,12 @@ def _install_save(model: nn.Module) -> None:
         return
     model.save_pretrained = functools.partial(
         _save_gathered,
-        model,
         _originals.get((PeftModel, "save_pretrained"), PeftModel.save_pretrained),
+        model,
     )
 
 
-def _save_gathered(model, original, save_directory, *args: Any, **kwargs: Any) -> None:
+def _save_gathered(original, model, save_directory, *args: Any, **kwargs: Any) -> None:
     """Every rank: gather the adapter tensors; rank 0 writes normal, unsharded peft files.
 
     With a ``state_dict`` the caller has gathered already (Trainer's ``save_model`` through
@@ -614,12 +214,12 @@ def _save_gathered(model, original, save_directory, *args: Any, **kwargs: Any) -
         return bound(save_directory, *args, **kwargs)
     kwargs.pop("is_main_process", None)
     flag = kwargs.get("save_embedding_layers", "auto")
-    embeddings = flag is True or (flag == "auto" and _embedding_targeted(model))
+    embeddings = flag is True or (flag == "auto" and embedding_targeted(model))
     kwargs.pop("state_dict", None)
     state_dict = gathered_adapter_state_dict(model, embeddings)
-    if _rank() == 0:
+    if rank() == 0:
         bound(save_directory, *args, state_dict=state_dict, is_main_process=True, **kwargs)
-    _barrier()
+    barrier()
 
 
 # ---- plain peft calls on tpkit models ----------------------------------------------------------
@@ -646,13 +246,44 @@ def patch_peft() -> None:
         return
     for owner in (tuners_utils, lora_layer):
         if "_get_in_out_features" in owner.__dict__:
-            _set(owner, "_get_in_out_features", _global_in_out(owner._get_in_out_features))
+            _set(owner, "_get_in_out_features", global_in_out(owner._get_in_out_features))
+    _set(tuners_utils.BaseTuner, "inject_adapter", _inject_adapter(tuners_utils.BaseTuner))
+    _set(PeftModel, "load_adapter", _for_tpkit(PeftModel.load_adapter, _load_adapter))
+    from_pretrained_ = PeftModel.__dict__["from_pretrained"].__func__
+    wrapped = _for_tpkit(from_pretrained_, _from_pretrained, model_at=1)
+    _set(PeftModel, "from_pretrained", classmethod(wrapped))
+    _set(PeftModel, "save_pretrained", _for_tpkit(PeftModel.save_pretrained, _save_gathered))
 
-    inject = tuners_utils.BaseTuner.inject_adapter
+
+def _for_tpkit(original, handle, model_at: int = 0):
+    """``original`` for models tpkit did not split; ``handle(original, *args, **kwargs)`` for
+    the others (the model is positional argument ``model_at``)."""
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if tp_state(args[model_at]) is None:
+            return original(*args, **kwargs)
+        return handle(original, *args, **kwargs)
+
+    return wrapper
+
+
+def _then_shard(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with adapter layout held back (the injected adapters are laid out
+    once, after the whole adapter files are loaded into them)."""
+    token = _deferred.set(True)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _deferred.reset(token)
+
+
+def _inject_adapter(base_tuner):
+    inject = base_tuner.inject_adapter
 
     @functools.wraps(inject)
     def inject_adapter(self, model, *args, **kwargs):
-        tpkit_model = getattr(model, "_tpkit", None) is not None
+        tpkit_model = tp_state(model) is not None
         if tpkit_model:
             _refuse_fsdp(model)
         out = inject(self, model, *args, **kwargs)
@@ -660,50 +291,20 @@ def patch_peft() -> None:
             shard_adapters(model)
         return out
 
-    _set(tuners_utils.BaseTuner, "inject_adapter", inject_adapter)
+    return inject_adapter
 
-    load = PeftModel.load_adapter
 
-    @functools.wraps(load)
-    def load_adapter(self, *args, **kwargs):
-        if _state(self) is None or _deferred.get():
-            return load(self, *args, **kwargs)
-        token = _deferred.set(True)  # lay out after the full tensors are loaded
-        try:
-            out = load(self, *args, **kwargs)
-        finally:
-            _deferred.reset(token)
-        shard_adapters(self)
-        return out
+def _load_adapter(load, self, *args, **kwargs):
+    if _deferred.get():
+        return load(self, *args, **kwargs)
+    out = _then_shard(load, self, *args, **kwargs)
+    shard_adapters(self)
+    return out
 
-    _set(PeftModel, "load_adapter", load_adapter)
 
-    from_pretrained_ = PeftModel.__dict__["from_pretrained"].__func__
-
-    @functools.wraps(from_pretrained_)
-    def from_pretrained(cls, model, *args, **kwargs):
-        if getattr(model, "_tpkit", None) is None:
-            return from_pretrained_(cls, model, *args, **kwargs)
-        _refuse_fsdp(model)
-        token = _deferred.set(True)
-        try:
-            out = from_pretrained_(cls, model, *args, **kwargs)
-        finally:
-            _deferred.reset(token)
-        shard_adapters(out)
-        return out
-
-    _set(PeftModel, "from_pretrained", classmethod(from_pretrained))
-
-    save = PeftModel.save_pretrained
-
-    @functools.wraps(save)
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        if _state(self) is None:
-            return save(self, save_directory, *args, **kwargs)
-        return _save_gathered(self, save, save_directory, *args, **kwargs)
-
-    _set(PeftModel, "save_pretrained", save_pretrained)
+def _from_pretrained(from_pretrained_, cls, model, *args, **kwargs):
+    _refuse_fsdp(model)
+    return shard_adapters(_then_shard(from_pretrained_, cls, model, *args, **kwargs))
 
 
 def unpatch_peft() -> None:

@@ -68,21 +68,24 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
-import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpkit import atomic
-from tpkit.checkpoint import load_checkpoint, save_checkpoint, save_tensor_parallel
-from tpkit.dcp_io import METADATA_FILE
-
-#: Subdirectory of a Trainer checkpoint holding tpkit's DCP checkpoint (model + optimizer).
-DCP_DIR = "tpkit_dcp"
-SCHEDULER_NAME = "scheduler.pt"
+from tpkit.fsdp import average_over_dp, is_fsdp
+from tpkit.integrations.trainer_checkpoints import (
+    DCP_DIR,
+    load_full_weights,
+    patched_load_best_model,
+    patched_load_from_checkpoint,
+    patched_load_optimizer_and_scheduler,
+    patched_load_rng_state,
+    patched_save,
+    patched_save_optimizer_and_scheduler,
+)
+from tpkit.parallelize import tp_state
 
 __all__ = ["DCP_DIR", "load_full_weights", "patch_trainer", "tp_state", "unpatch_trainer"]
 
@@ -91,41 +94,6 @@ _originals: dict[tuple[type, str], Any] = {}
 
 
 # ---- what a tpkit model is ---------------------------------------------------------------------
-def tp_state(model: Any):
-    """The `TPState` tpkit attached to ``model`` (looking through accelerate, compile and PEFT
-    wrappers), or None for any other model."""
-    for _ in range(6):
-        if model is None:
-            return None
-        state = getattr(model, "_tpkit", None)
-        if state is not None:
-            return state
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None and hasattr(model, "get_base_model"):
-            with contextlib.suppress(Exception):
-                inner = model.get_base_model()
-            if inner is model:
-                inner = None
-        model = inner
-    return None
-
-
-def _is_fsdp_managed(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def _unwrap_optimizer(optimizer):
-    return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-# ---- patching ----------------------------------------------------------------------------------
 def _patch(owner: type, name: str, make, required: bool = True):
     key = (owner, name)
     if key in _originals:
@@ -161,12 +129,12 @@ def patch_trainer() -> None:
     _patch(Trainer, "evaluation_loop", _evaluation_loop)
     _patch(Trainer, "_defer_fsdp_gradient_reduction", _defer_fsdp_gradient_reduction, False)
     _patch(Trainer, "_track_num_input_tokens", _track_num_input_tokens, False)
-    _patch(Trainer, "_save", _save)
-    _patch(Trainer, "_save_optimizer_and_scheduler", _save_optimizer_and_scheduler)
-    _patch(Trainer, "_load_from_checkpoint", _load_from_checkpoint)
-    _patch(Trainer, "_load_optimizer_and_scheduler", _load_optimizer_and_scheduler)
-    _patch(Trainer, "_load_rng_state", _load_rng_state)
-    _patch(Trainer, "_load_best_model", _load_best_model, False)
+    _patch(Trainer, "_save", patched_save)
+    _patch(Trainer, "_save_optimizer_and_scheduler", patched_save_optimizer_and_scheduler)
+    _patch(Trainer, "_load_from_checkpoint", patched_load_from_checkpoint)
+    _patch(Trainer, "_load_optimizer_and_scheduler", patched_load_optimizer_and_scheduler)
+    _patch(Trainer, "_load_rng_state", patched_load_rng_state)
+    _patch(Trainer, "_load_best_model", patched_load_best_model, False)
     _patch(ParallelismConfig, "_validate_accelerator", _validate_accelerator)
 
 
@@ -200,7 +168,6 @@ def _init(original):
         finally:
             args.save_only_model = save_only_model
         _install_dp_grad_sync(model, state)
-        _register_fsdp_generate(model)
 
     return __init__
 
@@ -232,21 +199,6 @@ def _mark_self_distributed(model: nn.Module) -> None:
             m.is_distributed_loading_by_transformers = True
 
 
-def _register_fsdp_generate(model: nn.Module) -> None:
-    """``generate`` does not enter the root module's ``forward``, so FSDP2 would leave the root's
-    parameters (embeddings, final norm) sharded over dp; Trainer registers ``generate`` as an FSDP
-    forward method for the models accelerate wraps, tpkit does the same for its own."""
-    if not _is_fsdp_managed(model) or not hasattr(model, "generate"):
-        return
-    if getattr(model, "_tpkit_fsdp_generate", False):
-        return
-    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
-
-    if isinstance(model, FSDPModule):
-        register_fsdp_forward_method(model, "generate")
-        model._tpkit_fsdp_generate = True
-
-
 def _install_dp_grad_sync(model: nn.Module, state) -> None:
     """Average gradients over the dp dimension for a model whose dp replicas nothing reduces.
 
@@ -256,20 +208,15 @@ def _install_dp_grad_sync(model: nn.Module, state) -> None:
     accumulation window (accelerate's ``sync_gradients``), as DDP would. Registered once per
     parameter; a no-op for dp = 1.
     """
-    if _model_dp(state) == 1 or _is_fsdp_managed(model) or getattr(model, "_tpkit_dp_sync", False):
+    if _model_dp(state) == 1 or is_fsdp(model) or getattr(model, "_tpkit_dp_sync", False):
         return
     from accelerate.state import GradientState
-    from torch.distributed.tensor import DTensor
 
-    group = state.mesh["dp"].get_group()
-    size = dist.get_world_size(group)
+    dp_mesh = state.mesh["dp"]
 
     def average(param: torch.Tensor) -> None:
-        if param.grad is None or not GradientState().sync_gradients:
-            return
-        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)  # gloo has no AVG
-        grad.div_(size)
+        if param.grad is not None and GradientState().sync_gradients:
+            average_over_dp(param.grad, dp_mesh)
 
     for param in model.parameters():
         if param.requires_grad:
@@ -434,125 +381,3 @@ def _validate_accelerator(original):
 
 
 # ---- saving ------------------------------------------------------------------------------------
-def _save(original):
-    def _save(self, output_dir=None, state_dict=None):
-        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        if tp_state(model) is None:
-            return original(self, output_dir, state_dict)
-        if state_dict is None:
-            with save_tensor_parallel(model, rank0_only=True, cpu_offload=True):
-                state_dict = model.state_dict()  # every rank: the gathers are collectives
-        if self.args.should_save:
-            original(self, output_dir, state_dict)
-        del state_dict
-        _barrier()
-        return None
-
-    return _save
-
-
-def _save_optimizer_and_scheduler(original):
-    def _save_optimizer_and_scheduler(self, output_dir):
-        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        if tp_state(model) is None:
-            return original(self, output_dir)
-        save_checkpoint(os.path.join(output_dir, DCP_DIR), model, _unwrap_optimizer(self.optimizer))
-        if self.args.should_save and self.lr_scheduler is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
-        _barrier()
-        return None
-
-    return _save_optimizer_and_scheduler
-
-
-# ---- resuming ----------------------------------------------------------------------------------
-def _dcp_dir(checkpoint: str) -> str:
-    path = os.path.join(checkpoint, DCP_DIR)
-    # a save interrupted between its two renames leaves a complete .tmp/.old that loads
-    if atomic.find_complete(path, legacy_file=METADATA_FILE) is None:
-        raise ValueError(
-            f"{checkpoint} has no {DCP_DIR}/ checkpoint: it was not written by a Trainer training a "
-            "tpkit model with tpkit.integrations.trainer.patch_trainer() (or was saved with "
-            "save_only_model=True), so optimizer state cannot be restored."
-        )
-    return path
-
-
-def _load_from_checkpoint(original):
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        target = model if model is not None else self.model
-        target = self.accelerator.unwrap_model(target, keep_torch_compile=False)
-        if tp_state(target) is None:
-            return original(self, resume_from_checkpoint, model)
-        load_checkpoint(_dcp_dir(resume_from_checkpoint), target)  # model only, any layout
-        return None
-
-    return _load_from_checkpoint
-
-
-def _load_optimizer_and_scheduler(original):
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        if checkpoint is None or tp_state(model) is None:
-            return original(self, checkpoint)
-        load_checkpoint(_dcp_dir(checkpoint), model, _unwrap_optimizer(self.optimizer))
-        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
-        if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
-        return None
-
-    return _load_optimizer_and_scheduler
-
-
-def _load_rng_state(original):
-    def _load_rng_state(self, checkpoint):
-        original(self, checkpoint)
-        state = tp_state(self.model)
-        if checkpoint is None or state is None:
-            return
-        # A checkpoint from another layout has no RNG file for some ranks; whatever each rank now
-        # holds, the ranks of one TP group must draw the same numbers (replicated dropout).
-        from tpkit.mesh import sync_rng
-
-        sync_rng(state.tp_mesh)
-
-    return _load_rng_state
-
-
-def _load_best_model(original):
-    def _load_best_model(self):
-        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        if tp_state(model) is None:
-            return original(self)
-        best = self.state.best_model_checkpoint
-        if atomic.find_complete(os.path.join(best, DCP_DIR), legacy_file=METADATA_FILE):
-            load_checkpoint(os.path.join(best, DCP_DIR), model)
-        else:  # save_only_model=True: the gathered full weights are all there is
-            load_full_weights(model, best)
-        return None
-
-    return _load_best_model
-
-
-def load_full_weights(model: nn.Module, checkpoint: str) -> None:
-    """Load a normal (unsharded) safetensors checkpoint into a tpkit model: every rank reads the
-    files and keeps its own shards (``set_model_state_dict(full_state_dict=True)``)."""
-    import json
-
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    index = os.path.join(checkpoint, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    full: dict[str, torch.Tensor] = {}
-    for name in files:
-        full.update(load_file(os.path.join(checkpoint, name), device="cpu"))
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -13,6 +13,8 @@ from torch import nn
 
 from tpkit.plan.spec import Plan, matches
 
+__all__ = ["hf_plan"]
+
 
 def _config_plan(model: nn.Module) -> dict[str, str]:
     config = getattr(model, "config", None)
@@ -31,6 +33,23 @@ def _base_prefix(model: nn.Module) -> str:
         if module is base:
             return name
     return ""
+
+
+def _mla_tail(model: nn.Module, modules: dict[str, nn.Module], name: str) -> dict[str, int]:
+    """transformers' ``mla_kv_a_proj`` is tpkit's ``tail_grad_allreduce`` over MLA's rope key:
+    its width is the attention module's ``qk_rope_head_dim`` (else its (per-layer) config's,
+    else the model config's), read as transformers reads it."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    parent = modules.get(name.rsplit(".", 1)[0] if "." in name else "")
+    for src in (parent, getattr(parent, "config", None), config):
+        try:
+            value = getattr(src, "qk_rope_head_dim", None)
+        except RuntimeError:  # a heterogeneous config refuses global reads of per-layer values
+            value = None
+        if isinstance(value, int):
+            return {"tail": value}
+    return {"tail": 0}
 
 
 def hf_plan(model: nn.Module) -> Plan | None:
@@ -66,6 +85,10 @@ def hf_plan(model: nn.Module) -> Plan | None:
                 if matches(owner, n)
             ):
                 style = "packed_colwise"
+        if style == "mla_kv_a_proj":  # one entry per module: the width may differ per layer
+            for name in (n for n in modules if matches(join(key), n)):
+                plan.set(name, style, "config", _mla_tail(model, modules, name))
+            continue
         plan.set(join(key), style, "config")
     for cls in reversed(type(model).__mro__):
         for key, style in (getattr(cls, "_tp_plan", None) or {}).items():

@@ -1,21 +1,29 @@
 """Every check that can fail, run before the first collective and identically on every rank.
 
-Each problem becomes one line of a single ``ValueError`` that names the module, the numbers and the
-fix, so a bad configuration is one clear error on all ranks instead of a reshape crash in forward or
-a hang in a collective.
+Each problem becomes one line of a single ``ValueError`` that names the module, the numbers and
+the fix, so a bad configuration is one clear error on all ranks instead of a reshape crash in
+forward or a hang in a collective. Pure: nothing here changes the plan or the model (derivation
+settles what it may change, `tpkit.plan.derive`), and nothing communicates.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
+import torch
 from torch import nn
 
-from tpkit.plan.spec import HEAD_ATTRS, ParamLayout, Plan, param_layout
+from tpkit.plan.catalogue import style_spec
+from tpkit.plan.dryrun import dry_run
+from tpkit.plan.fixups import HEAD_ATTRS
+from tpkit.plan.layout import param_layouts
+from tpkit.plan.spec import Plan
+from tpkit.plan.trace import repeated_blocks, trace
 
-# Styles whose split dimension is a vocabulary: torch.chunk-style uneven splits are handled.
-UNEVEN_OK = {"vocab_parallel", "colwise_gather_output"}
+__all__ = ["checkpoint_problems", "problems", "validate"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -32,20 +40,51 @@ def _use(values: Iterable[int]) -> str:
     return "use tp_size " + ", ".join(map(str, options[:-1])) + f" or {options[-1]}"
 
 
-def param_layouts(model: nn.Module, plan: Plan) -> dict[str, tuple[str, ParamLayout, nn.Module]]:
-    """Full parameter name -> (style, layout, owning module) for every parameter the plan shards
-    or replicates explicitly; duplicates (tied parameters) appear under each of their names."""
-    module_style: dict[str, str] = {}
-    param_style: dict[str, str] = {}
-    for t in plan.resolve(model):
-        (module_style if t.kind == "module" else param_style)[t.name] = t.style
-    out = {}
-    for mod_name, module in model.named_modules():
-        for pname, p in module.named_parameters(recurse=False):
-            full = f"{mod_name}.{pname}" if mod_name else pname
-            style = param_style.get(full) or module_style.get(mod_name) or "replicate"
-            out[full] = (style, param_layout(style, pname, p.ndim, module), module)
-    return out
+def validate(model: nn.Module, plan: Plan, tp_size: int, **options: Any) -> None:
+    """Raise one ValueError listing every problem with applying ``plan`` at ``tp_size`` and the
+    training ``options`` (`problems`' keyword arguments), or return None. Derive the plan for
+    the same ``tp_size`` first (`derive_plan(model, plan, tp_size)`): inferred groups it does not
+    divide are then already replicated, with a note, and are not errors."""
+    found = problems(model, plan, tp_size, **options)
+    if found:
+        raise ValueError("Cannot apply tensor parallelism:\n- " + "\n- ".join(found))
+
+
+def problems(
+    model: nn.Module,
+    plan: Plan,
+    tp_size: int,
+    *,
+    dp_size: int = 1,
+    sharded: bool = False,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    param_dtype: torch.dtype | None = None,
+    example_inputs: tuple | Mapping | None = None,
+) -> list[str]:
+    """`validate`'s problems as a list (empty when there are none)."""
+    found = _device_map_problems(model) + _pattern_problems(model, plan)
+    if found:
+        return found
+    found += _option_problems(model, plan, dp_size, sharded, sequence_parallel, loss_parallel)
+    if param_dtype is not None and not (sharded and dp_size > 1):
+        found.append(
+            f"param_dtype={param_dtype} is FSDP2's mixed precision and needs sharded=True with "
+            "dp_size > 1; for tp only, cast the model (model.to(torch.bfloat16)) instead."
+        )
+    if tp_size <= 1:
+        return found
+    constraints = _constraints(model, plan) + _fixup_constraints(model, plan)
+    fix = _use(c[2] for c in constraints)
+    for owner, label, count in constraints:
+        if count % tp_size:
+            found.append(f"tp_size={tp_size} does not divide {label} of {owner}; {fix}.")
+    found += _tied_problems(model, plan)
+    found += _identity_expert_problems(model, plan)
+    found += _dtype_problems(model, plan)
+    if not found:
+        found += _user_dataflow_problems(model, plan, tp_size, example_inputs)
+    return found
 
 
 def _constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:
@@ -54,10 +93,10 @@ def _constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:
     layouts = param_layouts(model, plan)
     params = dict(model.named_parameters(remove_duplicate=False))
     for full, (style, layout, _module) in layouts.items():
-        if not layout.sharded or style in UNEVEN_OK:
+        if not layout.sharded or style_spec(style).uneven_ok:
             continue
         size = params[full].shape[layout.dim]
-        what = "output features" if style != "rowwise" else "input features"
+        what = "input features" if style_spec(style).shard == "in" else "output features"
         if layout.split_factor > 1:
             what = f"{what} per packed part ({layout.split_factor} parts)"
             size //= layout.split_factor
@@ -71,7 +110,7 @@ def _head_constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]
     modules = dict(model.named_modules())
     owners: dict[str, nn.Module] = {}
     for t in plan.resolve(model):
-        if t.kind == "module" and t.style in ("colwise", "packed_colwise") and "." in t.name:
+        if t.kind == "module" and style_spec(t.style).splits_output and "." in t.name:
             parent = t.name.rsplit(".", 1)[0]
             owners.setdefault(parent, modules[parent])
     config = getattr(model, "config", None)
@@ -103,46 +142,6 @@ def _read(obj: object, attr: str) -> object:
         return getattr(obj, attr, None)
     except RuntimeError:
         return None
-
-
-def validate(model: nn.Module, plan: Plan, tp_size: int) -> None:
-    """Raise one ValueError listing every problem with applying ``plan`` at ``tp_size``.
-
-    An *inferred* column/row group whose counts ``tp_size`` does not divide (e.g. 3 heads at
-    tp=2) is not an error: it is set to ``replicate`` in ``plan`` (in place) with a note saying
-    why, so the rest of the model is still split. User and transformers entries are never changed.
-    """
-    problems = _device_map_problems(model)
-    problems += _pattern_problems(model, plan)
-    if not problems and tp_size > 1:
-        settle_inferred_groups(plan, tp_size)
-        constraints = _constraints(model, plan) + _fixup_constraints(model, plan)
-        fix = _use(c[2] for c in constraints)
-        for owner, label, count in constraints:
-            if count % tp_size:
-                problems.append(f"tp_size={tp_size} does not divide {label} of {owner}; {fix}.")
-        problems += _tied_problems(model, plan)
-        problems += _identity_expert_problems(model, plan)
-        problems += _dtype_problems(model, plan)
-        if not problems:
-            problems += _user_dataflow_problems(model, plan, tp_size)
-    if problems:
-        raise ValueError("Cannot apply tensor parallelism:\n- " + "\n- ".join(problems))
-
-
-def settle_inferred_groups(plan: Plan, tp_size: int) -> list[str]:
-    """Replicate every inferred group ``tp_size`` does not divide; return the notes written."""
-    written = []
-    for group in plan.groups:
-        live = [p for p in group["modules"] if p in plan and plan.source(p) == "inferred"]
-        if len(live) != len(group["modules"]) or all(plan[p] == "replicate" for p in live):
-            continue  # overridden by the user, or already replicated
-        bad = [f"{label} = {n}" for label, n in group["counts"].items() if n % tp_size]
-        if bad:
-            why = f"tp_size={tp_size} does not divide " + ", ".join(bad)
-            plan.replicate_group(group, why)
-            written.append(why)
-    return written
 
 
 def _fixup_constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:
@@ -196,6 +195,89 @@ def _identity_expert_problems(model: nn.Module, plan: Plan) -> list[str]:
     return out
 
 
+def _option_problems(model, plan, dp_size, sharded, sequence_parallel, loss_parallel) -> list:
+    out = []
+    if loss_parallel:
+        out += _loss_parallel_problems(model, plan)
+    if sequence_parallel:
+        out += _sequence_parallel_problems(model, plan)
+    return out
+
+
+def _loss_parallel_problems(model: nn.Module, plan: Plan) -> list[str]:
+    """The vocab-parallel loss replaces ``model.loss_function``: the head must be gathered (then
+    handed on sharded) and the model's forward must compute its loss through that function."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {id(m): n for n, m in model.named_modules()}
+    hit = plan.style_for(names[id(head)]) if head is not None and id(head) in names else None
+    forward = getattr(inspect.unwrap(type(model).forward), "__code__", None)
+    calls_loss = forward is not None and "loss_function" in forward.co_names
+    if hit is None or hit[0] != "colwise_gather_output" or not calls_loss:
+        return [
+            "loss_parallel needs a causal LM whose output head uses colwise_gather_output and "
+            f"whose loss goes through model.loss_function; {type(model).__name__} does not "
+            "(use loss_parallel=False)."
+        ]
+    return []
+
+
+def _sequence_parallel_problems(model: nn.Module, plan: Plan) -> list[str]:
+    """Why sequence parallelism cannot apply to this model (see `tpkit.sequence_parallel`)."""
+    out = []
+    name = type(model).__name__
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        out.append(
+            f"sequence_parallel supports decoder-only models; {name} is an encoder-decoder (its "
+            "cross-attention reads the encoder's whole sequence). Use sequence_parallel=False."
+        )
+    moe = [t.name for t in plan.resolve(model) if t.style == "moe_tp_experts"]
+    if moe:
+        out.append(
+            f"sequence_parallel does not support tensor-parallel MoE experts ({moe[0]}); use "
+            "sequence_parallel=False."
+        )
+    if not repeated_blocks(model):
+        out.append(f"sequence_parallel needs repeated blocks (an nn.ModuleList) in {name}.")
+    styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
+    regions = {n.rsplit(".", 1)[0] for n, s in styles.items() if style_spec(s).splits_output}
+    apart = [
+        n
+        for n, s in styles.items()
+        if style_spec(s).splits_input and (n.rsplit(".", 1)[0] if "." in n else "") not in regions
+    ]
+    if apart:
+        out.append(
+            "sequence_parallel needs every row-parallel layer in the same module as the column "
+            f"layers feeding it (Llama's self_attn, mlp), so that the module's output is the "
+            f"sequence chunk; {name}'s {apart[0]} is not (a post-norm block whose residual add "
+            "sits in a module of its own). Use sequence_parallel=False."
+        )
+    return out
+
+
+def checkpoint_problems(
+    params: Mapping[str, torch.Tensor], stored: Mapping[str, tuple[str, torch.dtype, tuple]]
+) -> list[str]:
+    """Every stored tensor a model will read must have the model's global shape and a dtype
+    that converts to it. ``stored``: parameter name -> (file, dtype, shape) of what holds it.
+    A checkpoint of another model size (a 512-row embedding into a 256-vocab model) is one clear
+    error, never a silent partial load."""
+    out = []
+    for name, (file, dtype, shape) in stored.items():
+        p = params[name]
+        if tuple(shape) != tuple(p.shape):
+            out.append(
+                f"{name}: the model expects shape {tuple(p.shape)}, {file} holds shape "
+                f"{tuple(shape)}"
+            )
+        elif p.is_floating_point() != dtype.is_floating_point:
+            out.append(
+                f"{name}: the model expects {p.dtype}, {file} holds {dtype} (a quantized or "
+                "integer checkpoint is not a float one)"
+            )
+    return out
+
+
 def _dtype_problems(model: nn.Module, plan: Plan) -> list[str]:
     """Integer (quantized) weights cannot be split by these styles: their bytes are not the
     values a slice of the float weight would hold (packed 4-bit, per-block scales)."""
@@ -213,7 +295,9 @@ def _dtype_problems(model: nn.Module, plan: Plan) -> list[str]:
     return out
 
 
-def _user_dataflow_problems(model: nn.Module, plan: Plan, tp_size: int) -> list[str]:
+def _user_dataflow_problems(
+    model: nn.Module, plan: Plan, tp_size: int, example: tuple | Mapping | None
+) -> list[str]:
     """User entries that the model's dataflow cannot run: a column layer fed by another column
     layer's split output (``down_proj: colwise`` after ``up_proj: colwise``), a row layer fed a
     whole activation. Found by one forward on fake tensors with rank 0's shard shapes (no
@@ -222,27 +306,24 @@ def _user_dataflow_problems(model: nn.Module, plan: Plan, tp_size: int) -> list[
     user = [p for p in plan if plan.source(p) == "user"]
     if not user:
         return []
-    from tpkit.plan.infer import dry_run, trace
-
-    error = dry_run(model, plan, None, tp_size)
-    if error is None or dry_run(model, Plan(), None, tp_size) is not None:
+    error = dry_run(model, plan, example, tp_size)
+    if error is None or dry_run(model, Plan(), example, tp_size) is not None:
         return []  # runs, or the default trace inputs do not fit this model's forward at all
     hints = []
     try:
-        nodes = trace(model)["nodes"]
+        nodes = trace(model, example)["nodes"]
     except Exception:  # noqa: BLE001 - the dry run's error alone still says what failed
         nodes = {}
     styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
-    column = {"colwise", "packed_colwise", "packed_qkv_colwise"}
     for name, style in styles.items():
         feeders = sorted(s for s in getattr(nodes.get(name), "src", ()) if s in styles)
-        split_in = [s for s in feeders if styles[s] in column]
-        if style in column and split_in:
+        split_in = [s for s in feeders if style_spec(styles[s]).splits_output]
+        if style_spec(style).splits_output and split_in:
             hints.append(
                 f"{name} is {style} but its input comes from {split_in[0]} "
                 f"({styles[split_in[0]]}), whose output is already split: make {name} rowwise"
             )
-        elif style in ("rowwise", "packed_rowwise") and name in nodes and not split_in:
+        elif style_spec(style).splits_input and name in nodes and not split_in:
             hints.append(
                 f"{name} is {style} but its input is not split by a column layer: make its "
                 "producer colwise, or use rowwise_split_input"

@@ -33,7 +33,7 @@ class ToyLM(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
-def _args(out: str, per_device: int, parallelism_config=None, **kw):
+def training_args(out: str, per_device: int, parallelism_config=None, **kw):
     from transformers import TrainingArguments
 
     defaults = dict(
@@ -80,34 +80,34 @@ def _train_plain(out, tp=None) -> dict[int, float]:
     from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
 
     patch_trainer()
-    _reset_accelerate()
+    reset_accelerate()
     try:
         torch.manual_seed(0)
         model, config = PlainLM(), None
         if tp is not None:
             model = tpkit.tensor_parallel(model, plan={"up": "colwise", "down": "rowwise"})
             config = ParallelismConfig(tp_size=tp)
-        args = _args(out, GLOBAL_BATCH, config, save_strategy="no")
+        args = training_args(out, GLOBAL_BATCH, config, save_strategy="no")
         trainer = Trainer(model=model, args=args, train_dataset=ToyLM())
         trainer.train()
-        return _losses(trainer)
+        return losses(trainer)
     finally:
         unpatch_trainer()
-        _reset_accelerate()
+        reset_accelerate()
 
 
 def check_train_plain(out, tp) -> dict[int, float]:
     return _train_plain(out, tp)
 
 
-def _reset_accelerate() -> None:
+def reset_accelerate() -> None:
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
 
 
-def _losses(trainer) -> dict[int, float]:
+def losses(trainer) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
 
@@ -152,16 +152,16 @@ def _train(
     from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
 
     patch_trainer()
-    _reset_accelerate()
+    reset_accelerate()
     try:
         model = build("llama").train()
         if tp is not None:
             model = _parallelize(model, tp, sharded, **(options or {}))
         config = ParallelismConfig(tp_size=tp, dp_shard_size=dp) if tp else None
-        args = _args(out, per_device, config, **args_kw)
+        args = training_args(out, per_device, config, **args_kw)
         trainer = Trainer(model=model, args=args, train_dataset=ToyLM(length=length))
         trainer.train(resume_from_checkpoint=resume)
-        result = {"losses": _losses(trainer), "tokens": trainer.state.num_input_tokens_seen}
+        result = {"losses": losses(trainer), "tokens": trainer.state.num_input_tokens_seen}
         if save_final:
             trainer.save_model(save_final)
             model.eval()
@@ -170,7 +170,7 @@ def _train(
         return result
     finally:
         unpatch_trainer()
-        _reset_accelerate()
+        reset_accelerate()
 
 
 # ---- checks (run on every rank) ------------------------------------------------------------------
@@ -189,19 +189,21 @@ def _eval(out, tp=None) -> dict:
     from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
 
     patch_trainer()
-    _reset_accelerate()
+    reset_accelerate()
     try:
         model = build("llama")
         if tp is not None:
             model = tpkit.tensor_parallel(model, tp_size=tp)
         data = ToyLM(n=10)
-        trainer = Trainer(model=model, args=_args(out, 4, save_strategy="no"), eval_dataset=data)
+        trainer = Trainer(
+            model=model, args=training_args(out, 4, save_strategy="no"), eval_dataset=data
+        )
         loss = trainer.evaluate()["eval_loss"]
         predicted = trainer.predict(data)
         return {"loss": loss, "logits": torch.as_tensor(predicted.predictions)}
     finally:
         unpatch_trainer()
-        _reset_accelerate()
+        reset_accelerate()
 
 
 def check_eval(out, tp) -> dict:
@@ -231,16 +233,16 @@ def check_first_batches(out, tp) -> dict:
     from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
 
     patch_trainer()
-    _reset_accelerate()
+    reset_accelerate()
     try:
         model = tpkit.tensor_parallel(build("llama").train(), tp_size=tp)
-        trainer = Trainer(model=model, args=_args(out, 2), train_dataset=ToyLM())
+        trainer = Trainer(model=model, args=training_args(out, 2), train_dataset=ToyLM())
         first = next(iter(trainer.get_train_dataloader()))["input_ids"]
         pc = trainer.accelerator.parallelism_config
         return {"first": first, "tp": pc.tp_size, "dp": pc.dp_shard_size}
     finally:
         unpatch_trainer()
-        _reset_accelerate()
+        reset_accelerate()
 
 
 def check_mismatched_config_raises(out) -> str:
@@ -251,22 +253,22 @@ def check_mismatched_config_raises(out) -> str:
     from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
 
     patch_trainer()
-    _reset_accelerate()
+    reset_accelerate()
     try:
         model = tpkit.tensor_parallel(build("llama"), tp_size=2)
         bad = ParallelismConfig(dp_shard_size=2)  # the right world size, the wrong split
         try:
-            Trainer(model=model, args=_args(out, 2, bad), train_dataset=ToyLM())
+            Trainer(model=model, args=training_args(out, 2, bad), train_dataset=ToyLM())
         except ValueError as exc:
             return str(exc)
         return ""
     finally:
         unpatch_trainer()
-        _reset_accelerate()
+        reset_accelerate()
 
 
 # ---- the shared runs ------------------------------------------------------------------------------
-def _single_process(fn, *args):
+def single_process(fn, *args):
     saved = {k: os.environ.pop(k, None) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     try:
         return fn(*args)
@@ -277,7 +279,7 @@ def _single_process(fn, *args):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Single-process Trainer (this process), same seed and global batch."""
-    return _single_process(_train, str(tmp_path_factory.mktemp("ref")), GLOBAL_BATCH)
+    return single_process(_train, str(tmp_path_factory.mktemp("ref")), GLOBAL_BATCH)
 
 
 @pytest.fixture(scope="module")
@@ -376,7 +378,7 @@ def test_sequence_and_loss_parallel_under_trainer(ranks2, tmp_path):
     if not has_options("sequence_parallel", "loss_parallel"):
         pytest.skip("tensor_parallel(..., sequence_parallel=, loss_parallel=) has not landed")
     kw = dict(length=10, save_strategy="no")  # sequence parallel: length divisible by tp
-    ref = _single_process(functools.partial(_train, **kw), str(tmp_path / "ref"), GLOBAL_BATCH)[
+    ref = single_process(functools.partial(_train, **kw), str(tmp_path / "ref"), GLOBAL_BATCH)[
         "losses"
     ]
     options = {"sequence_parallel": True, "loss_parallel": True}
@@ -386,7 +388,7 @@ def test_sequence_and_loss_parallel_under_trainer(ranks2, tmp_path):
 
 
 def test_plain_torch_module_under_trainer(ranks2, tmp_path):
-    ref = _single_process(_train_plain, str(tmp_path / "ref"))
+    ref = single_process(_train_plain, str(tmp_path / "ref"))
     for losses in ranks2.run(check_train_plain, str(tmp_path / "tp"), 2):
         for step, loss in ref.items():
             assert _rel(losses[step], loss) <= REL, (step, losses, ref)
@@ -394,7 +396,7 @@ def test_plain_torch_module_under_trainer(ranks2, tmp_path):
 
 def test_evaluate_and_predict_match_single_process(ranks2, tmp_path):
     """TP partners hold the same predictions: they are gathered once, the short batch trimmed."""
-    ref = _single_process(_eval, str(tmp_path / "ref"))
+    ref = single_process(_eval, str(tmp_path / "ref"))
     for r in ranks2.run(check_eval, str(tmp_path / "tp"), 2):
         assert _rel(r["loss"], ref["loss"]) <= REL, (r["loss"], ref["loss"])
         assert r["logits"].shape == ref["logits"].shape == (10, 9, 101), r["logits"].shape

@@ -261,10 +261,10 @@ def test_load_refuses_a_planted_bytes_item(tmp_path):
 def _plant_model_bytes_item(ck: Path, marker: Path) -> None:
     """Add a non-tensor model item whose bytes are the payload (a module's ``_extra_state``):
     export reads model items only."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     from tpkit import atomic
+    from tpkit.compat import StorageInfo as _StorageInfo
     from tpkit.dcp_io import read_metadata
 
     md = read_metadata(ck)

@@ -6,8 +6,16 @@ import pytest
 from torch import nn
 
 from tests.models import build
-from tpkit.plan import Plan, derive_plan, hf_plan, validate
-from tpkit.plan.spec import local_shape, matches, param_layout
+from tpkit.plan import (
+    Plan,
+    derive_plan,
+    explain,
+    hf_plan,
+    local_shape,
+    matches,
+    param_layout,
+    validate,
+)
 
 
 def test_wildcard_matches_one_component():
@@ -66,8 +74,9 @@ def test_user_dict_overrides_the_config_plan():
 
 def test_explain_reports_shapes_and_collectives():
     model = build("llama")
-    text = derive_plan(model).explain(model, tp_size=2)
-    assert "model.layers.0.self_attn.q_proj.weight" in text and "(64, 64) -> (32, 64)" in text
+    text = explain(derive_plan(model), model, tp_size=2)
+    # repeated layers collapse into one row group
+    assert "model.layers.*.self_attn.q_proj.weight (x2)" in text and "(64, 64) -> (32, 64)" in text
     assert "collectives per forward:" in text and "5 all_reduce" in text and "1 all_gather" in text
 
 
@@ -100,10 +109,11 @@ def test_width_not_divisible():
 
 
 def test_world_size_not_divisible():
-    from tpkit.mesh import resolve_sizes
+    from tpkit.mesh import DistEnv
+    from tpkit.sizes import ParallelDims
 
     with pytest.raises(ValueError, match="tp_size=3 does not divide the world size 4"):
-        resolve_sizes(3, None, 4)
+        ParallelDims.resolve(3, None, env=DistEnv(0, 4, 0))
 
 
 def test_device_map_conflicts():

@@ -11,12 +11,10 @@ import torch
 import transformers as tf
 from torch.distributed.tensor import DTensor, Replicate
 
-from benchmarks.coverage import build as build_tiny
-from benchmarks.coverage import inputs
 from tests.models import full
-from tpkit.plan import Plan, derive_plan, hf_plan, validate
-from tpkit.plan.infer import infer_plan
-from tpkit.plan.validate import param_layouts
+from tests.tiny import build as build_tiny
+from tests.tiny import inputs
+from tpkit.plan import Plan, derive_plan, hf_plan, infer_plan, param_layouts, validate
 
 TOL = 1e-5
 

@@ -58,6 +58,7 @@ def _copy_adapters(src, dst) -> None:
 def make(name: str, order: str, lora: dict | None = None, **tp_kwargs):
     """(unsharded PEFT reference, the same adapters on a tpkit model) in the given order."""
     import tpkit
+    from tpkit.fsdp import is_fsdp
     from tpkit.integrations import peft as tp_peft
 
     ref = reference(name, **(lora or {}))
@@ -68,15 +69,15 @@ def make(name: str, order: str, lora: dict | None = None, **tp_kwargs):
         sharded = {"sharded": False} if tp_kwargs.get("dp_size", 1) > 1 else {}
         base = tpkit.tensor_parallel(build(name), **tp_kwargs, **sharded)
         model = tp_peft.get_peft_model(base, lora_config(name, **(lora or {})))
-        assert not sharded or tp_peft._is_fsdp(model)
+        assert not sharded or is_fsdp(model)
         _copy_adapters(ref, model)
     return ref, model
 
 
 def _dp(model) -> tuple[int, int]:
-    from tpkit.integrations.peft import _state
+    from tpkit.parallelize import tp_state
 
-    state = _state(model)
+    state = tp_state(model)
     return state.mesh["dp"].get_local_rank(), state.dp_size
 
 
@@ -116,7 +117,7 @@ def check_parity(
         opt_r.step()
         opt.step()
     ref_params = dict(ref.named_parameters())
-    # relative norm per tensor, as in test_train: AdamW turns summation-order noise in tiny
+    # relative norm per tensor, as in test_training: AdamW turns summation-order noise in tiny
     # gradient elements into update differences of the order of lr in any two runs
     out["params"] = max(
         ((full(p) - ref_params[n]).norm() / ref_params[n].norm()).item()
@@ -332,25 +333,25 @@ def _trainer_losses(out: str, tp: int | None) -> dict:
     from accelerate import ParallelismConfig
     from transformers import Trainer
 
-    from tests.test_trainer import ToyLM, _args, _losses, _reset_accelerate
+    from tests.test_integrations_trainer import ToyLM, losses, reset_accelerate, training_args
     from tpkit.integrations import peft as tp_peft
     from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
 
     patch_trainer()
-    _reset_accelerate()
+    reset_accelerate()
     try:
         model = reference("llama").train()
         if tp:
             model = tp_peft.tensor_parallel(model, tp_size=tp)
         config = ParallelismConfig(tp_size=tp) if tp else None
-        args = _args(out, 4, config, max_steps=STEPS, save_steps=STEPS, learning_rate=1e-3)
+        args = training_args(out, 4, config, max_steps=STEPS, save_steps=STEPS, learning_rate=1e-3)
         trainer = Trainer(model=model, args=args, train_dataset=ToyLM())
         trainer.train()
         trainer.save_model(os.path.join(out, "final"))
-        return _losses(trainer)
+        return losses(trainer)
     finally:
         unpatch_trainer()
-        _reset_accelerate()
+        reset_accelerate()
 
 
 def check_trainer(out: str) -> dict[int, float]:
@@ -358,9 +359,9 @@ def check_trainer(out: str) -> dict[int, float]:
 
 
 def test_trainer_lora_tp2_matches_single_process(ranks2, tmp_path):
-    from tests.test_trainer import _single_process
+    from tests.test_integrations_trainer import single_process
 
-    ref = _single_process(_trainer_losses, str(tmp_path / "ref"), None)
+    ref = single_process(_trainer_losses, str(tmp_path / "ref"), None)
     assert sorted(ref) == list(range(1, STEPS + 1)), ref
     for losses in ranks2.run(check_trainer, str(tmp_path / "tp2")):
         assert sorted(losses) == sorted(ref), losses

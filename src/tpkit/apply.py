@@ -1,0 +1,117 @@
+"""Apply a validated plan on the TP mesh: torch's ``parallelize_module`` with tpkit's styles.
+
+In order: parameter entries first (an expert tensor sharded by its own entry), then one style
+object per named module and ``Replicate()`` for every other module with parameters (mixed plain
+and DTensor parameters break ``clip_grad_norm_``, FSDP2 and DCP), all through one
+``parallelize_module`` call; then the parent swaps for children read directly, the plan's
+fix-ups (`tpkit.plan.fixups`), and the re-tying of tied parameters. Each style object is built
+with its final options (`StyleOptions`): nothing changes it afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+from tpkit.comm import copy_to_tp
+from tpkit.plan import Plan, param_layout
+from tpkit.plan.fixups import apply_fixups
+from tpkit.styles import (
+    ParentSwap,
+    ReplicateStyle,
+    TPStyle,
+    distribute_param,
+    make_style,
+    read_directly,
+    style_of,
+)
+
+__all__ = ["StyleOptions", "apply_plan", "tied_groups"]
+
+
+@dataclass
+class StyleOptions:
+    """What tensor_parallel's options change in individual styles, decided before they exist.
+
+    ``sp``: module name -> its block's sequence-parallel state (`tpkit.sequence_parallel`);
+    ``loss_parallel``: the head's logits go to the loss vocab-sharded; ``compute_dtype``: module
+    name -> the dtype its local parameters are cast to (FSDP2 mixed precision for parameters it
+    leaves out)."""
+
+    sp: dict[str, Any] = field(default_factory=dict)
+    loss_parallel: bool = False
+    compute_dtype: dict[str, torch.dtype] = field(default_factory=dict)
+
+    def for_module(self, name: str, style: str) -> dict[str, Any]:
+        options: dict[str, Any] = {}
+        if name in self.sp:
+            options["sp"] = self.sp[name]
+        if name in self.compute_dtype:
+            options["compute_dtype"] = self.compute_dtype[name]
+        if self.loss_parallel and style == "colwise_gather_output":
+            options["loss_parallel"] = True
+        return options
+
+
+def tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Each set of (module, parameter name) sharing one parameter object, of two or more."""
+    by_id: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for pname, p in module._parameters.items():
+            if p is not None:
+                by_id.setdefault(id(p), []).append((module, pname))
+    return [g for g in by_id.values() if len(g) > 1]
+
+
+def apply_plan(
+    model: nn.Module,
+    plan: Plan,
+    tp_mesh: DeviceMesh,
+    options: StyleOptions | None = None,
+) -> dict[str, TPStyle]:
+    """Split ``model`` in place as ``plan`` says; return module name -> its style object."""
+    options = options or StyleOptions()
+    ties = tied_groups(model)
+    modules = dict(model.named_modules())
+    targets = plan.resolve(model)
+    for t in targets:
+        if t.kind == "param":  # before the module styles, which keep DTensors as they are
+            owner, _, pname = t.name.rpartition(".")
+            p = modules[owner]._parameters[pname]
+            layout = param_layout(t.style, pname, p.ndim, modules[owner])
+            distribute_param(modules[owner], pname, layout, tp_mesh)
+    styles: dict[str, TPStyle] = {}
+    for t in targets:
+        if t.kind == "module":
+            args = {**plan.args_for(t.pattern), **options.for_module(t.name, t.style)}
+            styles[t.name] = make_style(t.style, **args)
+            styles[t.name].module_name = t.name
+    for name, module in modules.items():
+        if name not in styles and any(p is not None for p in module._parameters.values()):
+            styles[name] = ReplicateStyle(**options.for_module(name, "replicate"))
+            styles[name].module_name = name
+    parallelize_module(model, tp_mesh, styles, src_data_rank=None)
+    _install_parent_swaps(model, tp_mesh)
+    group = tp_mesh.get_group()
+    apply_fixups(  # a per-head input sliced here has partial gradients: f sums them
+        model, plan, tp_mesh.size(), tp_mesh.get_local_rank(), lambda t: copy_to_tp(t, group)
+    )
+    for group in ties:  # distributing replaced each parameter object: share the first again
+        first_mod, first_name = group[0]
+        shared = first_mod._parameters[first_name]
+        for mod, pname in group[1:]:
+            mod._parameters[pname] = shared
+    return styles
+
+
+def _install_parent_swaps(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Give each parameter-less module whose children may be read directly the local-tensor
+    swap of their replicated parameters for the span of its forward."""
+    for module in list(model.modules()):
+        if style_of(module) is None and any(read_directly(c) for c in module.children()):
+            ParentSwap()._apply(module, mesh)

@@ -1,0 +1,61 @@
+"""Build a transformers model from a config, without its weights: on meta for planning and
+streaming loads, for `tpkit plan`, `tpkit export` and `from_pretrained`.
+
+One place decides which class a checkpoint's config means (``architectures``, else an Auto
+class) and how to instantiate it from a config alone (``_from_config`` where transformers has
+it, so the dtype and attention implementation are set as ``from_pretrained`` would).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["build_on_meta", "instantiate", "model_class"]
+
+
+def model_class(config, model_cls: type | str | None = None):
+    """``model_cls`` (a class or a transformers class name), else the config's first known
+    ``architectures`` entry, else ``AutoModelForCausalLM``."""
+    import transformers
+
+    if model_cls is not None:
+        return getattr(transformers, model_cls) if isinstance(model_cls, str) else model_cls
+    for name in getattr(config, "architectures", None) or []:
+        if hasattr(transformers, name):
+            return getattr(transformers, name)
+    return transformers.AutoModelForCausalLM
+
+
+def instantiate(cls, config, dtype: torch.dtype | None = None) -> nn.Module:
+    """A model of ``cls`` (a concrete class or an Auto class) from ``config``, no weights read."""
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    if hasattr(cls, "_from_config"):
+        return cls._from_config(config, **kwargs)
+    return cls.from_config(config, **kwargs)
+
+
+def build_on_meta(path: str, model_cls: str | None = None) -> nn.Module:
+    """A model from a checkpoint directory or its config.json, on the meta device: the classes
+    the config names, then causal-LM, seq2seq and base Auto classes, the first that builds."""
+    import transformers
+
+    p = Path(path)
+    config = transformers.AutoConfig.from_pretrained(str(p.parent if p.is_file() else p))
+    names = [model_cls] if model_cls else list(getattr(config, "architectures", None) or [])
+    classes = [getattr(transformers, n) for n in names if hasattr(transformers, n)]
+    classes += [
+        transformers.AutoModelForCausalLM,
+        transformers.AutoModelForSeq2SeqLM,
+        transformers.AutoModel,
+    ]
+    errors = []
+    with torch.device("meta"):
+        for cls in classes:
+            try:
+                return instantiate(cls, config)
+            except (ValueError, KeyError, TypeError) as exc:
+                errors.append(f"{getattr(cls, '__name__', cls)}: {exc}")
+    raise ValueError(f"Could not build a model for {path}:\n" + "\n".join(errors))

@@ -1,0 +1,33 @@
+"""The private torch pieces tpkit needs, imported in this one place (each says why).
+
+torch has no public name for these yet; keeping every such import here means a torch release
+that moves one breaks one file, and the rest of tpkit imports only public names (ruff PLC2701).
+"""
+
+from __future__ import annotations
+
+# Fake tensors: shapes and dtypes without memory, what torch.compile traces with.
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+# DCP's own key flattening and nested-dict writer: the only way to compare keys exactly as DCP
+# will and to put loaded non-tensor items back where DCP's planner would.
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
+
+# The DTensor placement "each of k parts split separately" (packed q|k|v, fused gate|up, and
+# FSDP2 over a TP-split dim): torch builds it internally, and has no public class for it.
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+
+# Flatten / map nested Python containers of tensors (what torch.compile uses).
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = [
+    "FakeTensorMode",
+    "StorageInfo",
+    "StridedShard",
+    "flatten_state_dict",
+    "set_element",
+    "tree_flatten",
+    "tree_map",
+]

@@ -1,0 +1,249 @@
+"""The style catalogue: one record per tensor-parallel style, which every other part asks.
+
+A `StyleSpec` says what a style *is*, as data: its role (how it splits input and output), which
+dimension of each parameter it shards (`shard`), how many packed parts it splits separately,
+the collective it issues in forward, whether uneven splits are exact, the names other libraries
+use for it, and its math in one line. Validation, inference, explanation, loading, sequence
+parallelism and PEFT all read these records instead of keeping their own lists of "column
+styles". The classes that run a style live in `tpkit.styles` and are bound to these names there;
+`tpkit.register_style` adds a user style (spec and class) to both.
+
+Pure data: no process group, no torch.distributed (plan/ must run on a laptop, on meta).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "ROLES",
+    "SHARDS",
+    "StyleSpec",
+    "all_specs",
+    "bind",
+    "canonical_style",
+    "implementation",
+    "register_spec",
+    "style_spec",
+]
+
+#: How a style treats its module's input and output (``role``):
+#: - ``column``: whole input, output split by features (Y_i = X W_i);
+#: - ``row``: input split by features, output summed by one all-reduce (Y = sum_i X_i W_i);
+#: - ``whole``: whole input and whole output, sharded parameters inside (vocab-parallel lookup,
+#:   gathered head, a row layer that slices its own input, experts whose entries shard them);
+#: - ``replicate``: replicated parameters (some with their gradient all-reduced).
+ROLES = ("column", "row", "whole", "replicate")
+#: Which dimension a style splits (``shard``), by parameter kind: ``out`` = output features
+#: (Linear dim -2, Conv1D -1, 3-D experts -2; 1-D biases split with it), ``in`` = input features
+#: (Linear -1, Conv1D 0), ``vocab`` = an embedding's rows, ``cols`` = an embedding's columns;
+#: None = nothing (parameters replicated, or sharded by their own entries).
+SHARDS = ("out", "in", "vocab", "cols", None)
+
+
+@dataclass(frozen=True)
+class StyleSpec:
+    """What one style is; see the module docstring. ``own_entries``: applied to a module, the
+    style leaves its parameters to their own plan entries (``experts.gate_up_proj: colwise``)."""
+
+    name: str
+    role: str
+    math: str
+    shard: str | None = None
+    packed_parts: int = 1
+    collective: str = ""
+    uneven_ok: bool = False
+    own_entries: bool = False
+    aliases: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"style {self.name!r}: role must be one of {ROLES}, got {self.role!r}")
+        if self.shard not in SHARDS:
+            raise ValueError(f"style {self.name!r}: shard must be one of {SHARDS}")
+        if self.packed_parts < 1:
+            raise ValueError(f"style {self.name!r}: packed_parts must be >= 1")
+
+    @property
+    def splits_output(self) -> bool:
+        """The output leaves this layer split by features (a column layer)."""
+        return self.role == "column"
+
+    @property
+    def splits_input(self) -> bool:
+        """The layer expects its input split by features (a row layer)."""
+        return self.role == "row"
+
+
+_BUILTIN = (
+    StyleSpec(
+        "colwise",
+        "column",
+        "Y_i = X W_i: output features split, output stays sharded",
+        shard="out",
+        aliases=("local_colwise",),
+    ),
+    StyleSpec(
+        "packed_colwise",
+        "column",
+        "fused [gate; up]: each of the 2 parts split like colwise (strided)",
+        shard="out",
+        packed_parts=2,
+        aliases=("local_packed_colwise",),
+    ),
+    StyleSpec(
+        "packed_qkv_colwise",
+        "column",
+        "fused [q; k; v]: each of the 3 parts split like colwise (strided)",
+        shard="out",
+        packed_parts=3,
+    ),
+    StyleSpec(
+        "colwise_embedding",
+        "column",
+        "E_i = E[:, cols_i]: embedding columns split (a per-head bias table), output sharded",
+        shard="cols",
+        aliases=("embedding_colwise",),
+    ),
+    StyleSpec(
+        "rowwise",
+        "row",
+        "Y = sum_i X_i W_i + b: input features split, output all-reduced, bias added once",
+        shard="in",
+        collective="all_reduce",
+        aliases=("local_rowwise",),
+    ),
+    StyleSpec(
+        "packed_rowwise",
+        "row",
+        "input features split per packed part (2, strided), output all-reduced",
+        shard="in",
+        packed_parts=2,
+        collective="all_reduce",
+    ),
+    StyleSpec(
+        "rowwise_split_input",
+        "whole",
+        "rowwise on a replicated input: each rank takes its slice of the input first",
+        shard="in",
+        collective="all_reduce",
+        aliases=("rowwise_rep",),
+    ),
+    StyleSpec(
+        "colwise_gather_output",
+        "whole",
+        "Y = [X W_0, ..., X W_t-1]: output features split, then all-gathered (lm_head)",
+        shard="out",
+        collective="all_gather",
+        uneven_ok=True,
+        aliases=("gather_output", "colwise_rep"),
+    ),
+    StyleSpec(
+        "vocab_parallel",
+        "whole",
+        "E[x] = sum_i E_i[x - off_i], masked to rank i's rows: rows split by vocab, all-reduced",
+        shard="vocab",
+        collective="all_reduce",
+        uneven_ok=True,
+        aliases=("embedding_rowwise",),
+    ),
+    StyleSpec(
+        "moe_tp_experts",
+        "whole",
+        "experts run their own shards (f on inputs), outputs summed by one all-reduce (g)",
+        collective="all_reduce",
+        own_entries=True,
+    ),
+    StyleSpec(
+        "all_reduce",
+        "whole",
+        "parameters as their own entries say; input gradients and output all-reduced",
+        collective="all_reduce",
+        own_entries=True,
+    ),
+    StyleSpec(
+        "moe_identity_expert",
+        "replicate",
+        "an identity expert inside moe_tp_experts: input / tp (the experts' sum adds tp copies)",
+        own_entries=True,
+    ),
+    StyleSpec(
+        "tail_grad_allreduce",
+        "replicate",
+        "replicated; the gradient of its output's last `tail` features all-reduced (MLA's rope "
+        "key, which goes straight into the rank's heads)",
+        aliases=("mla_kv_a_proj",),
+    ),
+    StyleSpec(
+        "replicate",
+        "replicate",
+        "parameters replicated, compute on local tensors",
+        aliases=("replicated", "local", "local_params"),
+        # transformers' "local_params": a module whose parameters are sharded by their own entries
+        # runs on local tensors, which every tpkit style does; "replicate" leaves those entries be
+    ),
+    StyleSpec(
+        "replicated_with_grad_allreduce",
+        "replicate",
+        "replicated, acts on sharded activations (Qwen3 q_norm): gradient all-reduced",
+    ),
+)
+
+_SPECS: dict[str, StyleSpec] = {}
+_ALIASES: dict[str, str] = {}
+_IMPLS: dict[str, Any] = {}
+
+
+def register_spec(style: StyleSpec, implementation: Any = None, *, replace: bool = False) -> None:
+    """Add ``style`` to the catalogue (and the class that runs it, when given). A name or alias
+    already taken is an error unless ``replace``: two meanings for one plan string would make
+    plans ambiguous."""
+    taken = {style.name, *style.aliases} & (_SPECS.keys() | _ALIASES.keys())
+    if taken and not replace:
+        raise ValueError(
+            f"style name(s) {sorted(taken)} are already in the catalogue; pass replace=True to "
+            "redefine them or choose another name."
+        )
+    _SPECS[style.name] = style
+    for alias in style.aliases:
+        _ALIASES[alias] = style.name
+    if implementation is not None:
+        _IMPLS[style.name] = implementation
+
+
+def canonical_style(name: str) -> str:
+    """Map an alias to its catalogue name; a ValueError listing the known names otherwise."""
+    name = _ALIASES.get(name, name)
+    if name not in _SPECS:
+        raise ValueError(
+            f"Unknown tensor-parallel style {name!r}; known styles: {', '.join(sorted(_SPECS))} "
+            f"(aliases: {', '.join(sorted(_ALIASES))})."
+        )
+    return name
+
+
+def style_spec(name: str) -> StyleSpec:
+    """The record of a style (aliases accepted)."""
+    return _SPECS[canonical_style(name)]
+
+
+def all_specs() -> list[StyleSpec]:
+    return list(_SPECS.values())
+
+
+def implementation(name: str) -> Any:
+    """The class bound to a style name (`tpkit.styles` binds the built-in ones on import)."""
+    name = canonical_style(name)
+    if name not in _IMPLS:
+        raise ValueError(f"style {name!r} has no implementation registered (import tpkit.styles).")
+    return _IMPLS[name]
+
+
+def bind(name: str, implementation: Any) -> None:
+    """Attach the class that runs a catalogued style (used by `tpkit.styles`)."""
+    _IMPLS[canonical_style(name)] = implementation
+
+
+for _style in _BUILTIN:
+    register_spec(_style)

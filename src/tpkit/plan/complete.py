@@ -1,0 +1,121 @@
+"""Completing a plan: what a derived plan leaves out that the model's dataflow needs.
+
+- `complete_with_inferred`: transformers' plans skip groups the inferred plan splits (MLA's down
+  projections, shared experts, hybrid layers); each is added when a dry run still passes.
+- `complete_grad_allreduce`: modules with their own parameters acting on a column-parallel
+  output that no entry names get ``replicated_with_grad_allreduce`` (their gradient on each
+  rank covers only its shard), and such an entry whose columns a user replicated is dropped.
+- `complete_vocab_children`: parameters inside a vocab-parallel embedding likewise.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tpkit.plan.catalogue import style_spec
+from tpkit.plan.dryrun import dry_run
+from tpkit.plan.spec import Plan, matches
+from tpkit.plan.trace import trace
+
+__all__ = ["complete_grad_allreduce", "complete_vocab_children", "complete_with_inferred"]
+
+
+def complete_with_inferred(
+    model: nn.Module, plan: Plan, inferred: Plan, example=None, tp: int = 2
+) -> list:
+    """Add to ``plan`` (in place) every group of ``inferred`` that ``plan`` leaves whole: none of
+    its modules or their ancestors named by ``plan``, and a tp dry run still passing with it
+    (transformers' plans skip MLA's down projections, routers' shared MLPs, hybrid layers...).
+    Returns the groups added."""
+    names = list(dict(model.named_modules())) + [n for n, _ in model.named_parameters()]
+
+    def named_above(name: str) -> bool:
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            hit = plan.style_for(".".join(parts[:i]))
+            if hit and (i == len(parts) or hit[0] != "replicate"):
+                return True
+        return False
+
+    def add(target: Plan, group: dict) -> None:
+        for pattern in group["modules"]:
+            target.set(pattern, inferred[pattern], "inferred", inferred.args.get(pattern))
+        for owner in group["owners"]:
+            if owner in inferred.fixups:
+                target.fixups[owner] = inferred.fixups[owner]
+        target.groups.append(group)
+
+    added = []
+    for group in inferred.groups:
+        patterns = group["modules"]
+        if not all(p in inferred and inferred[p] != "replicate" for p in patterns):
+            continue  # left whole by inference too, or not one entry per layer kind
+        concrete = [n for p in patterns for n in names if matches(p, n)]
+        if not concrete or any(named_above(n) for n in concrete):
+            continue
+        trial = plan.copy()
+        add(trial, group)
+        if dry_run(model, trial, example, tp) is None:
+            add(plan, group)
+            added.append(group)
+    return added
+
+
+def complete_grad_allreduce(model: nn.Module, plan: Plan, example=None) -> Plan:
+    """Add ``replicated_with_grad_allreduce`` for the modules with their own parameters that act
+    on a column-parallel output which ``plan`` (typically transformers') leaves unnamed:
+    Apertus's xIELU activation (scalar ``alpha_p``/``alpha_n`` between up_proj and down_proj)
+    or a per-head norm. Each rank's gradient for them covers only its shard of the activation,
+    so without the all-reduce they drift apart across ranks. Conversely an inferred or
+    transformers entry of that style whose columns a user entry replicated becomes ``replicate``. Traced on fake tensors; a model that does not trace gets the plan
+    unchanged."""
+    try:
+        nodes = trace(model, example)["nodes"]
+    except Exception:  # noqa: BLE001 - model code may do anything on meta
+        return plan
+    split: set[str] = set()  # consumers of some column-parallel output
+    for t in plan.resolve(model):
+        if t.kind != "module" or not style_spec(t.style).splits_output or t.name not in nodes:
+            continue
+        split |= nodes[t.name].per_head_consumers
+        for user in sorted(nodes[t.name].per_head_consumers):
+            if plan.style_for(user) is None:
+                plan.set(user, "replicated_with_grad_allreduce", t.source)
+    # a derived per-head norm whose columns user entries have all replicated acts on whole
+    # activations now: its gradient is whole on every rank, and summing it would multiply it
+    # (other producers, like MLA's replicated kv_a_proj feeding split heads, keep it)
+    for t in plan.resolve(model):
+        if (
+            t.kind != "module"
+            or t.style != "replicated_with_grad_allreduce"
+            or t.source not in ("inferred", "config")
+            or t.name in split
+        ):
+            continue
+        producers = [n for n, v in nodes.items() if t.name in v.per_head_consumers]
+        user_replicated = [
+            n
+            for n in producers
+            if (hit := plan.style_for(n))
+            and hit[0] == "replicate"
+            and plan.source(hit[1]) == "user"
+        ]
+        if producers and len(user_replicated) == len(producers):
+            plan.set(t.name, "replicate", t.source)
+    return plan
+
+
+def complete_vocab_children(model: nn.Module, plan: Plan) -> Plan:
+    """Give submodules of a vocab-parallel embedding (Inkling's ``embed_norm``, applied to the
+    lookup inside the embedding's forward) their gradient all-reduce: the style masks the
+    tokens this rank does not own after the whole forward, so each rank's gradient for those
+    replicated parameters covers only its own tokens, and their sum is the true one."""
+    modules = dict(model.named_modules())
+    for t in plan.resolve(model):
+        if t.kind != "module" or t.style != "vocab_parallel":
+            continue
+        for name, child in modules[t.name].named_modules(prefix=t.name):
+            own = any(True for _ in child.parameters(recurse=False))
+            if name != t.name and own and plan.style_for(name) is None:
+                plan.set(name, "replicated_with_grad_allreduce", t.source)
+    return plan

@@ -1,0 +1,174 @@
+"""`derive_plan`: from what the user passed to the plan that will be applied.
+
+The steps, in order: pick the source (transformers' plan when it names a layer and a tp=2 dry
+run passes with it, else the inferred plan, or what ``"config"`` / ``"infer"`` force), merge the
+user's entries over it, complete it (`tpkit.plan.complete`), and settle the inferred groups the
+tp size does not divide (left replicated, with a note). Pure: no process group, meta is fine.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from pathlib import Path
+
+from torch import nn
+
+from tpkit.plan.complete import (
+    complete_grad_allreduce,
+    complete_vocab_children,
+    complete_with_inferred,
+)
+from tpkit.plan.dryrun import dry_run
+from tpkit.plan.hf import hf_plan
+from tpkit.plan.infer import infer_plan
+from tpkit.plan.spec import Plan
+from tpkit.plan.trace import reuse_traces
+
+__all__ = ["MODES", "PlanLike", "check_plan_arg", "derive_plan"]
+
+PlanLike = str | Path | Mapping[str, str] | Plan | None
+MODES = ("auto", "config", "infer")
+
+
+def check_plan_arg(plan: PlanLike) -> None:
+    """Refuse a ``plan`` argument that names nothing (a mode typo such as ``"infered"``, a YAML
+    path that does not exist) with the fix, before anything else runs; cheap and pure, so
+    ``tensor_parallel`` checks it even in a single process, where it would otherwise be
+    ignored until the script first runs under torchrun."""
+    if plan is None or isinstance(plan, (Plan, Mapping)):
+        return
+    if isinstance(plan, str) and plan in MODES:
+        return
+    if isinstance(plan, (str, Path)) and Path(plan).exists():
+        return
+    if isinstance(plan, str) and (":" in plan or "\n" in plan):
+        return  # YAML text
+    if isinstance(plan, str):
+        close = difflib.get_close_matches(plan, MODES, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(
+            f"plan={plan!r} is not a plan mode and no such YAML file exists; {hint}use 'auto', "
+            "'config', 'infer', a {pattern: style} dict, a tpkit.Plan or the path of a YAML plan."
+        )
+    if isinstance(plan, Path):
+        raise FileNotFoundError(f"plan file {plan} does not exist.")
+    raise TypeError(
+        f"plan must be 'auto', 'config', 'infer', a dict, a Plan or a YAML path, got {type(plan)}"
+    )
+
+
+def derive_plan(
+    model: nn.Module,
+    plan: PlanLike = "auto",
+    tp_size: int | None = None,
+    example_inputs: tuple | Mapping | None = None,
+) -> Plan:
+    """Turn what the user passed into the `Plan` for ``model``.
+
+    - ``"auto"``: the model's transformers plan when it ships one that names a layer and runs
+      (a tp=2 dry run on fake tensors), completed by the inferred plan's groups it leaves
+      whole; else the inferred plan, from the model's dataflow, when that one runs; else
+      transformers' plan as it is. ``"config"`` / ``"infer"`` force one of the two, unchecked.
+    - a mapping, a `Plan`, or a YAML file path: user entries merged over the ``"auto"`` plan,
+      entry by entry (a user entry wins where both name the same module).
+
+    Whatever the source, modules with their own parameters that act on a column-parallel
+    output and that no entry names (Apertus's xIELU activation, a vocab-parallel embedding's
+    inner norm) get ``replicated_with_grad_allreduce``. With ``tp_size``, inferred groups it
+    does not divide are left replicated with a note. ``example_inputs`` (a positional tuple or
+    a kwargs dict) replaces the default trace inputs, for a module whose forward needs more
+    than ``input_ids`` (a bare transformer block).
+    """
+    check_plan_arg(plan)
+    plan = "auto" if plan is None else plan
+    with reuse_traces():
+        if isinstance(plan, str) and plan in MODES:
+            out = _source_plan(model, plan, example_inputs)
+        else:
+            out = _base_plan(model, example_inputs).merged(_user_plan(plan))
+        out = complete_grad_allreduce(model, complete_vocab_children(model, out), example_inputs)
+    if tp_size is not None and tp_size > 1:
+        out.settle_groups(tp_size)
+    return out
+
+
+def _user_plan(plan: PlanLike) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, Mapping):
+        return Plan.from_dict(plan)
+    return Plan.from_yaml(plan)
+
+
+def _base_plan(model: nn.Module, example) -> Plan:
+    """What user entries merge over: the "auto" plan, or nothing when none can be derived."""
+    try:
+        return _source_plan(model, "auto", example)
+    except ValueError:
+        return Plan()  # nothing to derive: the user's plan is the whole plan
+
+
+def _source_plan(model: nn.Module, mode: str, example) -> Plan:
+    if mode in ("auto", "config"):
+        plan = hf_plan(model)
+        if plan is not None:
+            return plan if mode == "config" else _checked_config_plan(model, plan, example)
+        if mode == "config":
+            raise ValueError(
+                f"{type(model).__name__} ships no base_model_tp_plan; use plan='auto' or 'infer'."
+            )
+    return infer_plan(model, example)
+
+
+def _checked_config_plan(model: nn.Module, plan: Plan, example) -> Plan:
+    """transformers' plan, unless the model's own code cannot run with it.
+
+    Some shipped plans name only the embedding (DiffLlama, LFM2, HunYuan dense: every layer stays
+    whole). A few shard a layer whose output the code then reads whole (Doge's ``dt_proj`` is
+    row-parallel, so the per-head mask is computed for all heads while each rank holds half of
+    them); transformers only finds out when forward crashes. One forward on fake tensors with
+    rank 0's tp=2 shapes (no memory, no collectives) checks the plan first. In either case, when
+    the inferred plan passes the same check it is used instead, and its notes say why. A plan
+    that passes is completed by the inferred plan's groups it leaves whole.
+    """
+    if not _names_a_layer(model, plan):
+        error = "it names only the vocabulary embedding, no layer"
+    else:
+        error = dry_run(model, plan, example, 2)
+        error = error and f"it fails a tp=2 dry run ({error})"
+    try:
+        inferred = infer_plan(model, example)
+    except ValueError:
+        inferred = None
+    if error is None:
+        added = []
+        if inferred is not None:
+            added = complete_with_inferred(model, plan, inferred, example)
+        if added:
+            plan.notes[type(model).__name__] = (
+                "transformers' base_model_tp_plan leaves whole what the inferred plan splits: "
+                + ", ".join(g["modules"][-1] for g in added)
+                + " (pass plan='config' for transformers' plan alone)"
+            )
+        return plan
+    if inferred is None or dry_run(model, inferred, example, 2) is not None:
+        return plan  # nothing better to offer: validation or forward will name the problem
+    inferred.notes[type(model).__name__] = (
+        f"transformers' base_model_tp_plan is not used: {error}; the inferred plan is (pass "
+        "plan='config' to force transformers' plan)"
+    )
+    return inferred
+
+
+def _names_a_layer(model: nn.Module, plan: Plan) -> bool:
+    """True when a transformers entry of ``plan`` names something besides the vocabulary
+    embedding and output head (which tpkit adds to every plan)."""
+    get = lambda attr: getattr(model, attr, lambda: None)()  # noqa: E731
+    vocab = {id(get("get_input_embeddings")), id(get("get_output_embeddings"))}
+    modules = dict(model.named_modules())
+    for t in plan.resolve(model):
+        owner = t.name.rsplit(".", 1)[0] if t.kind == "param" else t.name
+        if t.source == "config" and id(modules.get(owner)) not in vocab:
+            return True
+    return False

@@ -1,0 +1,168 @@
+"""Running a model on fake tensors: what the trace and the dry run share.
+
+Parameters and buffers are swapped for fake meta tensors of the same (or a shard's) shape,
+the inputs are fake too, and torch's ``FakeTensorMode`` propagates shapes and dtypes without
+allocating or computing anything. A model whose code needs real values (a data-dependent branch)
+can instead run on its real weights with zero shards, when it is small (`real_state`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tpkit.compat import tree_map
+from tpkit.plan.layout import kind_of
+
+__all__ = [
+    "REAL_TRACE_MAX_PARAMS",
+    "TRACE_BATCH",
+    "TRACE_SEQ",
+    "example_inputs",
+    "fake_friendly_experts",
+    "fake_inputs",
+    "meta_state",
+    "quiet_fake_tensors",
+    "real_state",
+]
+
+TRACE_BATCH, TRACE_SEQ = 3, 7
+#: Largest model traced on its real weights when the fake-tensor trace fails.
+REAL_TRACE_MAX_PARAMS = 50_000_000  # odd sizes, unlikely to coincide with a width or head count
+
+
+def example_inputs(model: nn.Module) -> tuple[tuple, dict]:
+    shape = (TRACE_BATCH, TRACE_SEQ)
+    config = getattr(model, "config", None)
+    codebooks = getattr(config, "num_codebooks", None)  # MusicGen: codebooks stacked in batch
+    rows = TRACE_BATCH * (codebooks if isinstance(codebooks, int) and codebooks > 0 else 1)
+    ids = torch.zeros((rows, TRACE_SEQ), dtype=torch.long, device="meta")
+    if config is not None and hasattr(model, "get_input_embeddings"):
+        kwargs: dict[str, Any] = {"input_ids": ids}
+        if getattr(config, "is_encoder_decoder", False):
+            kwargs["decoder_input_ids"] = ids
+        if "use_cache" in getattr(model.forward, "__code__", type("", (), {})).co_varnames or (
+            getattr(config, "use_cache", None) is not None
+        ):
+            kwargs["use_cache"] = False
+        return (), kwargs
+    for mod in model.modules():
+        kind = kind_of(mod)
+        if kind == "embedding":
+            return (ids,), {}
+        if kind:
+            width = mod.weight.shape[0] if kind == "conv1d" else mod.weight.shape[1]
+            dtype = mod.weight.dtype if mod.weight.is_floating_point() else torch.float32
+            return (torch.zeros((*shape, width), dtype=dtype, device="meta"),), {}
+    raise ValueError(f"{type(model).__name__} has no Linear, Conv1D or Embedding to trace.")
+
+
+@contextlib.contextmanager
+def meta_state(model: nn.Module, fake, shapes: Mapping[int, tuple] | None = None):
+    """Temporarily swap every parameter and buffer for a fake meta tensor of the same shape.
+
+    Fake tensors (torch's ``FakeTensorMode``) rather than bare meta ones: transformers' code asks
+    ``is_tracing(tensor)`` before data-dependent checks (packed sequences, all-ones masks) and
+    skips them for fake tensors, as it does under torch.compile.
+    """
+    saved = []
+    for mod in model.modules():
+        for store in (mod._parameters, mod._buffers):
+            for k, v in list(store.items()):
+                if v is not None and (v.device.type != "meta" or id(v) in (shapes or {})):
+                    saved.append((store, k, v))
+    memo: dict[int, torch.Tensor] = {}
+    try:
+        for store, k, v in saved:
+            if id(v) not in memo:
+                shape = (shapes or {}).get(id(v), tuple(v.shape))
+                meta = fake.from_tensor(torch.empty(shape, dtype=v.dtype, device="meta"))
+                memo[id(v)] = (
+                    nn.Parameter(meta, v.requires_grad) if isinstance(v, nn.Parameter) else meta
+                )
+            store[k] = memo[id(v)]
+        yield
+    finally:
+        for store, k, v in saved:
+            store[k] = v
+
+
+@contextlib.contextmanager
+def fake_friendly_experts(model: nn.Module):
+    """Temporarily run transformers' fused MoE experts as ``batched_mm`` instead of
+    ``grouped_mm``, whose meta kernel accepts only bfloat16 (a float32 model would not trace).
+    Both compute the same thing with the same weights, so the dataflow is the same. The raw
+    value of every config reachable from a module (sub-configs too: transformers' setter
+    copies a value into them) is saved and put back as it was."""
+    key = "_experts_implementation_internal"
+    configs: dict[int, Any] = {}
+    todo = [getattr(m, "config", None) for m in model.modules()]
+    while todo:
+        c = todo.pop()
+        if c is None or id(c) in configs or not hasattr(c, "__dict__"):
+            continue
+        configs[id(c)] = c
+        for sub in getattr(c, "sub_configs", None) or {}:
+            todo.append(c.__dict__.get(sub))
+    saved = [(c, c.__dict__[key]) for c in configs.values() if key in c.__dict__]
+    try:
+        for c, value in saved:
+            if value == "grouped_mm":
+                c.__dict__[key] = "batched_mm"
+        yield
+    finally:
+        for c, value in saved:
+            c.__dict__[key] = value
+
+
+@contextlib.contextmanager
+def real_state(model: nn.Module, shapes: Mapping[int, tuple]):
+    """Temporarily give each sharded parameter a zero tensor of its shard's shape."""
+    saved = []
+    for mod in model.modules():
+        for k, v in list(mod._parameters.items()):
+            if v is not None and id(v) in shapes:
+                saved.append((mod, k, v))
+    try:
+        memo: dict[int, nn.Parameter] = {}
+        for mod, k, v in saved:
+            if id(v) not in memo:
+                memo[id(v)] = nn.Parameter(v.new_zeros(shapes[id(v)]), v.requires_grad)
+            mod._parameters[k] = memo[id(v)]
+        yield
+    finally:
+        for mod, k, v in saved:
+            mod._parameters[k] = v
+
+
+def fake_inputs(model: nn.Module, given: tuple | Mapping | None, fake: Any, real: bool):
+    """(args, kwargs) for one traced forward: ``given`` (a positional tuple or a kwargs dict, any
+    device) or `example_inputs`; as fake meta tensors, or (``real``) zeros on the model's device."""
+    if given is None:
+        args, kwargs = example_inputs(model)
+    elif isinstance(given, Mapping):
+        args, kwargs = (), dict(given)
+    else:
+        args, kwargs = tuple(given), {}
+    if real:
+        device = next(model.parameters()).device
+        convert = lambda t: torch.zeros_like(t, device=device)  # noqa: E731
+    else:
+        convert = lambda t: fake.from_tensor(t.to("meta"))  # noqa: E731
+    return tree_map(lambda t: convert(t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+
+
+@contextlib.contextmanager
+def quiet_fake_tensors():
+    """Silence torch's fake-tensor logger: a failed fake forward is reported by its caller."""
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level, quiet.level = quiet.level, logging.CRITICAL
+    try:
+        yield
+    finally:
+        quiet.setLevel(level)

@@ -1,0 +1,158 @@
+"""Fix-ups: what a module's own code must see per rank, applied from plan data.
+
+Model code reads sizes that tensor parallelism changes: ``self.num_heads`` in a reshape, GPT-2
+``Conv1D.nf`` in a view, BLOOM's ``alibi`` built for every head outside the attention. A plan
+lists them per module pattern (``plan.fixups``); this module applies them, the same way for the
+real split (`tpkit.apply`, permanently) and for the dry run on fake tensors (`tpkit.plan.dryrun`,
+undone afterwards), and `tpkit plan` prints them:
+
+- ``divide``: integer attributes divided by tp (head counts, widths equal to a split width);
+- ``shard_width``: ``{attr: [parameter, dim]}``: the attribute becomes this rank's size of that
+  parameter's dimension (``nf`` of a column-parallel Conv1D, exact for uneven splits too).
+  Derived from the plan's styles by one rule (`shard_width_fixups`, `FORWARD_WIDTH_ATTRS`)
+  wherever fix-ups are applied or printed, so no plan source has to remember it;
+- ``head_inputs``: ``{"kw:alibi": 0}``: a per-head input computed outside the module is sliced
+  to the rank's contiguous heads, along dim 0 (batch*heads) or dim 1 (heads).
+
+No process group: a rank's share is arithmetic on tp and its rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tpkit.plan.layout import local_shape, param_layout
+from tpkit.plan.spec import Plan
+
+__all__ = ["HEAD_ATTRS", "WIDTH_ATTRS", "apply_fixups", "head_slicer", "shard_width_fixups"]
+
+#: Attributes that count attention heads (on modules or their configs): validation checks that
+#: tp divides them, inference divides them on the modules that own a column/row pair.
+HEAD_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+    "n_head_kv",
+)
+#: Attributes that hold a width; inference divides them only when they equal a split width.
+WIDTH_ATTRS = (
+    "embed_dim",
+    "hidden_size",
+    "hidden_size_per_partition",
+    "inner_dim",
+    "split_size",
+    "all_head_size",
+)
+#: Width attributes a module's own forward reads to shape its output: they must follow the shard.
+FORWARD_WIDTH_ATTRS = {"nf": ("weight", -1)}  # transformers' Conv1D: x @ W viewed as (..., nf)
+
+
+def shard_width_fixups(model: nn.Module, plan: Plan) -> dict[str, dict[str, Any]]:
+    """``shard_width`` fix-ups for every module whose forward reads the width of a parameter
+    the plan splits (GPT-2's Conv1D ``nf``), keyed by module name."""
+    out: dict[str, dict[str, Any]] = {}
+    for t in plan.resolve(model):
+        if t.kind != "module":
+            continue
+        module = model.get_submodule(t.name)
+        for attr, (pname, dim) in FORWARD_WIDTH_ATTRS.items():
+            p = module._parameters.get(pname)
+            if not isinstance(getattr(module, attr, None), int) or p is None:
+                continue
+            if param_layout(t.style, pname, p.ndim, module).dim == dim % p.ndim:
+                out.setdefault(t.name, {}).setdefault("shard_width", {})[attr] = [pname, dim]
+    return out
+
+
+def head_slicer(
+    head_inputs: Mapping[str, int],
+    heads: int,
+    tp: int,
+    rank: int,
+    before_slice: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Callable:
+    """A forward pre-hook keeping ``rank``'s heads of each per-head input it names.
+
+    ``before_slice`` is applied to the whole input first: the real split passes Megatron's f
+    (identity forward, gradient all-reduced), since each rank's gradient for a replicated input
+    it slices covers only its heads (CPM-Ant's position bias, made by parameters outside the
+    attention); the dry run passes nothing (no collectives in plan/)."""
+    per = heads // tp
+    lo, hi = rank * per, (rank + 1) * per
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        for key, dim in head_inputs.items():
+            kind, k = key.split(":", 1)
+            t = args[int(k)] if kind == "arg" and int(k) < len(args) else kwargs.get(k)
+            if not isinstance(t, torch.Tensor):
+                continue
+            if before_slice is not None:
+                t = before_slice(t)
+            if dim == 0:
+                t = t.unflatten(0, (-1, heads))[:, lo:hi].flatten(0, 1)
+            elif t.shape[1] == heads:
+                t = t[:, lo:hi]
+            if kind == "arg":
+                args = (*args[: int(k)], t, *args[int(k) + 1 :])
+            else:
+                kwargs = {**kwargs, k: t}
+        return args, kwargs
+
+    return hook
+
+
+def _local_size(module: nn.Module, style: str, pname: str, dim: int, tp: int, rank: int) -> int:
+    p = module._parameters[pname]
+    layout = param_layout(style, pname, p.ndim, module)
+    return local_shape(tuple(p.shape), layout, tp, rank)[dim]
+
+
+def apply_fixups(
+    model: nn.Module,
+    plan: Plan,
+    tp: int,
+    rank: int,
+    before_slice: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Callable[[], None]:
+    """Apply every fix-up of ``plan`` to ``model`` for ``rank`` of ``tp``; return a function that
+    undoes them all (attributes restored, hooks removed). Parameters are read by global shape,
+    so this runs before or after they are distributed alike. ``before_slice``: see
+    `head_slicer`."""
+    restore: list[tuple[nn.Module, str, Any]] = []
+    hooks = []
+    styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
+    widths = shard_width_fixups(model, plan)
+    for name, module in model.named_modules():
+        fix = {**(plan.fixups_for(name) if plan.fixups else {}), **widths.get(name, {})}
+        if not fix:
+            continue
+        heads = None
+        for attr in fix.get("divide", []):
+            value = getattr(module, attr, None)
+            if isinstance(value, int):
+                restore.append((module, attr, value))
+                setattr(module, attr, value // tp)
+                heads = heads or (value if attr in HEAD_ATTRS else None)
+        for attr, (pname, dim) in (fix.get("shard_width") or {}).items():
+            restore.append((module, attr, getattr(module, attr)))
+            style = styles.get(name, "replicate")
+            setattr(module, attr, _local_size(module, style, pname, dim, tp, rank))
+        if fix.get("head_inputs") and heads:
+            slicer = head_slicer(fix["head_inputs"], heads, tp, rank, before_slice)
+            hooks.append(module.register_forward_pre_hook(slicer, with_kwargs=True))
+
+    def undo() -> None:
+        for h in hooks:
+            h.remove()
+        for module, attr, value in reversed(restore):
+            setattr(module, attr, value)
+
+    return undo

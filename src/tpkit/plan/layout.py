@@ -1,0 +1,164 @@
+"""Where each parameter is split: the one rule that sharding, loading, validation, explanation
+and checkpoints all use, derived from the style catalogue.
+
+A layout is plain data (`ParamLayout`: a dim and a number of packed parts); `tpkit.styles` turns
+it into a DTensor placement, `tpkit.load` into byte ranges of a file, `explain` into a local shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from tpkit.plan.catalogue import style_spec
+from tpkit.plan.spec import Plan
+
+__all__ = [
+    "REPLICATED",
+    "ParamLayout",
+    "chunk_offset",
+    "chunk_sizes",
+    "in_width",
+    "is_conv1d",
+    "kind_of",
+    "local_shape",
+    "out_width",
+    "param_layout",
+    "param_layouts",
+    "param_styles",
+    "tp_regions",
+]
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where a parameter is split: ``dim`` (None = replicated) and, for packed weights such as a
+    fused [gate; up], ``split_factor`` > 1 parts that are each split along ``dim``."""
+
+    dim: int | None
+    split_factor: int = 1
+
+    @property
+    def sharded(self) -> bool:
+        return self.dim is not None
+
+
+REPLICATED = ParamLayout(None)
+
+
+def is_conv1d(module: nn.Module | None) -> bool:
+    """transformers' GPT-2 ``Conv1D`` keeps its weight as [in, out]; matched by name so plan/
+    needs no transformers import."""
+    return module is not None and type(module).__name__ == "Conv1D"
+
+
+def kind_of(module: nn.Module) -> str | None:
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        return "conv1d"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    return None
+
+
+def out_width(module: nn.Module, kind: str) -> int:
+    w = module.weight
+    return int(w.shape[1] if kind in ("conv1d", "embedding") else w.shape[0])
+
+
+def in_width(module: nn.Module, kind: str) -> int:
+    w = module.weight
+    return int(w.shape[0] if kind == "conv1d" else w.shape[1])
+
+
+def param_layout(
+    style: str, param_name: str, ndim: int, module: nn.Module | None = None
+) -> ParamLayout:
+    """The layout ``style`` gives one parameter, from its rank alone (see catalogue.SHARDS).
+
+    Linear weights are ``[out, in]`` (Conv1D: ``[in, out]``), 3-D expert weights ``[E, out, in]``,
+    embeddings ``[vocab, hidden]``. As in transformers' plans a style names raw dims of an expert
+    tensor ("colwise" splits dim -2, "rowwise" dim -1, whatever the module computes with them).
+    1-D parameters follow the output: split with a column style's output, replicated otherwise
+    (a row layer's bias is added after the reduction).
+    """
+    s = style_spec(style)
+    if s.shard is None or s.own_entries:
+        return REPLICATED
+    if ndim <= 1:
+        return ParamLayout(0, s.packed_parts) if s.shard == "out" else REPLICATED
+    conv1d = is_conv1d(module)
+    if s.shard in ("vocab", "cols"):  # [num_embeddings, dim]
+        if ndim != 2:
+            return REPLICATED
+        return ParamLayout(1 if s.shard == "cols" or conv1d else 0)
+    if s.shard == "out":
+        return ParamLayout(ndim - 1 if conv1d else ndim - 2, s.packed_parts)
+    return ParamLayout(0 if conv1d else ndim - 1, s.packed_parts)  # "in"
+
+
+def chunk_sizes(size: int, parts: int) -> list[int]:
+    """Sizes torch.chunk (and DTensor's Shard) gives: ceil-sized chunks, the tail shorter or 0."""
+    chunk = -(-size // parts)
+    return [max(0, min(chunk, size - r * chunk)) for r in range(parts)]
+
+
+def chunk_offset(size: int, parts: int, rank: int) -> int:
+    """Where ``rank``'s chunk starts under `chunk_sizes`."""
+    return min(size, rank * -(-size // parts))
+
+
+def local_shape(shape: tuple[int, ...], layout: ParamLayout, tp: int, rank: int = 0) -> tuple:
+    """This rank's shard shape under torch.chunk semantics (uneven splits give the tail less)."""
+    if not layout.sharded or tp == 1:
+        return tuple(shape)
+    out = list(shape)
+    part = shape[layout.dim] // layout.split_factor
+    out[layout.dim] = chunk_sizes(part, tp)[rank] * layout.split_factor
+    return tuple(out)
+
+
+def param_styles(model: nn.Module, plan: Plan) -> dict[str, tuple[str, str]]:
+    """Full parameter name -> (style, source) for every parameter: its own entry, else its
+    module's, else ("replicate", "-"). Tied parameters appear under each of their names."""
+    module_style: dict[str, tuple[str, str]] = {}
+    param_style: dict[str, tuple[str, str]] = {}
+    for t in plan.resolve(model):
+        (module_style if t.kind == "module" else param_style)[t.name] = (t.style, t.source)
+    out = {}
+    for mod_name, module in model.named_modules():
+        for pname, _ in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            out[full] = param_style.get(full) or module_style.get(mod_name) or ("replicate", "-")
+    return out
+
+
+def param_layouts(model: nn.Module, plan: Plan) -> dict[str, tuple[str, ParamLayout, nn.Module]]:
+    """Full parameter name -> (style, layout, owning module) for every parameter of ``model``."""
+    modules = dict(model.named_modules())
+    out = {}
+    for full, (style, _) in param_styles(model, plan).items():
+        owner, _, pname = full.rpartition(".")
+        module = modules[owner]
+        p = module._parameters[pname]
+        out[full] = (style, param_layout(style, pname, p.ndim, module), module)
+    return out
+
+
+def tp_regions(model: nn.Module, plan: Plan) -> dict[str, list[str]]:
+    """Tensor-parallel regions: each module whose children include column-parallel linears
+    (``self_attn``, ``mlp``), with its row-parallel children, where the region's split
+    activations end. Dropout differs across ranks inside a region (`tpkit.rng`); sequence
+    parallelism gathers the sequence at a region's entry (`tpkit.sequence_parallel`)."""
+    styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
+    regions: dict[str, list[str]] = {}
+    for name, style in styles.items():
+        if style_spec(style).splits_output and style_spec(style).shard == "out" and "." in name:
+            regions.setdefault(name.rsplit(".", 1)[0], [])
+    for name, style in styles.items():
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        if style_spec(style).splits_input and parent in regions:
+            regions[parent].append(name)
+    return regions

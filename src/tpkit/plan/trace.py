@@ -1,0 +1,379 @@
+"""The dataflow trace that plan inference reads: one forward on fake meta tensors.
+
+Parameters and buffers are swapped for fake meta tensors (nothing is computed or allocated) while
+a ``TorchFunctionMode`` tags every tensor with the *linear-like* modules (``nn.Linear``, GPT-2's
+``Conv1D``, ``nn.Embedding``) whose outputs reach it without passing through another one. The
+hidden states entering each repeated block (the elements of the outermost ``nn.ModuleList``) are
+the *residual stream*. Per linear-like module the trace records (`Node`): which linears or the
+stream feed it, who consumes its output, whether it writes into the stream, whether its whole
+output is needed somewhere, and how its features are split or sliced afterwards (packed parts,
+uneven cuts, per-head reshapes). `tpkit.plan.infer` turns that into column/row pairs.
+
+It runs the model as the dry run does (`tpkit.plan.fake`), with tags added.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from tpkit.compat import FakeTensorMode, tree_flatten
+from tpkit.plan.fake import (
+    TRACE_BATCH,
+    fake_friendly_experts,
+    fake_inputs,
+    meta_state,
+    quiet_fake_tensors,
+)
+from tpkit.plan.layout import kind_of, out_width
+
+__all__ = ["STREAM", "Node", "blocks", "repeated_blocks", "reuse_traces", "trace"]
+
+STREAM = "<stream>"
+
+
+@dataclass
+class Node:
+    """What the trace learned about one linear-like module."""
+
+    kind: str  # "linear", "conv1d" or "embedding"
+    out: int
+    src: set[str] = field(default_factory=set)
+    consumers: set[str] = field(default_factory=set)
+    per_head_consumers: set[str] = field(default_factory=set)
+    writer: bool = False
+    needs_whole: str = ""  # why its whole output is needed somewhere ("" = never)
+    split: int = 1
+    uneven: str = ""
+    cuts: list[int] = field(default_factory=list)  # sizes of the first uneven cut of its features
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+# ops that cut a tensor along a dim -> position of that dim among their arguments
+_DIM_ARG = {
+    "split": 2,
+    "chunk": 2,
+    "tensor_split": 2,
+    "split_with_sizes": 2,
+    "unbind": 1,
+    "narrow": 1,
+}
+
+
+class _Tracer(TorchFunctionMode):
+    """Propagates provenance tags through every torch function call."""
+
+    def __init__(self, nodes: dict[str, Node]):
+        super().__init__()
+        self.nodes = nodes
+        self.tags: dict[int, frozenset[str]] = {}
+        # tensor -> (linear, dim of its features' outermost factor, whether a reshape has split
+        # the features into heads x per-head so that dim counts heads)
+        self.origin: dict[int, tuple[str, int, bool]] = {}
+        self.keep: list[torch.Tensor] = []  # ids stay unique while the trace runs
+        self.active: list[str] = []  # linear-like modules whose forward is running
+        self.weights: dict[int, str] = {}  # id of a linear-like module's parameter -> module
+
+    def tag(self, t: torch.Tensor) -> frozenset[str]:
+        return self.tags.get(id(t), frozenset())
+
+    def set_tag(self, t: torch.Tensor, tags: frozenset[str]) -> None:
+        self.keep.append(t)
+        self.tags[id(t)] = tags
+
+    def into_stream(self, tags: frozenset[str]) -> frozenset[str]:
+        for name in tags:
+            if name in self.nodes:
+                self.nodes[name].writer = True
+        return frozenset({STREAM})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = _tensors((args, kwargs))
+        for t in inputs:
+            owner = self.weights.get(id(t))
+            if owner is not None and owner not in self.active:
+                # another module computes with this weight (Mamba's dt_proj.weight): its
+                # layout must stay whole
+                self.nodes[owner].needs_whole = "its weight is read outside its own forward"
+        tags: frozenset[str] = frozenset().union(*(self.tag(t) for t in inputs))
+        if STREAM in tags and len(tags) > 1:
+            tags = self.into_stream(tags)
+        name = getattr(func, "__name__", "")
+        in_place = name.endswith("_") or name in ("__setitem__", "__iadd__", "__imul__")
+        if in_place and args and isinstance(args[0], torch.Tensor):
+            self.set_tag(args[0], tags)
+        outs = _tensors(out)
+        for t in outs:
+            self.set_tag(t, tags)
+        if args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.origin:
+            self._follow_features(name, args, kwargs, out, outs)
+        return out
+
+    # -- where the features of a linear's output go: reshapes, splits, slices ----------------
+    def _follow_features(self, name, args, kwargs, out, outs) -> None:
+        src = args[0]
+        lin, j, heads = self.origin[id(src)]
+        node = self.nodes[lin]
+        if name in _DIM_ARG:
+            pos = _DIM_ARG[name]
+            dim = kwargs.get("dim", args[pos] if len(args) > pos else 0)
+            if _norm_dim(int(dim), src.ndim) != j:
+                return
+            sizes = {t.shape[j] for t in outs} if name != "narrow" else {-1}
+            if heads and name != "unbind":
+                # heads cut into groups (DiffLlama pairs head i with head i + H/2): contiguous
+                # head shards would pair other heads, and the pairing is read where the trace
+                # no longer follows these features
+                node.uneven = node.uneven or f"its heads are {name}-cut into groups"
+            elif len(sizes) == 1 and len(outs) > 1 and name != "unbind":
+                node.split = max(node.split, len(outs)) if node.split in (1, len(outs)) else -1
+            else:
+                node.uneven = node.uneven or f"its output is {name}-sliced unevenly by features"
+                if name != "narrow" and not node.cuts:
+                    node.cuts = [int(t.shape[j]) for t in outs]
+            return
+        if name == "__getitem__":
+            if self._index_touches(args[1], src.ndim, j):
+                node.uneven = node.uneven or "its output is indexed along its features"
+            return
+        if len(outs) != 1:
+            return
+        new = outs[0]
+        if name in ("view", "reshape", "unflatten", "contiguous", "float", "to", "type_as"):
+            j_new = _feature_dim_after_reshape(tuple(src.shape), j, tuple(new.shape))
+            if j_new is not None and new.shape[j_new] < src.shape[j]:
+                heads = True
+            elif j_new is not None and new.shape[j_new] > src.shape[j]:
+                heads = False  # heads merged back into one feature dim
+        elif name == "transpose":
+            a, b = (_norm_dim(int(d), src.ndim) for d in args[1:3])
+            j_new = b if j == a else a if j == b else j
+        elif name == "permute":
+            dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+            dims = [_norm_dim(int(d), src.ndim) for d in dims]
+            j_new = dims.index(j) if j in dims else None
+        elif tuple(new.shape) == tuple(src.shape):
+            j_new = j  # elementwise
+        else:
+            j_new = None
+        if j_new is not None:
+            self.origin[id(new)] = (lin, j_new, heads)
+
+    @staticmethod
+    def _index_touches(index: Any, ndim: int, j: int) -> bool:
+        """True when ``tensor[index]`` selects part of dim ``j`` (``None`` adds an axis and
+        consumes no dim; an Ellipsis stands for the dims no other item consumes)."""
+        items = index if isinstance(index, tuple) else (index,)
+        consuming = sum(1 for i in items if i is not None and i is not Ellipsis)
+        dim = 0
+        for item in items:
+            if item is Ellipsis:
+                dim += ndim - consuming
+                continue
+            if item is None:
+                continue
+            if dim == j:
+                return not (isinstance(item, slice) and item == slice(None))
+            dim += 1
+        return False
+
+
+def _feature_dim_after_reshape(old: tuple, j: int, new: tuple) -> int | None:
+    """Where the outermost factor of a feature dimension lands after a view/reshape."""
+    prefix = math.prod(old[:j])
+    acc = 1
+    for i, s in enumerate(new):
+        if acc == prefix and s > 1:
+            return i if old[j] % s == 0 or s % old[j] == 0 else None
+        acc *= s
+        if acc > prefix:
+            return None
+    return None
+
+
+def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The elements of the outermost ModuleLists of same-typed, linear-holding modules."""
+    lists = []
+    for name, mod in model.named_modules():
+        same_type = isinstance(mod, nn.ModuleList) and len({type(m) for m in mod}) == 1
+        nested = any(name.startswith(p + ".") for p, _ in lists)
+        if same_type and not nested and any(kind_of(m) for m in mod[0].modules()):
+            lists.append((name, mod))
+    return [(f"{p}.{i}" if p else str(i), m) for p, lst in lists for i, m in enumerate(lst)]
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The elements of every largest ``nn.ModuleList`` (an encoder-decoder has two), of any
+    types: the units FSDP2 wraps and sequence parallelism enters and leaves. Unlike `blocks`
+    (the residual stream's boundaries, same-typed lists only) a hybrid model's mixed layer list
+    counts here."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return []
+    longest = max(len(m) for m in lists)
+    found: list[nn.Module] = []
+    for m in lists:
+        if len(m) == longest or len(m) >= max(2, longest // 2):
+            found.extend(m)
+    # a ModuleList nested in a block is not a block of its own
+    inside = {id(sub) for b in found for sub in b.modules() if sub is not b}
+    return [b for b in found if id(b) not in inside]
+
+
+#: model id -> its default fake trace, while `reuse_traces` is active
+_TRACES: ContextVar[dict[int, dict] | None] = ContextVar("tpkit_traces", default=None)
+
+
+@contextlib.contextmanager
+def reuse_traces():
+    """Trace each model once inside the block (one `derive_plan`): the fake-tensor forward is
+    the costly step (0.9 s for a 32-layer Llama), and inference, completion and validation all
+    read it while the model does not change."""
+    token = _TRACES.set({})
+    try:
+        yield
+    finally:
+        _TRACES.reset(token)
+
+
+def trace(
+    model: nn.Module, example: tuple | Mapping | None = None, real: bool = False
+) -> dict[str, Any]:
+    """Run one forward of ``model`` on fake meta tensors (``real=True``: on its own weights, for
+    code that needs values) and return what the tags say: ``nodes`` (name -> `Node`),
+    ``blocks``, ``module_inputs`` (name -> [(key, shape, tags)]), ``batch``."""
+    cache = _TRACES.get() if example is None and not real else None
+    if cache is not None and id(model) in cache:
+        return cache[id(model)]
+    info = _TraceHooks(model).run(example, real)
+    if cache is not None:
+        cache[id(model)] = info
+    return info
+
+
+class _TraceHooks:
+    """Forward hooks on every module that feed the tracer what happens at module boundaries:
+    inputs of linear-like modules (their sources), block entries and exits (the stream), and
+    modules with their own parameters acting on a linear's output (whole or per head)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.modules = dict(model.named_modules())
+        self.nodes = {
+            n: Node(k, out_width(m, k)) for n, m in model.named_modules() if (k := kind_of(m))
+        }
+        self.tracer = _Tracer(self.nodes)
+        self.blocks = blocks(model)
+        self.block_ids = {id(m) for _, m in self.blocks}
+        self.module_inputs: dict[str, list[tuple[str, tuple, frozenset]]] = {}
+
+    def run(self, example, real: bool) -> dict[str, Any]:
+        model = self.model
+        hooks = []
+        for mod in model.modules():
+            hooks.append(mod.register_forward_pre_hook(self.pre, with_kwargs=True))
+            hooks.append(mod.register_forward_hook(self.post, with_kwargs=True))
+        try:
+            with quiet_fake_tensors():
+                if real:
+                    args, kwargs = fake_inputs(model, example, None, real=True)
+                    with torch.no_grad(), self.tracer:
+                        model(*args, **kwargs)
+                else:
+                    fake = FakeTensorMode(allow_non_fake_inputs=True)
+                    args, kwargs = fake_inputs(model, example, fake, real=False)
+                    state, experts = meta_state(model, fake), fake_friendly_experts(model)
+                    with state, experts, torch.no_grad(), fake, self.tracer:
+                        model(*args, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+        return {
+            "nodes": self.nodes,
+            "blocks": [n for n, _ in self.blocks],
+            "module_inputs": self.module_inputs,
+            "batch": TRACE_BATCH,
+        }
+
+    def _reset_stream(self, values: list[torch.Tensor], width: int | None = None) -> None:
+        tracer = self.tracer
+        for t in values:
+            if t.is_floating_point() and (width is None or (t.ndim and t.shape[-1] == width)):
+                tracer.into_stream(tracer.tag(t))
+                tracer.set_tag(t, frozenset({STREAM}))
+
+    def _is_stream_boundary(self, mod: nn.Module) -> bool:
+        return id(mod) in self.block_ids or (mod is self.model and not self.blocks)
+
+    def pre(self, mod, args, kwargs):
+        tracer, nodes, name = self.tracer, self.nodes, self.names[id(mod)]
+        if mod is self.model:  # parameters are (fake) tensors of the trace by now
+            tracer.weights = {
+                id(p): n for n in nodes for p in self.modules[n].parameters(recurse=False)
+            }
+        if name in nodes:
+            tracer.active.append(name)
+        if self._is_stream_boundary(mod):
+            floats = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
+            if floats:
+                self._reset_stream(floats, floats[0].shape[-1] if mod is not self.model else None)
+        ins = [(f"arg:{i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ins += [(f"kw:{k}", v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        self.module_inputs[name] = [
+            (key, tuple(t.shape), tracer.tag(t)) for key, t in ins if t.is_floating_point()
+        ]
+        tags = frozenset().union(*(tracer.tag(t) for _, t in ins))
+        if name in nodes:
+            nodes[name].src |= tags
+            for src in tags & nodes.keys():
+                nodes[src].consumers.add(name)
+        elif any(True for _ in mod.parameters(recurse=False)):
+            self._parameter_consumer(name, mod, tags)
+
+    def _parameter_consumer(self, name: str, mod: nn.Module, tags: frozenset[str]) -> None:
+        """A module with its own parameters fed by linears: a per-head one (1-D parameters as
+        wide as a head, Qwen3's q_norm) acts on split features; any other needs them whole."""
+        params = list(mod.parameters(recurse=False))
+        one_d = all(p.ndim == 1 for p in params)
+        width = max(p.shape[0] for p in params) if one_d else None
+        for src in tags & self.nodes.keys():
+            node = self.nodes[src]
+            whole = node.out // max(1, node.split)
+            if not one_d or width in (node.out, whole):
+                node.needs_whole = node.needs_whole or f"{name} needs its whole output"
+            else:
+                node.per_head_consumers.add(name)
+
+    def post(self, mod, args, kwargs, output):
+        tracer, name = self.tracer, self.names[id(mod)]
+        if name in self.nodes:
+            tracer.active.pop()
+            for t in _tensors(output)[:1]:
+                tracer.set_tag(t, frozenset({name}))
+                tracer.origin[id(t)] = (name, t.ndim - 1, False)
+        elif self._is_stream_boundary(mod):
+            # what a block returns in the stream's shape is the stream (not its attention
+            # weights or key/value cache, which a sharded attention keeps per rank)
+            outs = [t for t in _tensors(output) if t.is_floating_point()]
+            for t in outs:
+                if tuple(t.shape) == tuple(outs[0].shape) and tracer.tag(t) & self.nodes.keys():
+                    tracer.into_stream(tracer.tag(t))
+                    tracer.set_tag(t, frozenset({STREAM}))

@@ -1,0 +1,318 @@
+"""The base of every style: DTensor parameters, local compute, one record per module.
+
+A style keeps the module's class and ``forward``. Applied (``parallelize_module`` calls
+`TPStyle._apply`), it turns the module's parameters into DTensors on the TP mesh (sharded as
+`tpkit.plan.layout` says, or ``Replicate()``), then adds a forward pre-hook that hands ``forward``
+the *local* shards (``DTensor.to_local``, so gradients flow back to the DTensor parameters) and
+Megatron's f/g collectives from `tpkit.comm` around it.
+
+Why not torch's ``ColwiseParallel``/``RowwiseParallel`` as they are: they produce the same
+parameter layouts (``Shard(0)``/``Shard(1)``) but run every op of the module through DTensor
+dispatch, which costs tens of microseconds per linear in a decode step, and they have no Conv1D
+(GPT-2), no packed [gate; up], no vocab-parallel output gather with uneven vocab, and no
+replicated-with-grad-all-reduce. These subclass ``ParallelStyle``, so ``parallelize_module``
+applies them, and the DTensor parameters give ``clip_grad_norm_``, FSDP2, DCP and optimizers their
+full global view.
+
+The style object is the module's record (``module._tpkit_style``): its name, its options (set at
+construction: sequence parallelism, compute dtype, loss parallelism, style arguments), and the
+per-call state its hooks keep. Nothing else is stored on the module.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import Placement
+
+from tpkit.comm import copy_to_tp
+from tpkit.compat import StridedShard
+from tpkit.plan.catalogue import StyleSpec, style_spec
+from tpkit.plan.layout import ParamLayout, param_layout
+
+__all__ = [
+    "RECORD",
+    "ParentSwap",
+    "ReplicateGradAllReduceStyle",
+    "ReplicateStyle",
+    "TPStyle",
+    "distribute_param",
+    "first_tensor",
+    "map_output",
+    "placement_for",
+    "read_directly",
+    "replace_first_tensor",
+    "style_of",
+]
+
+#: The one attribute tpkit sets on a module it split: its style object (`style_of`).
+RECORD = "_tpkit_style"
+
+
+def style_of(module: nn.Module) -> TPStyle | None:
+    """The style applied to ``module`` (its record), or None."""
+    return module.__dict__.get(RECORD)
+
+
+def placement_for(layout: ParamLayout) -> Placement:
+    """The DTensor placement of a layout (``StridedShard`` for packed parts: torch's only way
+    to say "each of k parts split separately")."""
+    if not layout.sharded:
+        return Replicate()
+    if layout.split_factor > 1:
+        return StridedShard(layout.dim, split_factor=layout.split_factor)
+    return Shard(layout.dim)
+
+
+def distribute_param(
+    module: nn.Module,
+    name: str,
+    layout: ParamLayout,
+    mesh: DeviceMesh,
+    src_data_rank: int | None = None,
+) -> nn.Parameter:
+    """Replace ``module.<name>`` by a DTensor parameter with ``layout`` (kept if already one).
+
+    ``src_data_rank=None`` (tpkit's default): each rank slices its shard from its own copy, with
+    no communication; tpkit requires identical weights on every rank (same seed or checkpoint),
+    and on the meta device there is nothing to send anyway.
+    """
+    param = module._parameters[name]
+    if isinstance(param, DTensor):
+        return param
+    dt = distribute_tensor(
+        param.detach(), mesh, [placement_for(layout)], src_data_rank=src_data_rank
+    )
+    new = nn.Parameter(dt, requires_grad=param.requires_grad)
+    module.register_parameter(name, new)
+    return new
+
+
+def first_tensor(args: tuple, kwargs: dict) -> tuple[str, Any] | None:
+    """Where a module's main input is: ("arg", 0) or ("kw", name), or None."""
+    if args and isinstance(args[0], torch.Tensor):
+        return ("arg", 0)
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            return ("kw", k)
+    return None
+
+
+def replace_first_tensor(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with the main input replaced by ``fn(input)`` (unchanged if none)."""
+    key = first_tensor(args, kwargs)
+    if key is None:
+        return args, kwargs
+    if key[0] == "arg":
+        return (fn(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, key[1]: fn(kwargs[key[1]])}
+
+
+def map_output(output: Any, fn) -> Any:
+    """Apply ``fn`` to a module's main output (a tensor, or the first of a tuple)."""
+    if isinstance(output, torch.Tensor):
+        return fn(output)
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (fn(output[0]), *output[1:])
+    return output
+
+
+class TPStyle(ParallelStyle):
+    """Base: distribute the module's own parameters, run ``forward`` on their local shards.
+
+    Options, fixed at construction: ``sp`` (the sequence-parallel state of the block this layer
+    sits in, `tpkit.sequence_parallel.SPState`; for a replicated layer outside the regions it
+    means its gradient is all-reduced while SP is active), ``compute_dtype`` (cast local
+    parameters: FSDP2 mixed precision for parameters FSDP leaves out). Subclasses add their own.
+    """
+
+    name = "replicate"
+    grad_allreduce = False  # every step, not only under SP (replicated_with_grad_allreduce)
+
+    def __init__(self, *, sp: Any = None, compute_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.sp = sp
+        self.compute_dtype = compute_dtype
+        self.src_data_rank: int | None = None
+        self.module_name = ""
+        self._saved: list[dict[str, DTensor]] = []
+        self._nested: list[tuple[nn.Module, str]] | None = None
+        self._nested_saved: list[list[tuple[nn.Module, str, DTensor]]] = []
+
+    @property
+    def spec(self) -> StyleSpec:
+        """The catalogue record of the style this one lays its parameters out as."""
+        return style_spec(self.layout_style)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.mesh = device_mesh
+        self.group = device_mesh.get_group()
+        self.tp = device_mesh.size()
+        self.rank = device_mesh.get_local_rank()
+        for pname, p in list(module._parameters.items()):
+            if p is not None:
+                layout = param_layout(self.layout_style, pname, p.ndim, module)
+                distribute_param(module, pname, layout, device_mesh, self.src_data_rank)
+        # a replicated layer on a sequence chunk sees a partial gradient while SP is active
+        self._sp_grads = self.spec.role == "replicate"
+        self._setup(module)
+        module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+        module.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
+        module.__dict__[RECORD] = self
+        module.extra_repr = types.MethodType(_extra_repr_with_style, module)  # print(model)
+        return module
+
+    @property
+    def layout_style(self) -> str:
+        """The catalogue style whose layout this style's parameters take."""
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.extra_repr()})"
+
+    def extra_repr(self) -> str:
+        """The style and its options, as ``print(model)`` shows them."""
+        parts = [f"tp={self.name}"]
+        if self.sp is not None:
+            parts.append("sp")
+        if self.compute_dtype is not None:
+            parts.append(f"compute_dtype={self.compute_dtype}")
+        return ", ".join(parts)
+
+    def describe(self, module: nn.Module) -> str:
+        """`extra_repr` plus this rank's shape of each split parameter of ``module``."""
+        local = [
+            f"{name}: local {tuple(p.to_local().shape)}"
+            for name, p in module._parameters.items()
+            if isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements)
+        ]
+        return ", ".join([self.extra_repr(), *local])
+
+    # -- hooks -------------------------------------------------------------------------------
+    def _setup(self, module: nn.Module) -> None:
+        """Per-module one-time preparation after the parameters are distributed."""
+
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        self._swap_in(module)
+        return self._prepare_input(module, args, kwargs)
+
+    def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        try:
+            return self._prepare_output(module, output)
+        finally:
+            self._swap_out(module)
+
+    def _prepare_input(self, module: nn.Module, args: tuple, kwargs: dict):
+        return args, kwargs
+
+    def _prepare_output(self, module: nn.Module, output: Any) -> Any:
+        return output
+
+    # -- local parameters --------------------------------------------------------------------
+    def _nested_replicated(self, module: nn.Module) -> list[tuple[nn.Module, str]]:
+        """Replicated parameters of children the module may read without calling them (Mamba's
+        ``self.conv1d.weight`` in a functional conv), bypassing the children's own hooks."""
+        if self._nested is None:
+            # direct children only: a deeper module is swapped by its own parent, and sweeping a
+            # whole subtree would bypass descendants' own hooks (sequence-parallel gradient
+            # all-reduce) and FSDP's per-block unsharding
+            self._nested = [
+                (m, n)
+                for m in module.children()
+                if read_directly(m)
+                for n, p in m._parameters.items()
+                if isinstance(p, DTensor)
+            ]
+        return self._nested
+
+    def _local(self, p: DTensor, grad: bool) -> torch.Tensor:
+        if not (grad and p.requires_grad):
+            local = p._local_tensor  # no autograd edge needed: no DTensor dispatch either
+        else:
+            local = p.to_local()
+            sp = self.sp
+            if self.grad_allreduce or (sp is not None and self._sp_grads and sp.active):
+                local = copy_to_tp(local, self.group)
+        if self.compute_dtype is not None and local.is_floating_point():
+            local = local.to(self.compute_dtype)
+        return local
+
+    def _swap_in(self, module: nn.Module) -> None:
+        grad = torch.is_grad_enabled()
+        nested_spec = self._nested_replicated(module)
+        if nested_spec:  # pushed only for modules that have one, popped likewise
+            nested = []
+            for child, name in nested_spec:
+                p = child._parameters.get(name)
+                if isinstance(p, DTensor):
+                    nested.append((child, name, p))
+                    child._parameters[name] = (
+                        p.to_local() if grad and p.requires_grad else p._local_tensor
+                    )
+            self._nested_saved.append(nested)
+        params = module._parameters
+        saved = {name: p for name, p in params.items() if isinstance(p, DTensor)}
+        if grad or self.compute_dtype is not None:
+            for name, p in saved.items():
+                params[name] = self._local(p, grad)
+        else:  # no-grad fast path (decode): the local shards as they are
+            for name, p in saved.items():
+                params[name] = p._local_tensor
+        self._saved.append(saved)
+
+    def _swap_out(self, module: nn.Module) -> None:
+        if self._saved:
+            module._parameters.update(self._saved.pop())
+        if self._nested and self._nested_saved:
+            for child, name, p in self._nested_saved.pop():
+                child._parameters[name] = p
+
+
+class ReplicateStyle(TPStyle):
+    """Replicated parameters (``Replicate()`` DTensors), local compute: Y = f(X; W)."""
+
+    name = "replicate"
+
+
+class ReplicateGradAllReduceStyle(TPStyle):
+    """Replicated, acting on sharded activations (Qwen3's per-head ``q_norm``): each rank's
+    gradient covers its heads only, so it is all-reduced (f on the local weight)."""
+
+    name = "replicated_with_grad_allreduce"
+    grad_allreduce = True
+
+
+class ParentSwap(TPStyle):
+    """Not a plan style: a parameter-less module whose children may be read directly (a
+    functional conv on ``self.conv1d.weight``) gets their local tensors for its forward."""
+
+    name = "parent_swap"
+
+    @property
+    def layout_style(self) -> str:
+        return "replicate"
+
+
+def _extra_repr_with_style(module: nn.Module) -> str:
+    """A split module's line in ``print(model)``: its own, then what tpkit did to it (bound to
+    the module, so ``copy.deepcopy`` rebinds it to the copy)."""
+    own = type(module).extra_repr(module)
+    style = style_of(module)
+    return ", ".join(x for x in (own, style.describe(module) if style else "") if x)
+
+
+def read_directly(child: nn.Module) -> bool:
+    """A replicated child whose parameters its parent may read without calling it: a conv
+    (Mamba-style ``F.conv1d(x, self.conv1d.weight)``), a linear's weight in a matmul (Mamba's
+    ``dt_proj.weight @ x``), an embedding table indexed by hand, a module driven through methods
+    other than ``forward`` (JetMoe's ``experts.map``). Norms are always called."""
+    style = style_of(child)
+    if style is None or type(style) is not ReplicateStyle:
+        return False  # a sharded child must be called: its hooks do the collectives
+    return "norm" not in type(child).__name__.lower()

@@ -1,0 +1,110 @@
+"""Styles for modules whose parameters are split by their own entries, and partial gradients.
+
+- `AllReduceStyle`: parameters as their own entries say (Inkling's shared experts: gate/up
+  colwise, down rowwise) on replicated inputs: f on every float input (their gradients are
+  partial per rank), g on the output.
+- `MoeExpertsStyle`: the same for fused MoE experts: every expert runs its own shards, the
+  summed outputs are all-reduced once; a replicated ``down_proj_bias`` enters as bias / tp.
+- `MoeIdentityExpertStyle`: a parameter-free expert inside those experts: input / tp, since the
+  experts' all-reduce adds tp copies of it.
+- `TailGradAllReduceStyle`: replicated, with the gradient of the last ``tail`` output features
+  all-reduced (MLA's rope key, which goes straight into the rank's heads).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tpkit.comm import copy_to_tp, reduce_from_tp
+from tpkit.styles.base import TPStyle, map_output, replace_first_tensor
+
+__all__ = [
+    "AllReduceStyle",
+    "MoeExpertsStyle",
+    "MoeIdentityExpertStyle",
+    "TailGradAllReduceStyle",
+]
+
+
+class AllReduceStyle(TPStyle):
+    """Y = g(f_inputs -> module): see the module docstring. transformers' ``all_reduce`` style
+    has only the g, which leaves the inputs' gradients (the residual stream's, a router's
+    gammas') partial."""
+
+    name = "all_reduce"
+
+    def _prepare_input(self, module: nn.Module, args: tuple, kwargs: dict):
+        def f(v: Any) -> Any:
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return copy_to_tp(v, self.group)
+            return v
+
+        return tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
+
+    def _prepare_output(self, module: nn.Module, output: Any) -> Any:
+        return map_output(output, lambda y: reduce_from_tp(y, self.group))
+
+
+class MoeExpertsStyle(AllReduceStyle):
+    """Experts whose weights are split by their own parameter entries (gate_up packed_colwise,
+    down rowwise): every float input gets f, the summed output g. A replicated
+    ``down_proj_bias`` (GPT-OSS) is added inside every rank's partial sum, so it enters as
+    bias / tp (exact for power-of-two tp) with its gradient summed over the group."""
+
+    name = "moe_tp_experts"
+
+    def _setup(self, module: nn.Module) -> None:
+        w, b = module._parameters.get("down_proj"), module._parameters.get("down_proj_bias")
+        sharded = isinstance(w, DTensor) and any(p.is_shard() for p in w.placements)
+        self.scale_down_bias = sharded and isinstance(b, DTensor)
+
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        out = super()._pre_hook(module, args, kwargs)
+        if self.scale_down_bias:
+            b = module._parameters["down_proj_bias"]  # the local tensor, swapped in
+            if torch.is_grad_enabled() and b.requires_grad:
+                b = copy_to_tp(b, self.group)
+            module._parameters["down_proj_bias"] = b / self.tp
+        return out
+
+
+class MoeIdentityExpertStyle(TPStyle):
+    """A parameter-free expert (LongCat-Flash's zero-computation ``identity_expert``) inside
+    ``moe_tp_experts``: every rank computes the same output and the experts' g sums tp copies,
+    so the input is divided by tp here (exact for power-of-two tp), as transformers does."""
+
+    name = "moe_identity_expert"
+
+    def _prepare_input(self, module: nn.Module, args: tuple, kwargs: dict):
+        return replace_first_tensor(args, kwargs, lambda x: x / self.tp)
+
+
+class TailGradAllReduceStyle(TPStyle):
+    """Replicated; output [head part | tail] with the tail's gradient all-reduced (f). MLA's
+    ``kv_a_proj_with_mqa`` outputs [kv latent | rope key]: the latent feeds a column-parallel
+    ``kv_b_proj`` (whose f sums its gradient), the rope key goes straight into this rank's
+    heads, so each rank's gradient for it is partial. ``tail``: its width (transformers'
+    ``mla_kv_a_proj`` reads ``qk_rope_head_dim``; inference reads the traced cut)."""
+
+    name = "tail_grad_allreduce"
+
+    def __init__(self, *, tail: int = 0, **options: Any) -> None:
+        super().__init__(**options)
+        self.tail = int(tail)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", tail={self.tail}"
+
+    def _prepare_output(self, module: nn.Module, output: Any) -> Any:
+        if not self.tail:
+            return output
+
+        def fix(y: torch.Tensor) -> torch.Tensor:
+            head, tail = y.split([y.shape[-1] - self.tail, self.tail], dim=-1)
+            return torch.cat([head, copy_to_tp(tail, self.group)], dim=-1)
+
+        return map_output(output, fix)

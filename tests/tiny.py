@@ -1,0 +1,273 @@
+"""Tiny models of every transformers text architecture, built from their default configs.
+
+A generic shrinker of sizes (by config field name, never by architecture name): hidden sizes to
+64, intermediate to 128, layers to 2, heads to 4, vocabularies to 101 (odd on purpose), with the
+relations some architectures check kept (`DERIVED`) and the smallest patch for default configs
+the installed transformers cannot build (`PATCHES`, each naming the bug). No weights are
+downloaded. Used by the tests and by ``benchmarks/coverage.py``.
+"""
+
+from __future__ import annotations
+
+VOCAB = 101
+BATCH, SEQ = 2, 9
+
+# Generic shrinker: any of these config fields present in an architecture's config is set.
+SIZES = {
+    64: (
+        "hidden_size",
+        "n_embd",
+        "d_model",
+        "dim",
+        "embed_dim",
+        "model_dim",
+        "word_embed_proj_dim",
+        "embedding_size",
+        "n_embed",
+        "emb_dim",
+    ),
+    128: (
+        "intermediate_size",
+        "ffn_dim",
+        "d_ff",
+        "n_inner",
+        "encoder_ffn_dim",
+        "decoder_ffn_dim",
+        "ffn_hidden_size",
+        "hidden_dim",
+        "inner_hidden_size",
+    ),
+    32: (
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "expert_intermediate_size",
+        "kv_lora_rank",
+        "q_lora_rank",
+    ),
+    2: (
+        "num_hidden_layers",
+        "n_layer",
+        "num_layers",
+        "num_decoder_layers",
+        "encoder_layers",
+        "decoder_layers",
+        "n_layers",
+        "num_encoder_layers",
+        "num_experts_per_tok",
+        "num_experts_per_token",
+        "num_key_value_heads",
+        "num_kv_heads",
+        "n_head_kv",
+        "multi_query_group_num",
+    ),
+    4: (
+        "num_attention_heads",
+        "n_head",
+        "num_heads",
+        "encoder_attention_heads",
+        "decoder_attention_heads",
+        "n_heads",
+        "num_experts",
+        "num_local_experts",
+        "n_routed_experts",
+    ),
+    16: (
+        "head_dim",
+        "d_kv",
+        "kv_channels",
+        "attention_head_size",
+        "qk_rope_head_dim",
+        "rotary_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "attention_head_dim",
+    ),
+}
+POSITIONS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length")
+TOKEN_IDS = (
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "decoder_start_token_id",
+    "sep_token_id",
+)
+
+
+def architectures() -> list[tuple[str, str, str]]:
+    """(model_type, class name, kind) for every causal-LM and seq2seq architecture."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    out = [(t, c, "causal-lm") for t, c in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()]
+    out += [(t, c, "seq2seq") for t, c in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.items()]
+    return out
+
+
+# Relations between size fields that some architectures check or rely on; the generic shrinker
+# keeps them (by field name, never by architecture name).
+DERIVED = {
+    # SSM (Mamba-2 style): heads x head_dim == expand x hidden
+    "mamba_headdim": lambda c: c.get("mamba_expand", 2) * 64 // c.get("n_mamba_heads", 1),
+    "mamba_dt_rank": lambda c: 4,
+    "time_step_rank": lambda c: 4,
+    # BLT: the byte encoder's patches (hidden x cross_attn_k) are the global model's hidden
+    "hidden_size_global": lambda c: 64 * c.get("cross_attn_k", 1),
+    # hybrids whose attention reads [hidden, embeddings] concatenated (Zamba)
+    "attention_hidden_size": lambda c: (
+        64 * max(1, round(c["_attention_hidden_size"] / c["_hidden"]))
+    ),
+}
+# Default configs that do not build a model in the installed transformers: the smallest patch
+# that does, per field. Each names the bug it works around.
+PATCHES = {
+    "cohere_compass_text": {  # default rope_parameters is {} but layers look up their type
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    },
+    "gemma3n_text": {"num_kv_shared_layers": 0},  # 15 shared-KV layers of 2
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # default layer_types is None
+    "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},  # both read, unset
+    # the LM head needs a decoder; axial position dims must sum to hidden; LSH hashing seeded
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "hash_seed": 0},
+    # the global transformer is as wide as the byte encoder's patches (64 x cross_attn_k 2)
+    "blt": {
+        "global_config.hidden_size": 128,
+        "global_config.head_dim": 32,
+        "encoder_hash_byte_group_vocab": 1009,
+    },
+    # indexed-attention layers need the indexer sizes, which the default leaves unset
+    **{
+        t: {
+            "indexer_n_heads": 2,
+            "indexer_kv_heads": 1,
+            "indexer_head_dim": 16,
+            "indexer_budget": 8,
+            "indexer_compress_ratio": 2,
+        }
+        for t in ("qwen4_exp", "qwen4_exp_text")
+    },
+    # the shared attention block is tied across its uses, so it must be used twice
+    "zamba": {
+        "num_hidden_layers": 3,
+        "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+    },
+}
+
+
+def _layer_list(values: list, n: int) -> list:
+    """A per-layer list cut to n layers, keeping one of each distinct kind first, so a hybrid
+    model's tiny config still has each kind of layer (attention, SSM, MoE, ...)."""
+    kinds = list(dict.fromkeys(values))
+    out = (kinds + values)[:n]
+    return out + [values[-1]] * (n - len(out))
+
+
+def _shrink(fields: dict) -> dict:
+    """The shrunk values for one config's fields (see SIZES and DERIVED)."""
+    kwargs = {k: v for v, keys in SIZES.items() for k in keys if k in fields}
+    kwargs.update({k: 64 for k in POSITIONS if k in fields})
+    kwargs["vocab_size"] = VOCAB
+    for k in TOKEN_IDS:
+        v = fields.get(k)
+        if isinstance(v, int) and v >= VOCAB:
+            kwargs[k] = 2 if k != "pad_token_id" else 1
+    heads, kv = fields.get("num_attention_heads"), fields.get("num_key_value_heads")
+    if "num_key_value_heads" in fields and (kv is None or kv == heads):
+        # MHA (and MLA, whose keys are per query head) keeps as many KV heads as query heads
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)
+    for k in ("n_group", "num_expert_group", "num_group"):  # grouped routing over the 4 experts
+        if (fields.get(k) or 0) > 2:
+            kwargs.update({k: 2, "topk_group": 1})
+    for k in ("n_shared_experts",):  # None in some defaults, multiplied by a size in the model
+        if k in fields and fields[k] is None:
+            kwargs[k] = 1
+    if {"expand", "head_dim", "num_heads"} <= fields.keys() and "num_attention_heads" not in fields:
+        kwargs["num_heads"] = fields["expand"] * 64 // 16  # Mamba-2: heads x head_dim == expand x d
+    ctx = dict(fields, _hidden=fields.get("hidden_size") or 1)
+    ctx["_attention_hidden_size"] = fields.get("attention_hidden_size") or ctx["_hidden"]
+    for k, rule in DERIVED.items():
+        if k in fields:
+            kwargs[k] = rule(ctx)
+    if "attention_hidden_size" in kwargs and "attention_head_dim" in fields:
+        kwargs["attention_head_dim"] = kwargs["attention_hidden_size"] // kwargs.get(
+            "num_attention_heads", 4
+        )
+    n_layers = fields.get("num_hidden_layers")
+    for k, v in fields.items():  # per-layer kind lists follow the layer count
+        if isinstance(v, list) and n_layers and len(v) == n_layers and k.endswith("types"):
+            kwargs[k] = _layer_list(v, 2)
+    if fields.get("layers_block_type") and n_layers:
+        kwargs["layers_block_type"] = _layer_list(fields["layers_block_type"], 2)
+    return kwargs
+
+
+def tiny_config(model_type: str, class_name: str | None = None):
+    """The architecture's default config with every known size field shrunk; None when the
+    config is not a text one (it holds vision / audio / text sub-configs)."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    if class_name and hasattr(transformers, class_name):  # e.g. MusicGen's decoder-only config
+        cls = getattr(transformers, class_name).config_class
+    default = cls()
+    fields = default.to_dict()
+    if any(k in fields for k in ("vision_config", "audio_config", "text_config", "encoder")):
+        return None
+    kwargs = _shrink(fields)
+    for k, v in fields.items():  # sub-configs held as dicts (BLT's encoder/decoder/patcher)
+        if isinstance(v, dict) and any(f in v for f in SIZES[64]):
+            kwargs[k] = {**v, **_shrink(v)}
+    patches = PATCHES.get(model_type, {})
+    kwargs.update({k: v for k, v in patches.items() if "." not in k})
+    try:
+        config = cls(**kwargs)
+    except Exception:  # noqa: BLE001 - fall back to setting attributes after construction
+        config = cls()
+        for k, v in kwargs.items():
+            setattr(config, k, v)
+    for k, v in patches.items():
+        if "." in k:
+            sub, attr = k.split(".", 1)
+            setattr(getattr(config, sub), attr, v)
+    for k in ("use_cache",):
+        if hasattr(config, k):
+            setattr(config, k, False)
+    config._attn_implementation = "eager"
+    return config
+
+
+def build(model_type: str, class_name: str, device: str = "cpu"):
+    import torch
+    import transformers
+
+    config = tiny_config(model_type, class_name)
+    if config is None:
+        raise NotText("multimodal config (vision/audio/text sub-configs)")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = getattr(transformers, class_name)(config)
+    if hasattr(model, "set_default_language"):  # X-MOD routes through per-language adapters
+        model.set_default_language(next(iter(config.languages)))
+    return model.float().eval()
+
+
+class NotText(Exception):
+    """The architecture is not a text-only one."""
+
+
+def inputs(model, kind: str) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    emb = model.get_input_embeddings()
+    if isinstance(emb, torch.nn.ModuleList):  # one embedding per codebook (MusicGen)
+        emb = emb[0]
+    vocab = min(VOCAB, emb.num_embeddings)
+    rows = BATCH * getattr(model.config, "num_codebooks", 1)  # codebooks are stacked in the batch
+    ids = torch.randint(3, vocab, (rows, SEQ), generator=g)
+    out = {"input_ids": ids}
+    if kind == "seq2seq" or getattr(model.config, "is_encoder_decoder", False):
+        out["decoder_input_ids"] = ids[:, :5]
+    return out

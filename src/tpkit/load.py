@@ -18,15 +18,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Shard
 
 from tpkit.build import instantiate, model_class
-from tpkit.compat import StridedShard
 from tpkit.mesh import dist_env
 from tpkit.parallelize import TPOptions, apply_pending_fsdp, split
 from tpkit.plan.validate import checkpoint_problems
 from tpkit.safetensors_io import CheckpointIndex
-from tpkit.shards import local_ranges, param_owners, rank_device, set_local, tp_coords
+from tpkit.shards import param_owners, rank_device
+from tpkit.stream import move_buffers, stream_params
 
 __all__ = ["from_pretrained"]
 
@@ -91,8 +90,8 @@ def from_pretrained(
     else:
         model = split(model, device_ids, options)
         device = rank_device(model)
-        _move_buffers(model, device)
-        _stream_params(model, index, keys, dtype, device)
+        move_buffers(model, device)
+        stream_params(model, index, keys, device)
         how = "slices"
     if getattr(model, "_tpkit", None) is not None:
         model._tpkit.loaded_from = how
@@ -144,29 +143,3 @@ def _check_against_model(
             f"({type(model).__name__}):\n- " + "\n- ".join(problems[:10]) + more + "\nCheck "
             "that config.json belongs to these weights (vocab_size, hidden sizes, layers)."
         )
-
-
-def _move_buffers(model: nn.Module, device: torch.device) -> None:
-    for module in model.modules():
-        for name, b in module._buffers.items():
-            if b is not None and b.device != device:
-                module._buffers[name] = b.to(device)
-
-
-def _stream_params(model, index, keys, dtype, device) -> None:
-    from tqdm.auto import tqdm
-
-    groups = list(param_owners(model).values())
-    bar = tqdm(groups, desc="tpkit: loading shards", disable=dist_env().rank != 0, unit="tensor")
-    for owners in bar:
-        module, pname, full = owners[0]
-        p = module._parameters[pname]
-        placement, tp, rank = tp_coords(p)
-        dim = placement.dim if isinstance(placement, (Shard, StridedShard)) else 0
-        ranges = local_ranges(placement, p.shape[dim], tp, rank) if p.ndim else None
-        local = index.read(
-            keys[full], dim, ranges, dtype=p.dtype if p.is_floating_point() else None
-        )
-        new = set_local(module, pname, local.to(device))
-        for mod, name, _ in owners[1:]:
-            mod._parameters[name] = new

@@ -30,7 +30,16 @@ from tpkit.rng import install_region_rng
 from tpkit.sequence_parallel import SequenceParallel
 from tpkit.sizes import ParallelDims, launch_hint
 
-__all__ = ["TPOptions", "TPState", "apply_pending_fsdp", "split", "tensor_parallel", "tp_state"]
+__all__ = [
+    "SplitExtension",
+    "TPOptions",
+    "TPState",
+    "apply_pending_fsdp",
+    "register_split_extension",
+    "split",
+    "tensor_parallel",
+    "tp_state",
+]
 
 log = get_logger(__name__)
 
@@ -48,6 +57,28 @@ class TPState:
     pending_fsdp: tuple[torch.dtype | None] | None = None
     #: how the weights arrived: "" (the model's own), "slices" or "transformers" (from_pretrained)
     loaded_from: str = ""
+
+
+class SplitExtension:
+    """Something that takes part in every `split` without the core knowing it (quantized
+    weights, library integrations): ``prepare`` sees the model before its plan is derived and
+    returns what ``finish`` needs (None: nothing to do for this model); ``finish`` runs after
+    the styles are applied, before the guards. Both run on every rank alike."""
+
+    def prepare(self, model: nn.Module, options: TPOptions) -> Any:
+        return None
+
+    def finish(self, model: nn.Module, context: Any, tp_mesh: DeviceMesh) -> None:
+        """Complete the split (``context`` is what `prepare` returned, never None here)."""
+
+
+_EXTENSIONS: list[SplitExtension] = []
+
+
+def register_split_extension(extension: SplitExtension) -> None:
+    """Add ``extension`` to every later `split` (once; registering it again is a no-op)."""
+    if extension not in _EXTENSIONS:
+        _EXTENSIONS.append(extension)
 
 
 def tp_state(model: object) -> TPState | None:
@@ -174,6 +205,7 @@ def split(
     if dims.single_process:
         _log_single_process_once()
         return model.to(dims.device) if device_ids else model
+    contexts = [(e, c) for e in _EXTENSIONS if (c := e.prepare(model, o)) is not None]
     sharded = dims.dp > 1 if o.sharded is None else o.sharded
     the_plan = derive_plan(model, plan, dims.tp, o.example_inputs)
     validate(  # every check that can fail, before any collective, on every rank alike
@@ -205,6 +237,8 @@ def split(
         dp_size=dims.dp,
         pending_fsdp=(param_dtype,) if fsdp_later else None,
     )
+    for extension, context in contexts:
+        extension.finish(model, context, tp_mesh)
     if dims.tp > 1:  # guards
         install_generate_guard(model)
         install_input_checks(model, tp_mesh)

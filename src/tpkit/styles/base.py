@@ -89,9 +89,19 @@ def distribute_param(
     dt = distribute_tensor(
         param.detach(), mesh, [placement_for(layout)], src_data_rank=src_data_rank
     )
+    local = dt._local_tensor
+    if local.device.type != "meta" and layout.sharded and _shares_storage(local, param):
+        # a dim-0 chunk is a view of the whole weight, which would then stay alive: own copy
+        dt = DTensor.from_local(
+            local.clone(), mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride()
+        )
     new = nn.Parameter(dt, requires_grad=param.requires_grad)
     module.register_parameter(name, new)
     return new
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def first_tensor(args: tuple, kwargs: dict) -> tuple[str, Any] | None:

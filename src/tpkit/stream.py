@@ -1,0 +1,52 @@
+"""Streaming a rank's slices from safetensors files into its (meta) shards.
+
+Each parameter of a split model on the meta device gets a freshly allocated local shard holding
+exactly the byte ranges of its slice (`tpkit.safetensors_io` reads them; `tpkit.shards` says
+which ranges), converted to the parameter's dtype as it is read. Nothing else is read.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from tpkit.compat import StridedShard
+from tpkit.mesh import dist_env
+from tpkit.safetensors_io import CheckpointIndex
+from tpkit.shards import local_ranges, param_owners, set_local, tp_coords
+
+__all__ = ["move_buffers", "stream_params"]
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None and b.device != device:
+                module._buffers[name] = b.to(device)
+
+
+def stream_params(
+    model: nn.Module,
+    index: CheckpointIndex,
+    keys: dict[str, str | None],
+    device: torch.device,
+) -> None:
+    """Read each (tied) parameter's local slice from ``index`` into a fresh shard on ``device``,
+    in the parameter's dtype. ``keys``: first name of each parameter -> its checkpoint key."""
+    from tqdm.auto import tqdm
+
+    groups = list(param_owners(model).values())
+    bar = tqdm(groups, desc="tpkit: loading shards", disable=dist_env().rank != 0, unit="tensor")
+    for owners in bar:
+        module, pname, full = owners[0]
+        p = module._parameters[pname]
+        placement, tp, rank = tp_coords(p)
+        dim = placement.dim if isinstance(placement, (Shard, StridedShard)) else 0
+        ranges = local_ranges(placement, p.shape[dim], tp, rank) if p.ndim else None
+        local = index.read(
+            keys[full], dim, ranges, dtype=p.dtype if p.is_floating_point() else None
+        )
+        new = set_local(module, pname, local.to(device))
+        for mod, name, _ in owners[1:]:
+            mod._parameters[name] = new

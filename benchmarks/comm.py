@@ -25,6 +25,8 @@ def run(ctx, systems):
             if s.blocks is None:
                 raise RuntimeError("could not find the transformer blocks to attribute collectives")
             fwd, trn = CollectiveLog(), CollectiveLog()
+            with torch.no_grad():  # uncounted: one-time setup (tpkit's shm vote) stays out
+                s.model(input_ids=x[:, :1], use_cache=False)
             with torch.no_grad(), block_scope(s.blocks, fwd), s.count(fwd):
                 s.model(input_ids=x, use_cache=False)
             with block_scope(s.blocks, trn), s.count(trn):
@@ -96,8 +98,9 @@ SUITE = Suite(
     ],
     explain=(
         "Counted, not modelled: a TorchDispatchMode records every c10d op (direct "
-        "`dist.all_reduce`, as tpkit issues them) and functional collective (DTensor, as "
-        "transformers issues them); the tensor-parallel package's in-process AllReduce/AllGather "
+        "`dist.all_reduce`, as tpkit issues them with grad) and functional collective (DTensor, as "
+        "transformers issues them); tpkit's no-grad same-host shared-memory collectives, which "
+        "are not c10d ops, are counted through `tpkit.shm.observe_shm`; the tensor-parallel package's in-process AllReduce/AllGather "
         "are wrapped. Hooks on each decoder layer attribute calls to blocks. Bytes are what each "
         "rank sends with ring algorithms: all-reduce 2(t−1)/t·n, all-gather (t−1)·n_local, gloo's "
         "emulated reduce-scatter as an all-reduce. All-reduce equivalents: all-reduce 1, "

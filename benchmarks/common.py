@@ -99,9 +99,76 @@ def make_inputs(vocab: int, batch: int, seq: int, seed: int = 1) -> torch.Tensor
 # -- timing ---------------------------------------------------------------------------------------
 
 
+NOISE = (
+    "`IQR of rounds` is the interquartile range of the per-round ratios (each round runs every "
+    "system back to back); `vs transformers TP` says `better` or `worse` only when that whole "
+    "range lies on one side of 1.00, else `within noise`."
+)
+
+
+def round_ratios(a: list[float] | None, b: list[float] | None) -> list[float]:
+    """Per-round ratios a_i / b_i (the two systems of a round ran back to back)."""
+    return [x / y for x, y in zip(a or [], b or []) if y]
+
+
+def paired_ratio(a: list[float] | None, b: list[float] | None) -> float | None:
+    """Median of per-round ratios a_i / b_i. Systems of one round run back to back, so this
+    cancels the slow drifts of a shared machine better than a ratio of medians."""
+    rs = round_ratios(a, b)
+    return statistics.median(rs) if rs else None
+
+
+def ratio_spread(a: list[float] | None, b: list[float] | None) -> list[float] | None:
+    """The spread of the per-round ratios: their interquartile range ``[q1, q3]`` (inclusive
+    quartiles; min and max with 2 rounds), the figure that says whether a ratio is noise."""
+    rs = sorted(round_ratios(a, b))
+    if not rs:
+        return None
+    if len(rs) < 3:
+        return [rs[0], rs[-1]]
+    q = statistics.quantiles(rs, n=4, method="inclusive")
+    return [q[0], q[2]]
+
+
+def noise_verdict(spread: list[float] | None, pivot: float, below_is_good: bool) -> str:
+    """ "better" / "worse" than ``pivot`` when the whole spread lies on one side of it, else
+    "within noise": a ratio whose rounds straddle the line says nothing either way."""
+    if not spread:
+        return "—"
+    lo, hi = spread
+    if hi < pivot if below_is_good else lo > pivot:
+        return "better"
+    if lo > pivot if below_is_good else hi < pivot:
+        return "worse"
+    return "within noise"
+
+
+def goal_row(
+    goal: str,
+    dtype: str,
+    figure: float,
+    limit: float,
+    *,
+    below: bool = True,
+    spread: list[float] | None = None,
+) -> dict[str, Any]:
+    """One acceptance figure: ``met`` compares the median with the limit; with a ``spread`` (the
+    per-round IQR) ``verdict`` says "yes", "no" or "within noise" (the spread crosses the limit)."""
+    met = figure <= limit if below else figure >= limit
+    row = dict(
+        goal=goal, dtype=dtype, figure=figure, target=f"{'<=' if below else '>='} {limit:.2f}"
+    )
+    row["met"] = met
+    if spread is not None:
+        v = noise_verdict(spread, limit, below)
+        row["spread"] = spread
+        row["verdict"] = {"better": "yes", "worse": "no"}.get(v, v)
+    return row
+
+
 def time_goals(rows: list[dict[str, Any]], what: str) -> list[dict[str, Any]]:
     """The two timing goals of a suite: tpkit ÷ transformers TP at tp=2 (≤ 0.90) and tpkit at
-    tp=1 ÷ unsharded (≤ 1.02), one row per dtype measured."""
+    tp=1 ÷ unsharded (≤ 1.02), one row per dtype measured, each with its per-round spread."""
     out = []
     for r in rows:
         if r["system"] != "tpkit" or r["status"] != "ok":
@@ -116,15 +183,7 @@ def time_goals(rows: list[dict[str, Any]], what: str) -> list[dict[str, Any]]:
             goal, key, limit = f"{what} overhead, tpkit tp=1 / unsharded", "vs_plain", 1.02
         else:
             continue
-        out.append(
-            dict(
-                goal=goal,
-                dtype=r["dtype"],
-                figure=r[key],
-                target=f"<= {limit:.2f}",
-                met=r[key] <= limit,
-            )
-        )
+        out.append(goal_row(goal, r["dtype"], r[key], limit, spread=r.get(key + "_iqr")))
     return out
 
 
@@ -132,12 +191,18 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def paired_ratio(a: list[float] | None, b: list[float] | None) -> float | None:
-    """Median of per-round ratios a_i / b_i. Systems of one round run back to back, so this
-    cancels the slow drifts of a shared machine better than a ratio of medians."""
-    if not a or not b:
-        return None
-    return statistics.median(x / y for x, y in zip(a, b) if y)
+def timing_figures(times: dict[str, list[float]], name: str) -> dict[str, Any]:
+    """The ratio figures of system ``name`` against the unsharded model and transformers' TP:
+    paired medians, their per-round IQR and whether each is within noise of 1."""
+    t = times[name]
+    out: dict[str, Any] = {}
+    for other, key in (("plain", "vs_plain"), ("transformers", "vs_transformers")):
+        out[key] = paired_ratio(t, times.get(other))
+        out[key + "_iqr"] = ratio_spread(t, times.get(other)) if other != name else None
+        out[key + "_verdict"] = noise_verdict(out[key + "_iqr"], 1.0, below_is_good=True)
+    best = min(times.get("transformers") or [0])
+    out["vs_transformers_min"] = min(t) / best if best else None
+    return out
 
 
 def time_interleaved(

@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 
 from benchmarks.common import (
+    NOISE,
     error_text,
     make_inputs,
     median,
-    paired_ratio,
     time_goals,
     time_interleaved,
+    timing_figures,
 )
-from benchmarks.suites import Suite, failed_rows, ok, ratio
+from benchmarks.suites import Suite, failed_rows, ok
 
 
 def run(ctx, systems):
@@ -40,9 +41,7 @@ def run(ctx, systems):
                 "median_ms": med[name] * 1e3,
                 "min_ms": min(t) * 1e3,
                 "tokens_per_s": tokens / med[name],
-                "vs_plain": paired_ratio(t, times.get("plain")),
-                "vs_transformers": paired_ratio(t, times.get("transformers")),
-                "vs_transformers_min": ratio(min(t), min(times.get("transformers", [0]) or [0])),
+                **timing_figures(times, name),
                 "max_abs_diff": diff,
                 "repeats": len(t),
                 "note": getattr(ok(systems).get(name), "note", ""),
@@ -66,13 +65,17 @@ SUITE = Suite(
         ("tokens_per_s", "tokens/s", "int"),
         ("vs_plain", "÷ unsharded", "x"),
         ("vs_transformers", "÷ transformers TP", "x"),
+        ("vs_transformers_iqr", "÷ transformers TP, IQR of rounds", "range"),
+        ("vs_transformers_verdict", "vs transformers TP", "str"),
         ("vs_transformers_min", "÷ transformers TP (min)", "x"),
         ("max_abs_diff", "max |Δlogits| vs unsharded", "e"),
     ],
     explain=(
         "Median wall time of one forward over batch × seq tokens (`use_cache=False`, no grad), "
         "the slowest rank's, systems interleaved round by round after warm-up. Ratios are medians "
-        "of per-round ratios within one run (`(min)`: ratio of best times): < 1 means faster. At tp=2 the unsharded model runs a full "
-        "copy on each rank at once (one core each), so `÷ unsharded` is the TP speed-up's inverse."
+        "of per-round ratios within one run (`(min)`: ratio of best times): < 1 means faster. "
+        + NOISE
+        + " At tp=2 the unsharded model runs a full copy on each rank at once (one core each), so "
+        "`÷ unsharded` is the TP speed-up's inverse."
     ),
 )

@@ -12,7 +12,7 @@ import torch
 from benchmarks.common import make_inputs, param_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
 from benchmarks.memory import MIB, _gather_max, warm_up
 from benchmarks.suites import Suite
-from benchmarks.systems import _system, load_plain, load_transformers
+from benchmarks.systems import load_plain, load_transformers, tpkit_system
 
 
 def available() -> str | None:
@@ -25,7 +25,7 @@ def _load_tpkit(ctx, path):
     import tpkit
 
     model = tpkit.from_pretrained(str(path), dtype=ctx.dtype).eval()
-    return _system("tpkit", model, ctx, "tpkit.from_pretrained (straight into shards)")
+    return tpkit_system(model, ctx, "tpkit.from_pretrained (straight into shards)")
 
 
 def run(ctx, name, path):

@@ -20,6 +20,8 @@ def fmt(value: Any, kind: str) -> str:
         return "yes" if value else "**no**"
     if kind == "str":
         return str(value)
+    if kind == "range":
+        return f"{value[0]:.2f}–{value[1]:.2f}"
     v = float(value)
     return {
         "ms": f"{v:.1f}",
@@ -33,7 +35,8 @@ def fmt(value: Any, kind: str) -> str:
 
 
 def _order(row: dict[str, Any]) -> tuple:
-    sys_rank = ALL_SYSTEMS.index(row["system"]) if row["system"] in ALL_SYSTEMS else 99
+    order = [*ALL_SYSTEMS[:2], "tpkit_gloo", *ALL_SYSTEMS[2:]]
+    sys_rank = order.index(row["system"]) if row["system"] in order else 99
     return (row["dtype"], row["tp"], sys_rank)
 
 
@@ -97,13 +100,19 @@ def suite_markdown(suite, rows, meta) -> str:
 def goals_table(goals: list[dict[str, Any]]) -> str:
     if not goals:
         return "_No goal figures in this run._"
-    lines = ["| goal | dtype | figure | target | met |", "|---|---|---|---|---|"]
+    lines = [
+        "| goal | dtype | figure | IQR of rounds | target | met |",
+        "|---|---|---|---|---|---|",
+    ]
     for g in goals:
         fig = "—" if g["figure"] is None else f"{g['figure']:.3g}"
-        lines.append(
-            f"| {g['goal']} | {g['dtype']} | {fig} | {g['target']} | "
-            f"{'yes' if g['met'] else '**no**'} |"
-        )
+        spread = fmt(g["spread"], "range") if g.get("spread") else "—"
+        met = g.get("verdict") or ("yes" if g["met"] else "no")
+        met = {
+            "no": "**no**",
+            "within noise": f"within noise ({'yes' if g['met'] else 'no'} at the median)",
+        }.get(met, met)
+        lines.append(f"| {g['goal']} | {g['dtype']} | {fig} | {spread} | {g['target']} | {met} |")
     return "\n".join(lines)
 
 
@@ -125,6 +134,8 @@ def write_all(out: Path, suites, results: dict[str, list], meta: dict[str, Any],
             machine_line(meta),
             settings_line(meta),
             "### Goals (tp=2 unless stated; ratios measured within one run)",
+            "`within noise`: the interquartile range of the per-round ratios crosses the target, "
+            "so this run cannot say; counted figures (collectives, bytes, RSS) have no spread.",
             goals_table(goals),
             *sections,
         ]

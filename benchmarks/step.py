@@ -5,14 +5,15 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 from benchmarks.common import (
+    NOISE,
     error_text,
     make_inputs,
     median,
-    paired_ratio,
     time_goals,
     time_interleaved,
+    timing_figures,
 )
-from benchmarks.suites import Suite, failed_rows, ok, ratio
+from benchmarks.suites import Suite, failed_rows, ok
 from benchmarks.systems import training
 
 
@@ -38,9 +39,7 @@ def run(ctx, systems):
                 "median_ms": med[name] * 1e3,
                 "min_ms": min(t) * 1e3,
                 "tokens_per_s": x.numel() / med[name],
-                "vs_plain": paired_ratio(t, times.get("plain")),
-                "vs_transformers": paired_ratio(t, times.get("transformers")),
-                "vs_transformers_min": ratio(min(t), min(times.get("transformers", [0]) or [0])),
+                **timing_figures(times, name),
                 "loss": states[name].get("loss"),
                 "repeats": len(t),
             }
@@ -63,6 +62,8 @@ SUITE = Suite(
         ("tokens_per_s", "tokens/s", "int"),
         ("vs_plain", "÷ unsharded", "x"),
         ("vs_transformers", "÷ transformers TP", "x"),
+        ("vs_transformers_iqr", "÷ transformers TP, IQR of rounds", "range"),
+        ("vs_transformers_verdict", "vs transformers TP", "str"),
         ("vs_transformers_min", "÷ transformers TP (min)", "x"),
         ("loss", "loss after", "f3"),
     ],
@@ -70,6 +71,6 @@ SUITE = Suite(
         "Median wall time of `zero_grad(); model(input_ids=x, labels=x).loss.backward(); "
         "AdamW.step()` on batch × seq tokens, systems interleaved; the first step (which allocates "
         "the optimizer state) is not timed. Every system starts from the same weights and sees "
-        "the same batch, so `loss after` should agree across systems."
+        "the same batch, so `loss after` should agree across systems. " + NOISE
     ),
 )

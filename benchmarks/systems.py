@@ -28,6 +28,7 @@ LABELS = {
     "tpkit": "tpkit",
     "transformers": "transformers TP",
     "tensor_parallel": "tensor-parallel 2.0.0",
+    "tpkit_gloo": "tpkit, shm off",
 }
 
 
@@ -84,12 +85,28 @@ def load_plain(ctx: Ctx, path: Path) -> System:
     return _system("plain", _load_hf(path, ctx.dtype), ctx, note)
 
 
+@contextlib.contextmanager
+def count_tpkit(log: CollectiveLog):
+    """c10d ops as every system's, plus tpkit's same-host shared-memory collectives (which are not
+    c10d ops: `tpkit.shm` reports them to observers instead)."""
+    from tpkit.shm import observe_shm
+
+    with CountCollectives(log), observe_shm(log.record):
+        yield
+
+
+def tpkit_system(model: nn.Module, ctx: Ctx, note: str = "") -> System:
+    system = _system("tpkit", model, ctx, note)
+    system.count = count_tpkit
+    return system
+
+
 def load_tpkit(ctx: Ctx, path: Path) -> System:
     import tpkit
 
     model = tpkit.tensor_parallel(_load_hf(path, ctx.dtype))
     note = "tensor_parallel() returns the model unchanged at world size 1" if ctx.tp == 1 else ""
-    return _system("tpkit", model, ctx, note)
+    return tpkit_system(model, ctx, note)
 
 
 def load_transformers(ctx: Ctx, path: Path) -> System:

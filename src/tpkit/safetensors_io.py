@@ -3,8 +3,10 @@
 safetensors' ``safe_open(...).get_slice`` memory-maps the file: a slice along any dimension but
 the first faults in every page of the source tensor, and file-backed pages count in the process's
 RSS (PEERS.md: transformers' TP peaks at 0.82x a full load per rank at tp=2 for that reason).
-This reader parses the header itself and ``pread``s only the byte ranges of the slice, in blocks of
-at most ``BLOCK_BYTES``, so the peak is the shard plus one block.
+This reader parses the header itself and ``pread``s only the byte ranges of the slice, straight
+into the destination shard where it can (a CPU tensor of the stored dtype) and otherwise through one
+reusable buffer of at most ``BLOCK_BYTES`` (strided slices, dtype conversion, GPU shards), so the
+peak is the shard plus one block, never a temporary copy of the tensor.
 """
 
 from __future__ import annotations
@@ -173,8 +175,8 @@ class CheckpointIndex:
                 f"No safetensors checkpoint in {path} (tpkit loads safetensors only, never pickle)."
             )
         self.entries: dict[str, Entry] = {}
-        # one reusable read buffer: allocating and freeing a block per tensor fragments the heap
-        # (glibc raises its mmap threshold after the first free) and leaves RSS tens of MiB high
+        # one reusable read buffer, grown to at most BLOCK_BYTES: allocating and freeing a block
+        # per tensor fragments the heap (glibc raises its mmap threshold after the first free)
         self._scratch = torch.empty(0, dtype=torch.uint8)
         for f in files:
             self.entries.update(_read_header(str(f)))
@@ -191,10 +193,23 @@ class CheckpointIndex:
     def keys(self):
         return self.entries.keys()
 
-    def _block(self, nbytes: int, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+    def local_shape(
+        self, key: str, dim: int = 0, ranges: list[tuple[int, int]] | None = None
+    ) -> tuple[int, ...]:
+        """The shape `read` returns for these ``ranges`` along ``dim`` of ``key``."""
+        e = self.entries[key]
+        if not e.shape:
+            return ()
+        picked = sum(b - a for a, b in ranges) if ranges else e.shape[dim]
+        return (*e.shape[:dim], picked, *e.shape[dim + 1 :])
+
+    def _block(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` (<= BLOCK_BYTES) of the reusable buffer, grown in powers of two."""
         if self._scratch.numel() < nbytes:
-            self._scratch = torch.empty(max(nbytes, BLOCK_BYTES), dtype=torch.uint8)
-        return self._scratch[:nbytes].view(dtype).view(shape)
+            size = min(BLOCK_BYTES, 1 << max(16, (nbytes - 1).bit_length()))
+            self._scratch = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self._scratch = torch.empty(max(size, nbytes), dtype=torch.uint8)
+        return self._scratch[:nbytes]
 
     def read(
         self,
@@ -206,48 +221,87 @@ class CheckpointIndex:
     ) -> torch.Tensor:
         """Rows ``ranges`` (half-open, concatenated) along ``dim`` of tensor ``key``.
 
-        The result is written into ``out`` (any device) when given, converted to ``dtype``.
+        Read straight into ``out`` (any device, any dtype: converted as it is read; shape
+        `local_shape`) when given, else into a fresh tensor of ``dtype`` (default: the stored
+        one). Nothing the size of the tensor is allocated besides the result: contiguous byte
+        ranges are ``pread`` into it directly when it is a CPU tensor of the stored dtype, and
+        everything else goes through one reusable buffer of at most ``BLOCK_BYTES``.
         """
         e = self.entries[key]
-        shape = e.shape or (1,)
-        ranges = ranges or [(0, shape[dim])]
-        esize = torch.empty((), dtype=e.dtype).element_size()
-        outer = math.prod(shape[:dim])
-        inner = math.prod(shape[dim + 1 :])
-        size = shape[dim]
-        picked = sum(b - a for a, b in ranges)
-        local_shape = (*shape[:dim], picked, *shape[dim + 1 :])
-        result = torch.empty(local_shape, dtype=e.dtype)
-        flat = result.view(outer, picked * inner)
-        row_bytes = size * inner * esize
-        rows_per_block = max(1, BLOCK_BYTES // max(1, row_bytes))
+        shape = self.local_shape(key, dim, ranges)
+        if out is None:
+            out = torch.empty(shape, dtype=dtype or e.dtype)
+        elif tuple(out.shape) != shape:
+            raise ValueError(f"read({key!r}): out has shape {tuple(out.shape)}, not {shape}")
+        if out.numel() == 0:
+            return out
+        if not out.is_contiguous():  # rare: through a contiguous copy
+            out.copy_(self.read(key, dim, ranges, dtype=out.dtype))
+            return out
+        full = e.shape or (1,)
+        ranges = ranges or [(0, full[dim])]
+        outer, inner = math.prod(full[:dim]), math.prod(full[dim + 1 :])
         fd = os.open(e.file, os.O_RDONLY)
         try:
-            if len(ranges) == 1 and outer == 1:
-                a, b = ranges[0]
-                _pread_into(
-                    fd, flat.view(-1), e.offset + a * inner * esize, (b - a) * inner * esize
-                )
-            else:
-                for o0 in range(0, outer, rows_per_block):
-                    o1 = min(outer, o0 + rows_per_block)
-                    block = self._block((o1 - o0) * row_bytes, e.dtype, (o1 - o0, size * inner))
-                    _pread_into(
-                        fd, block.view(-1), e.offset + o0 * row_bytes, (o1 - o0) * row_bytes
-                    )
-                    col = 0
-                    for a, b in ranges:
-                        w = (b - a) * inner
-                        flat[o0:o1, col : col + w] = block[:, a * inner : b * inner]
-                        col += w
+            _Reader(self, fd, e).fill(out.view(outer, -1), full[dim], inner, ranges)
         finally:
             os.close(fd)
-        if not e.shape:
-            result = result.reshape(())
-        if out is not None:
-            out.copy_(result)
-            return out
-        return result.to(dtype) if dtype is not None and dtype != e.dtype else result
+        return out
+
+
+class _Reader:
+    """One tensor's reads: spans of the file into a destination, directly or block by block."""
+
+    def __init__(self, index: CheckpointIndex, fd: int, entry: Entry):
+        self.index, self.fd, self.e = index, fd, entry
+        self.esize = torch.empty((), dtype=entry.dtype).element_size()
+
+    def fill(self, flat: torch.Tensor, size: int, inner: int, ranges) -> None:
+        """``flat`` (outer x picked*inner) from the rows ``ranges`` of a (outer, size, inner)
+        tensor: whole contiguous runs as spans, strided ones by blocks of whole rows."""
+        outer, row = flat.shape[0], size * inner * self.esize
+        if ranges == [(0, size)]:  # the whole tensor: one run of bytes
+            self.span(0, flat.view(-1))
+            return
+        if outer == 1:  # slices of the first dim: one run of bytes each
+            col = 0
+            for a, b in ranges:
+                w = (b - a) * inner
+                self.span(a * inner * self.esize, flat[0, col : col + w])
+                col += w
+            return
+        if row > BLOCK_BYTES:  # rows too long for a block: each (row, range) is its own span
+            for o in range(outer):
+                col = 0
+                for a, b in ranges:
+                    w = (b - a) * inner
+                    self.span(o * row + a * inner * self.esize, flat[o, col : col + w])
+                    col += w
+            return
+        step = max(1, BLOCK_BYTES // row)
+        for o0 in range(0, outer, step):
+            o1 = min(outer, o0 + step)
+            block = self.index._block((o1 - o0) * row)
+            _pread_into(self.fd, block, self.e.offset + o0 * row, (o1 - o0) * row)
+            block = block.view(self.e.dtype).view(o1 - o0, size * inner)
+            col = 0
+            for a, b in ranges:
+                w = (b - a) * inner
+                flat[o0:o1, col : col + w].copy_(block[:, a * inner : b * inner])
+                col += w
+
+    def span(self, at: int, dst: torch.Tensor) -> None:
+        """The file's bytes from ``at`` (relative to the tensor) into 1-D contiguous ``dst``."""
+        nbytes = dst.numel() * self.esize
+        if dst.device.type == "cpu" and dst.dtype == self.e.dtype:
+            _pread_into(self.fd, dst, self.e.offset + at, nbytes)
+            return
+        per = max(1, BLOCK_BYTES // self.esize)  # elements per block
+        for i in range(0, dst.numel(), per):
+            n = min(per, dst.numel() - i)
+            block = self.index._block(n * self.esize)
+            _pread_into(self.fd, block, self.e.offset + at + i * self.esize, n * self.esize)
+            dst[i : i + n].copy_(block.view(self.e.dtype))
 
 
 def _weight_map(index: Path) -> dict[str, str]:

@@ -1,8 +1,10 @@
 """Streaming a rank's slices from safetensors files into its (meta) shards.
 
-Each parameter of a split model on the meta device gets a freshly allocated local shard holding
-exactly the byte ranges of its slice (`tpkit.safetensors_io` reads them; `tpkit.shards` says
-which ranges), converted to the parameter's dtype as it is read. Nothing else is read.
+Each parameter of a split model on the meta device gets a freshly allocated local shard on its
+device, and the byte ranges of its slice are read straight into it (`tpkit.safetensors_io` reads
+them; `tpkit.shards` says which ranges), converted to the parameter's dtype as they are read.
+Nothing else is read and nothing the size of a tensor is allocated besides the shard, so a rank's
+peak is its shards plus one read block.
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ def stream_params(
         placement, tp, rank = tp_coords(p)
         dim = placement.dim if isinstance(placement, (Shard, StridedShard)) else 0
         ranges = local_ranges(placement, p.shape[dim], tp, rank) if p.ndim else None
-        local = index.read(
-            keys[full], dim, ranges, dtype=p.dtype if p.is_floating_point() else None
-        )
-        new = set_local(module, pname, local.to(device))
+        key = keys[full]
+        dtype = p.dtype if p.is_floating_point() else index.entries[key].dtype
+        local = torch.empty(index.local_shape(key, dim, ranges), dtype=dtype, device=device)
+        index.read(key, dim, ranges, out=local)
+        new = set_local(module, pname, local)
         for mod, name, _ in owners[1:]:
             mod._parameters[name] = new

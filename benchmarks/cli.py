@@ -315,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     train_meta = {"preset": args.train_size if args.train_size != "same" else args.size}
     train_meta["n_params"] = train_spec["n_params"]
     for n in launched:  # the suite picks its runs and their world sizes (train: dp x tp)
+        model_spec = train_spec if suites[n].train_model else base_spec
         for dtype in args.isolated_dtype:
-            spec = {**train_spec, "dtype": dtype, "suites": [n], "isolated": True}
+            spec = {**model_spec, "dtype": dtype, "suites": [n], "isolated": True}
             for run_name, nproc in suites[n].launches(spec):
                 try:
                     collect(
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": settings,
         "wall_s": round(time.perf_counter() - t_start),
     }
-    if launched:
+    if any(suites[n].train_model for n in launched):
         meta["train_model"] = train_meta
     summary = report.write_all(args.out, suites, results, meta, skipped)
     if not args.no_readme and args.out.resolve() == DEFAULT_OUT:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import (
+    goal_row,
     make_inputs,
     param_bytes,
     peak_rss_bytes,
@@ -24,7 +25,7 @@ from benchmarks.systems import LOADERS, training
 MIB = 2**20
 
 
-def _gather_max(values: dict[str, float]) -> tuple[dict[str, float], list[dict[str, float]]]:
+def gather_max(values: dict[str, float]) -> tuple[dict[str, float], list[dict[str, float]]]:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         per_rank: list = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, values)
@@ -70,7 +71,7 @@ def measure(ctx, name, build, path, note=""):
     with training(system) as (step, _):
         step(x)
         figures["step_peak_mib"] = (peak_rss_bytes() - base) / MIB
-    worst, per_rank = _gather_max(figures)
+    worst, per_rank = gather_max(figures)
     full = ctx.spec["n_params"] * torch.empty((), dtype=ctx.dtype).element_size() / MIB
     return [
         {
@@ -89,11 +90,27 @@ def run(ctx, name, path):
     return measure(ctx, name, lambda p: LOADERS[name](ctx, p), path)
 
 
+def goals(rows):
+    """After ``tensor_parallel`` of a loaded model a rank should hold about its shards: RSS after
+    setup ≤ 0.55 × the full model's parameter bytes at tp=2."""
+    return [
+        goal_row(
+            "RSS/rank after tensor_parallel(loaded model) ÷ full model, tpkit tp=2",
+            r["dtype"],
+            r["steady_mib"] / (r["param_mib"] / r["param_fraction"]),
+            0.55,
+        )
+        for r in rows
+        if r["system"] == "tpkit" and r["tp"] == 2 and r["status"] == "ok" and r["param_fraction"]
+    ]
+
+
 SUITE = Suite(
     name="memory",
     title="Parameter bytes and peak RSS per rank",
     run=run,
     isolated=True,
+    goals=goals,
     columns=[
         ("param_mib", "params MiB/rank", "f1"),
         ("param_fraction", "÷ full model", "x"),

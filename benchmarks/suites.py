@@ -40,6 +40,7 @@ class Suite:
     # (name, ranks) of each run for suites that choose their own worlds; see the docstring
     launches: Callable[[dict[str, Any]], list[tuple[str, int]]] | None = None
     finish: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
+    train_model: bool = False  # launched runs use the --train-size preset, not --size
 
 
 _MODULES = ("forward", "step", "generate", "comm", "memory", "load", "train")

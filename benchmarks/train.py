@@ -250,6 +250,7 @@ SUITE = Suite(
     package=False,
     launches=launches,
     finish=finish,
+    train_model=True,
     goals=goals,
     columns=[
         ("layout", "layout", "str"),

@@ -42,7 +42,12 @@ def check_same_tokens_on_and_off(name: str) -> dict:
     finally:
         shm.set_shm_enabled(previous)
     after_off = shm.shm_counts()
+    with torch.no_grad():
+        logits = model(input_ids=prompt).logits
+    with torch.inference_mode():
+        inference = model(input_ids=prompt).logits
     return {
+        "inference_mode": torch.equal(logits, inference),
         "fast": shm.prepare_shm(group),
         "equal_on_off": torch.equal(on, off),
         "equal_ref": torch.equal(on, _greedy(ref, prompt)),
@@ -56,7 +61,7 @@ def test_greedy_tokens_are_the_same_with_shared_memory_on_and_off(ranks2):
     for name in ("llama", "gpt2"):
         for r in ranks2.run(check_same_tokens_on_and_off, name):
             assert r["fast"], r  # one host, gloo: the default takes the fast path
-            assert r["equal_on_off"] and r["equal_ref"], (name, r)
+            assert r["equal_on_off"] and r["equal_ref"] and r["inference_mode"], (name, r)
             assert r["on_calls"] > 0 and r["off_calls"] == 0, (name, r)
 
 

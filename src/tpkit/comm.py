@@ -1,8 +1,9 @@
 """Megatron's communication primitives as tiny autograd functions on local tensors.
 
 torch's DTensor styles issue the same collectives through per-op dispatch; these do it once per
-layer on plain tensors, which is what makes no-grad decode cheap (no DTensor dispatch per op) and
-keeps a block at exactly two all-reduces forward and two backward.
+layer on plain tensors (no DTensor dispatch per op) and keep a block at exactly two all-reduces
+forward and two backward. That alone does not make CPU decode fast: a decode step is then bound by
+gloo's ~1 ms per small collective, which the shared-memory path below removes.
 
 - ``copy_to_tp`` (Megatron's *f*): identity forward, all-reduce backward. Put before a
   column-parallel layer: each rank's input gradient is a partial sum over its columns.

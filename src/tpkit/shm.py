@@ -196,7 +196,11 @@ def prepare_shm(group: ProcessGroup | None) -> bool:
 
 def _shm_channel(group: ProcessGroup | None) -> ShmChannel | None:
     """The group's channel, or None for gloo: decided once, by every rank together."""
+    if not dist.is_initialized():
+        return None
     key = group if group is not None else dist.group.WORLD
+    if not isinstance(key, dist.ProcessGroup):  # not a group: let torch.distributed say so
+        return None
     try:
         return _SHM_CHANNELS[key]
     except KeyError:

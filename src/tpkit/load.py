@@ -23,6 +23,7 @@ from tpkit.build import instantiate, model_class
 from tpkit.mesh import dist_env
 from tpkit.parallelize import TPOptions, apply_pending_fsdp, split
 from tpkit.plan.validate import checkpoint_problems
+from tpkit.quant import QuantizedLoad
 from tpkit.safetensors_io import CheckpointIndex
 from tpkit.shards import param_owners, rank_device
 from tpkit.stream import move_buffers, stream_params
@@ -54,6 +55,7 @@ def from_pretrained(
     model_cls: type | str | None = None,
     device_ids: Sequence | None = None,
     config_kwargs: Mapping[str, Any] | None = None,
+    quantization_config: Any = None,
     **tp_options: Any,
 ) -> nn.Module:
     """Build ``model_cls`` from ``path``'s config on meta, shard it, then read each rank's slices.
@@ -65,6 +67,8 @@ def from_pretrained(
     ``tp_options`` are `tensor_parallel`'s (``tp_size``, ``dp_size``, ``plan``, ``sharded``, ...);
     FSDP2 (``sharded``, default on when dp_size > 1) is applied after the weights are in.
     ``config_kwargs`` go to ``AutoConfig.from_pretrained`` (``revision``, ``trust_remote_code``).
+    ``quantization_config`` (a ``BitsAndBytesConfig``): each rank quantizes its own slices of the
+    linears as they are read (`tpkit.quant`).
     """
     import transformers
     from accelerate import init_empty_weights
@@ -85,12 +89,19 @@ def from_pretrained(
     unmapped = [n for n, k in keys.items() if k is None]
     if unmapped:
         _warn_full_load(unmapped, path)
+        if quantization_config is not None:
+            kwargs["quantization_config"] = quantization_config  # sliced by tpkit.quant
         model = split(cls.from_pretrained(str(path), dtype=dtype, **kwargs), device_ids, options)
         how = "transformers"
     else:
+        quant = None
+        if quantization_config is not None:  # its refusals, before any collective
+            quant = QuantizedLoad(model, quantization_config, options, device_ids)
         model = split(model, device_ids, options)
         device = rank_device(model)
         move_buffers(model, device)
+        if quant is not None:
+            quant.stream(model, index, keys, device)
         stream_params(model, index, keys, device)
         how = "slices"
     if getattr(model, "_tpkit", None) is not None:

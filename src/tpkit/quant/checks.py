@@ -1,0 +1,84 @@
+"""Can each quantized linear be split as the plan says? Decided before any collective.
+
+The plan is derived here the way ``tensor_parallel`` will derive it (pure, on every rank alike),
+and each quantized linear's split is checked against its format: a 4-bit weight splits only
+where its blocks of 64 input features do not straddle two ranks, and only along the output or
+input features (not by a vocabulary or a style's own entries). A refusal names the module, the
+numbers and the fixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from tpkit.plan import Plan, derive_plan, param_layout, style_spec
+from tpkit.shards import local_ranges
+from tpkit.sizes import ParallelDims
+from tpkit.styles import placement_for
+
+__all__ = ["check_splits", "derive_for", "tp_of"]
+
+
+def tp_of(options: Any, device_ids: Sequence | None = None) -> int:
+    """The tp size ``options`` (`tpkit.parallelize.TPOptions`) resolve to in this run."""
+    dims = ParallelDims.resolve(
+        options.tp_size, options.dp_size, mesh=options.mesh, device_ids=device_ids
+    )
+    return dims.tp
+
+
+def derive_for(model: nn.Module, options: Any, tp: int) -> Plan:
+    """The plan ``split`` will derive for ``model`` with ``options`` (pure)."""
+    return derive_plan(model, options.plan, tp, options.example_inputs)
+
+
+def check_splits(
+    model: nn.Module, plan: Plan, tp: int, targets: Mapping[str, tuple[str, int]]
+) -> None:
+    """ValueError listing every quantized linear ``plan`` would split in a way its format
+    cannot follow. ``targets``: module name -> (kind, blocksize; 0 for int8)."""
+    modules = dict(model.named_modules())
+    styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
+    params = {t.name for t in plan.resolve(model) if t.kind == "param"}
+    problems = []
+    for name, (kind, blocksize) in targets.items():
+        if f"{name}.weight" in params or f"{name}.bias" in params:
+            problems.append(f"{name}: a plan entry names its parameters; name the module instead.")
+            continue
+        style = styles.get(name, "replicate")
+        problem = _problem(name, modules[name], style, tp, kind, blocksize)
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise ValueError(
+            f"Quantized layers cannot be split at tp={tp} as planned:\n- "
+            + "\n- ".join(problems)
+            + "\nLeave such a layer whole (plan={'<name>': 'replicate'}), keep it in floating "
+            "point (BitsAndBytesConfig(llm_int8_skip_modules=[...])), or pick a tp size whose "
+            "slices are whole blocks."
+        )
+
+
+def _problem(name: str, module: nn.Module, style: str, tp: int, kind: str, bs: int) -> str:
+    spec = style_spec(style)
+    if spec.shard not in ("out", "in", None) or spec.own_entries:
+        return f"{name}: a '{style}' split is not one of the output or input features."
+    layout = param_layout(style, "weight", 2, module)
+    in_f = module.in_features
+    if bs and in_f % bs:
+        return f"{name}: {in_f} input features are not whole {kind} blocks of {bs}."
+    if not layout.sharded or layout.dim == 0 or not bs:
+        return ""
+    placement = placement_for(layout)
+    for rank in range(tp):
+        for a, b in local_ranges(placement, in_f, tp, rank):
+            if a % bs or b % bs:
+                return (
+                    f"{name}: row-parallel ('{style}') at tp={tp} gives rank {rank} input "
+                    f"features [{a}, {b}) of {in_f}: {b - a} is not a multiple of the {kind} "
+                    f"block size {bs} (the {in_f // bs} blocks of a row would straddle ranks)."
+                )
+    return ""

@@ -289,6 +289,20 @@ def check_refusals(aligned: str, misaligned: str) -> dict:
         ref = single(misaligned, nf4())
         messages["restored"] = rel(bnb_model(inputs()).logits, ref(inputs()).logits) == 0.0
     messages["collectives"] = calls
+    # the fixes the message names work: the layer kept in float, or its group left whole
+    skip = nf4(llm_int8_skip_modules=["down_proj", "lm_head"])
+    fixes = [
+        tpkit.from_pretrained(misaligned, tp_size=2, quantization_config=skip),
+        tpkit.from_pretrained(
+            misaligned,
+            tp_size=2,
+            quantization_config=nf4(),
+            plan={"model.layers.*.mlp.*": "replicate"},
+        ),
+    ]
+    with torch.no_grad():
+        want = [single(misaligned, skip)(inputs()).logits, ref(inputs()).logits]
+        messages["fixes"] = [rel(m(inputs()).logits, w) for m, w in zip(fixes, want)]
     return messages
 
 
@@ -334,7 +348,9 @@ def test_refusals(ranks2, tiny):
         for key in ("misaligned", "misaligned_tp"):
             msg = r[key]
             assert "down_proj" in msg and "96" in msg and "64" in msg, msg
-            assert "replicate" in msg and "llm_int8_skip_modules" in msg, msg
+            assert "llm_int8_skip_modules=['down_proj', 'lm_head']" in msg, msg
+            assert "plan={'model.layers.*.mlp.*': 'replicate'}" in msg, msg
         assert "gptq" in r["scheme"], r
         assert r["restored"], r
         assert r["collectives"] == [], r
+        assert max(r["fixes"]) <= 1e-5, r

@@ -9,12 +9,14 @@ numbers and the fixes.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
 from tpkit.plan import Plan, derive_plan, param_layout, style_spec
+from tpkit.quant.scheme import default_skip
 from tpkit.shards import local_ranges
 from tpkit.sizes import ParallelDims
 from tpkit.styles import placement_for
@@ -46,20 +48,31 @@ def check_splits(
     problems = []
     for name, (kind, blocksize) in targets.items():
         if f"{name}.weight" in params or f"{name}.bias" in params:
-            problems.append(f"{name}: a plan entry names its parameters; name the module instead.")
+            problems.append((f"{name}: a plan entry names its parameters; name the module.", name))
             continue
         style = styles.get(name, "replicate")
         problem = _problem(name, modules[name], style, tp, kind, blocksize)
         if problem:
-            problems.append(problem)
+            problems.append((problem, name))
     if problems:
         raise ValueError(
             f"Quantized layers cannot be split at tp={tp} as planned:\n- "
-            + "\n- ".join(problems)
-            + "\nLeave such a layer whole (plan={'<name>': 'replicate'}), keep it in floating "
-            "point (BitsAndBytesConfig(llm_int8_skip_modules=[...])), or pick a tp size whose "
-            "slices are whole blocks."
+            + "\n- ".join(p for p, _ in problems)
+            + "\n"
+            + _fixes(model, problems[0][1])
         )
+
+
+def _fixes(model: nn.Module, name: str) -> str:
+    """The three ways out, spelled for the first refused module ``name``."""
+    leaf = name.rpartition(".")[2]
+    heads = [n.rpartition(".")[2] for n in default_skip(model)]
+    group = re.sub(r"\.\d+\.", ".*.", name.rpartition(".")[0] + ".") + "*"
+    return (
+        f"Keep it in floating point (BitsAndBytesConfig(..., llm_int8_skip_modules="
+        f"{[leaf, *heads]!r}): its float weight splits as planned), leave its group whole "
+        f"(plan={{{group!r}: 'replicate'}}), or pick a tp size whose slices are whole blocks."
+    )
 
 
 def _problem(name: str, module: nn.Module, style: str, tp: int, kind: str, bs: int) -> str:

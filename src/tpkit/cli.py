@@ -4,28 +4,77 @@ that need ranks, which launch themselves."""
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
+from pathlib import Path
 
 import torch
 
 __all__ = ["main"]
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from tpkit.build import build_on_meta
-    from tpkit.plan import derive_plan, explain, validate
+class UsageError(Exception):
+    """A bad command line: printed as one ``tpkit: error:`` line, exit status 2, no ranks."""
 
-    model = build_on_meta(args.model, args.model_cls)
-    plan = derive_plan(model, args.plan or "auto", args.tp)  # groups tp does not divide: noted
+
+def _checkpoint_dir(path: str, need_weights: bool) -> Path:
+    p = Path(path)
+    folder = p.parent if p.is_file() and p.name == "config.json" else p
+    if not folder.exists():
+        raise UsageError(f"{path} does not exist (give a checkpoint directory or its config.json).")
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"{path} has no config.json: not a transformers checkpoint directory.")
+    if need_weights and not any(folder.glob("*.safetensors")):
+        raise UsageError(f"{path} holds no *.safetensors weights (save with save_pretrained).")
+    return folder
+
+
+def _check_tp(tp: int) -> None:
+    if tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {tp}.")
+
+
+def _collapse_layers(message: str) -> str:
+    """One line per repeated layer (``layers.*``, with a count) in a validation error: a 32-layer
+    model otherwise prints the same problem 32 times."""
+    out: dict[str, int] = {}
+    for line in message.splitlines():
+        key = re.sub(r"\.\d+\.", ".*.", line)
+        out[key] = out.get(key, 0) + 1
+    return "\n".join(
+        k if n == 1 or not k.startswith("- ") else f"{k} (x{n})" for k, n in out.items()
+    )
+
+
+def _planned(path: str, model_cls: str | None, plan_arg, tp: int):
+    """(model on meta, derived plan, the validation error or None): no process group."""
+    from tpkit.build import build_on_meta
+    from tpkit.plan import derive_plan, validate
+
+    model = build_on_meta(path, model_cls)
+    plan = derive_plan(model, plan_arg or "auto", tp)  # groups tp does not divide: noted
     try:
-        validate(model, plan, args.tp)
-        error = None
+        validate(model, plan, tp)
     except ValueError as exc:
-        error = exc
-    print(explain(plan, model, tp_size=args.tp))
-    if error is not None:
-        print(f"\n{error}", file=sys.stderr)
+        return model, plan, exc
+    return model, plan, None
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from tpkit.plan import explain
+
+    _check_tp(args.tp)
+    _checkpoint_dir(args.model, need_weights=False)
+    model, plan, error = _planned(args.model, args.model_cls, args.plan, args.tp)
+    if error is not None:  # the table would only list shapes that cannot exist
+        print(_collapse_layers(str(error)), file=sys.stderr)
         return 1
+    if args.tp == 1:
+        print("tp_size=1: one rank holds the whole model; nothing is split, no collectives run.")
+        print("Try --tp 2 to see the plan.")
+        return 0
+    print(explain(plan, model, tp_size=args.tp))
     print(f"\ntp_size={args.tp}: valid")
     return 0
 
@@ -44,23 +93,58 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
 
 
+#: files one of which a saved tokenizer has (without them transformers may build an empty
+#: tokenizer from the config alone, which then fails or garbles the prompt)
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+)
+
+
 def _prompt_ids(model_dir: str, prompt: str):
-    """Token ids for ``prompt``: the checkpoint's tokenizer if it has one, else the prompt read as
-    space-separated token ids (tiny test models ship no tokenizer)."""
+    """(tokenizer or None, token ids) for ``prompt``: the checkpoint's own tokenizer if it saved
+    one, else the prompt read as space-separated token ids (tiny test models ship none), each
+    checked against the vocabulary."""
     import transformers
 
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError, TypeError):
-        tokenizer = None
-    if tokenizer is not None:
+    folder = Path(model_dir)
+    if any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
         return tokenizer, tokenizer(prompt, return_tensors="pt").input_ids
     try:
-        return None, torch.tensor([[int(t) for t in prompt.split()]])
+        ids = [int(t) for t in prompt.split()]
     except ValueError:
-        raise SystemExit(
+        raise UsageError(
             f'{model_dir} has no tokenizer: give the prompt as token ids, e.g. "1 15 27".'
         ) from None
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+    vocab = getattr(config, "vocab_size", None) or getattr(
+        config.get_text_config(), "vocab_size", None
+    )
+    bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
+    if not ids or bad:
+        raise UsageError(
+            f"prompt token ids must be 0 <= id < vocab_size ({vocab}); got {ids or 'none'}."
+        )
+    return None, torch.tensor([ids])
+
+
+def _check_generate(args: argparse.Namespace) -> None:
+    """Every input of ``tpkit generate`` checked in this process, before any rank starts."""
+    _check_tp(args.tp)
+    _checkpoint_dir(args.model, need_weights=True)
+    _prompt_ids(args.model, args.prompt)
+    for name in ("max_new_tokens", "num_beams"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+    if args.tp > 1:
+        _, _, error = _planned(args.model, None, None, args.tp)
+        if error is not None:
+            raise UsageError(_collapse_layers(str(error)))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -68,9 +152,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from tpkit.launch import inside_launched_rank, run_script
 
-    if args.tp > 1 and not inside_launched_rank():
-        # launches itself: the same command on args.tp ranks under torchrun
-        return run_script(["tpkit.cli", *args.raw_argv], args.tp, module=True)
+    if not inside_launched_rank():
+        _check_generate(args)
+        if args.tp > 1:  # launches itself: the same command on args.tp ranks under torchrun
+            return run_script(["tpkit.cli", *args.raw_argv], args.tp, module=True)
 
     import tpkit
 
@@ -91,7 +176,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
         )
     seconds = time.perf_counter() - start
-    new = out[0, ids.shape[1] :] if not model.config.is_encoder_decoder else out[0]
+    # a decoder-only model returns prompt + new tokens; an encoder-decoder one, the decoder's
+    # start token + new tokens
+    new = out[0, 1:] if model.config.is_encoder_decoder else out[0, ids.shape[1] :]
     if tpkit.dist_env().rank == 0:
         print(tokenizer.decode(new, skip_special_tokens=True) if tokenizer else new.tolist())
         print(
@@ -102,6 +189,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from tpkit.checkpoint import export_checkpoint
+
+    if not Path(args.checkpoint).is_dir():
+        raise UsageError(f"{args.checkpoint} is not a directory written by tpkit.save_checkpoint.")
 
     out = export_checkpoint(args.checkpoint, args.out, model_cls=args.model_cls)
     print(f"wrote {out}")
@@ -164,7 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(raw)
     args.raw_argv = raw
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except UsageError as exc:
+        parser.exit(2, f"tpkit: error: {exc}\n")
+    except (ValueError, OSError) as exc:  # tpkit's own checks say what to do in one message
+        if os.environ.get("TPKIT_DEBUG"):
+            raise
+        first = str(exc).strip() or type(exc).__name__
+        parser.exit(1, f"tpkit: error: {first}\n(TPKIT_DEBUG=1 shows the traceback)\n")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ The core (mesh, parallelize, styles) never imports this module.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import pickle
@@ -172,6 +173,7 @@ def _run_rank(fn: Callable, args: tuple, kwargs: dict, error_dir: str) -> Any:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # forked ranks keep the pool
     try:
+        _bring_up_group()
         out = fn(*args, **kwargs)
     except BaseException as exc:
         from tpkit.timeouts import timeout_report
@@ -189,6 +191,33 @@ def _run_rank(fn: Callable, args: tuple, kwargs: dict, error_dir: str) -> Any:
     if dist.is_initialized():
         dist.destroy_process_group()
     return out if rank == 0 else None  # only rank 0's result travels back
+
+
+def _bring_up_group() -> None:
+    """The process group is up before ``fn`` runs, as users of launchers expect (``dist.get_rank()``
+    works on the first line), with TPKIT_TIMEOUT; a group of one for ``nproc=1``.
+
+    A ``dist.init_process_group()`` of the user's own inside ``fn`` (torchrun scripts have one)
+    would then fail with "initialize the default process group twice": in these processes, which
+    tpkit owns, that call becomes a no-op while the group is up."""
+    import torch.distributed as dist
+
+    from tpkit.mesh import default_backend, default_device_type, init_distributed
+
+    init_distributed()
+    if not dist.is_initialized():
+        dist.init_process_group(backend=default_backend(default_device_type()))
+    original = dist.init_process_group
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        if dist.is_initialized():
+            log.debug("init_process_group: the group is already up (tpkit.launch brought it up)")
+            return None
+        return original(*args, **kwargs)
+
+    dist.init_process_group = init_process_group
+    dist.distributed_c10d.init_process_group = init_process_group
 
 
 def _write_error(error_dir: str, rank: int, exc: BaseException) -> None:
@@ -255,7 +284,13 @@ def _importable(fn: Callable, args: tuple, kwargs: dict) -> bool:
     module = getattr(fn, "__module__", None)
     if module is None or "<" in getattr(fn, "__qualname__", "<"):
         return False  # lambdas, closures, functions defined inside functions
-    if module == "__main__" and not getattr(sys.modules.get("__main__"), "__file__", None):
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None)
+    if main_file is not None and not os.path.isfile(main_file):
+        # `python - <<EOF` ("<stdin>"): a spawned process re-runs the parent's __main__ from its
+        # file, which does not exist, whatever fn is
+        return False
+    if module == "__main__" and main_file is None:
         return False  # a notebook / REPL: spawned ranks have no such __main__ to import from
     try:
         pickle.dumps((fn, args, kwargs))

@@ -61,11 +61,19 @@ def main() -> None:
         p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters()
     )
     if env.rank == 0:
+        if env.is_distributed:  # the plan's summary: what each rank holds, what it sends
+            report = tpkit.explain(model._tpkit.plan, reference, tp_size=env.world_size)
+            print("plan:", *report.strip().splitlines()[-3:], sep="\n  ")
         print(f"generated tokens: {tokens[0, prompt.shape[1] :].tolist()}")
         print(f"same tokens as the unsharded model: {torch.equal(tokens, ref_tokens)}")
         print(
             f"summary: world={env.world_size} params per rank {local:,} of {total:,} "
             f"({local / total:.1%}); max |logits - unsharded| = {diff:.2e}"
+        )
+        print(
+            f"next, try: .venv/bin/tpkit plan {path} --tp 4   (the full plan, no ranks), or "
+            f"tpkit.tensor_parallel(your_model) in a script run with "
+            f"`launch/torchrun.sh --nproc 2 script.py`"
         )
 
 

@@ -308,24 +308,6 @@ def test_save_load_merge_round_trips(ranks2, name, tmp_path):
             assert r[k] <= TOL, r
 
 
-# ---- errors ------------------------------------------------------------------------------------
-def check_fsdp_after_sharding_refused() -> str:
-    import tpkit
-    from tpkit.integrations import peft as tp_peft
-
-    base = tpkit.tensor_parallel(build("llama"), tp_size=2, dp_size=2)
-    try:
-        tp_peft.get_peft_model(base, lora_config("llama"))
-    except ValueError as e:
-        return str(e)
-    return ""
-
-
-def test_adapters_on_fsdp_sharded_model_are_refused(ranks4):
-    for msg in ranks4.run(check_fsdp_after_sharding_refused):
-        assert "before sharding" in msg, msg
-
-
 # ---- Trainer -----------------------------------------------------------------------------------
 def _trainer_losses(out: str, tp: int | None) -> dict:
     """3 Trainer steps of LoRA on the tiny Llama (tp=None: one process, plain peft), a

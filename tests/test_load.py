@@ -156,14 +156,14 @@ def test_from_pretrained_on_dp2_tp2_applies_fsdp_after_loading(ranks4, tmp_path)
         assert r["local_numel"] < 0.3 * r["total"], r  # 1/4 each: tp splits, FSDP shards the rest
 
 
-def test_tensor_parallel_refuses_a_peft_wrapper():
+def test_tensor_parallel_of_a_peft_model_in_one_process_keeps_it():
     import peft
 
     import tpkit
 
     model = peft.get_peft_model(build("llama"), peft.LoraConfig(target_modules=["q_proj"]))
-    with pytest.raises(ValueError, match=r"tpkit.integrations.peft.tensor_parallel"):
-        tpkit.tensor_parallel(model)
+    assert tpkit.tensor_parallel(model) is model  # world size 1: unchanged, adapters included
+    assert any("lora_A" in n for n, _ in model.named_parameters())
 
 
 def test_from_pretrained_sharded_multi_file_checkpoint(ranks2, tmp_path):
@@ -235,7 +235,7 @@ def check_convert_and_load_recipe(name: str) -> dict:
     return {
         "diff": diff,
         "missing": missing,
-        "device_map_ok": set(device_map.values()) == {torch.device("cpu")},
+        "device_map_ok": set(device_map.values()) == {"cpu"},
     }
 
 

@@ -7,15 +7,22 @@ model = tpkit.tensor_parallel(model)           # every rank holds ~1/N of the we
 from tpkit.checkpoint import export_checkpoint, load_checkpoint, save_checkpoint
 from tpkit.clip import clip_grad_norm_
 from tpkit.dcp_io import UnsafeCheckpointError
+
+# plain peft / Trainer calls on tpkit models, and tensor_parallel of a PEFT model (no imports of
+# either library happen here: see tpkit.integrations.autopatch)
+from tpkit.integrations.autopatch import Integrations as _Integrations  # noqa: E402
 from tpkit.launch import launch
 from tpkit.load import from_pretrained
 from tpkit.mesh import build_mesh, dist_env, init_distributed
 from tpkit.parallelize import TPState, tensor_parallel
+from tpkit.parallelize import register_split_extension as _register  # noqa: E402
 from tpkit.plan import Plan, StyleSpec, derive_plan, explain, validate
 from tpkit.save import save_tensor_parallel
 from tpkit.shards import convert_state_dict, infer_sharded_device_map, load_local_state_dict
 from tpkit.sizes import ParallelDims
 from tpkit.styles import TPStyle, register_style
+
+_register(_Integrations())
 
 __version__ = "0.1.0"
 

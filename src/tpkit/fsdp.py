@@ -32,6 +32,7 @@ from tpkit.plan.trace import repeated_blocks
 
 __all__ = [
     "apply_fsdp",
+    "average_grads_over_dp",
     "average_over_dp",
     "is_fsdp",
     "mixed_precision",
@@ -99,6 +100,18 @@ def _average_hook(dp_mesh: DeviceMesh):
     return hook
 
 
+def average_grads_over_dp(params, dp_mesh: DeviceMesh) -> None:
+    """Average the gradients of trainable ``params`` that FSDP2 does not manage over the dp
+    group as they are produced (replicated over dp, like DDP): strided 1-D TP parameters, and
+    adapters added after FSDP2 was applied. Registered once per parameter."""
+    for p in params:
+        if p.requires_grad and id(p) not in _AVERAGED:
+            _AVERAGED[id(p)] = p.register_hook(_average_hook(dp_mesh))
+
+
+_AVERAGED: dict[int, object] = {}  # id(parameter) -> its hook handle
+
+
 def _clone_dtensor(grad: DTensor) -> DTensor:
     return DTensor.from_local(
         grad.to_local().contiguous().clone(),
@@ -123,9 +136,7 @@ def apply_fsdp(
     gradient averaged over dp by a hook as it is produced.
     """
     ignored = {p for p in model.parameters() if strided_1d(p)}
-    for p in ignored:
-        if p.requires_grad:  # a frozen base (PEFT) has nothing to average
-            p.register_hook(_average_hook(dp_mesh))
+    average_grads_over_dp(ignored, dp_mesh)  # a frozen base (PEFT) has nothing to average
     kwargs = dict(
         mesh=dp_mesh,
         mp_policy=mixed_precision(param_dtype),

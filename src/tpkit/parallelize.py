@@ -8,6 +8,8 @@ the RNG synced across the TP group.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -27,6 +29,7 @@ from tpkit.mesh import build_mesh, init_distributed, sync_rng, tp_submesh
 from tpkit.plan import Plan, PlanLike, check_plan_arg, derive_plan, validate
 from tpkit.plan.layout import tp_regions
 from tpkit.rng import install_region_rng
+from tpkit.save import install_save_pretrained
 from tpkit.sequence_parallel import SequenceParallel
 from tpkit.sizes import ParallelDims, launch_hint
 
@@ -61,9 +64,16 @@ class TPState:
 
 class SplitExtension:
     """Something that takes part in every `split` without the core knowing it (quantized
-    weights, library integrations): ``prepare`` sees the model before its plan is derived and
-    returns what ``finish`` needs (None: nothing to do for this model); ``finish`` runs after
-    the styles are applied, before the guards. Both run on every rank alike."""
+    weights, library integrations): ``handle`` may split a kind of model itself (a PEFT
+    wrapper: its base is split, then its adapters laid out); ``prepare`` sees the model before
+    its plan is derived and returns what ``finish`` needs (None: nothing to do for this model);
+    ``finish`` runs after the styles are applied, before the guards. All run on every rank."""
+
+    def handle(
+        self, model: nn.Module, device_ids: Sequence | None, options: TPOptions
+    ) -> nn.Module | None:
+        """The split model, when this extension splits models like ``model`` itself."""
+        return None
 
     def prepare(self, model: nn.Module, options: TPOptions) -> Any:
         return None
@@ -196,6 +206,10 @@ def split(
     on ``model._tpkit.pending_fsdp`` and applied by `apply_pending_fsdp`."""
     o = options or TPOptions()
     plan, mesh, param_dtype = o.plan, o.mesh, o.param_dtype
+    for extension in _EXTENSIONS:
+        handled = extension.handle(model, device_ids, o)
+        if handled is not None:
+            return handled
     _reject_peft_wrapper(model)
     check_plan_arg(plan)
     dims = ParallelDims.resolve(o.tp_size, o.dp_size, mesh=mesh, device_ids=device_ids)
@@ -223,12 +237,13 @@ def split(
         init_distributed(device_type=dims.device_type)
         mesh = build_mesh(dims.tp, dims.dp, dims.device_type)
     tp_mesh = tp_submesh(mesh)
-    _move(model, dims.device)
     fsdp_later = sharded and dims.dp > 1
-    if dims.tp > 1:
-        sync_rng(tp_mesh)
-        mixed = param_dtype if fsdp_later else None
-        _split_tp(model, the_plan, tp_mesh, o.sequence_parallel, o.loss_parallel, mixed)
+    with torch_registration():
+        _move(model, dims.device)
+        if dims.tp > 1:
+            sync_rng(tp_mesh)
+            mixed = param_dtype if fsdp_later else None
+            _split_tp(model, the_plan, tp_mesh, o.sequence_parallel, o.loss_parallel, mixed)
     model._tpkit = TPState(
         mesh=mesh,
         tp_mesh=tp_mesh,
@@ -239,6 +254,7 @@ def split(
     )
     for extension, context in contexts:
         extension.finish(model, context, tp_mesh)
+    install_save_pretrained(model)  # every rank calls it, it gathers, rank 0 writes
     if dims.tp > 1:  # guards
         install_generate_guard(model)
         install_input_checks(model, tp_mesh)
@@ -271,6 +287,30 @@ def apply_pending_fsdp(model: nn.Module) -> nn.Module:
         state.pending_fsdp = None
         apply_fsdp(model, state.mesh["dp"], param_dtype=param_dtype)
     return model
+
+
+_TORCH_REGISTRATION = (nn.Module.register_parameter, nn.Module.register_buffer)
+
+
+@contextlib.contextmanager
+def torch_registration():
+    """torch's own ``register_parameter`` / ``register_buffer`` while tpkit puts DTensors in.
+
+    accelerate's ``init_empty_weights()`` replaces them with versions that rebuild every new
+    parameter as ``type(param)(param.to("meta"))``, which for a DTensor drops its spec (and
+    fails); ``tensor_parallel`` inside that context would break on the first shard. The
+    model is on meta there anyway, so the split itself is all that context would change."""
+    saved = (nn.Module.register_parameter, nn.Module.register_buffer)
+    patched = saved != _TORCH_REGISTRATION and all(
+        f.__module__ == "torch.nn.modules.module" for f in _TORCH_REGISTRATION
+    )
+    if patched:
+        nn.Module.register_parameter, nn.Module.register_buffer = _TORCH_REGISTRATION
+    try:
+        yield
+    finally:
+        if patched:
+            nn.Module.register_parameter, nn.Module.register_buffer = saved
 
 
 def _move(model: nn.Module, device: torch.device) -> None:
@@ -323,12 +363,10 @@ def _already_parallel(model: nn.Module, o: TPOptions) -> nn.Module | None:
 
 def _reject_peft_wrapper(model: nn.Module) -> None:
     """A PeftModel hides the base model's names behind ``base_model.model.``: the base's plan
-    would match nothing and the model would silently stay replicated."""
-    try:
-        from peft import PeftModel
-    except ImportError:  # peft is a dependency, but the core must not need it
-        return
-    if isinstance(model, PeftModel):
+    would match nothing and the model would silently stay replicated. (``import tpkit``
+    registers the PEFT integration, which splits such models; this is for core-only use.)"""
+    peft = sys.modules.get("peft")  # a PeftModel exists only once peft is imported
+    if peft is not None and isinstance(model, peft.PeftModel):
         raise ValueError(
             f"tensor_parallel got a PEFT model ({type(model).__name__}); use "
             "tpkit.integrations.peft.tensor_parallel(model, ...) to shard the base and lay out "

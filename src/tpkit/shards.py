@@ -49,7 +49,8 @@ def local_ranges(placement: Placement, size: int, tp: int, rank: int) -> list[tu
     return [(0, size)]
 
 
-def _slice(t: torch.Tensor, placement: Placement, tp: int, rank: int) -> torch.Tensor:
+def local_slice(t: torch.Tensor, placement: Placement, tp: int, rank: int) -> torch.Tensor:
+    """This rank's part of the full tensor ``t`` under ``placement`` (a copy)."""
     if not isinstance(placement, (Shard, StridedShard)):
         return t
     dim = placement.dim
@@ -156,19 +157,23 @@ def convert_state_dict(
     placements = {key: placement(key, t) for key, t in state_dict.items()}
     ranks = range(world_size) if rank is None else [rank]
     out = [
-        {key: _slice(t, placements[key], world_size, r) for key, t in state_dict.items()}
+        {key: local_slice(t, placements[key], world_size, r) for key, t in state_dict.items()}
         for r in ranks
     ]
     return out[0] if rank is not None else out
 
 
-def infer_sharded_device_map(model: nn.Module) -> dict[str, torch.device]:
-    """Module name -> this rank's device, for streaming loaders that want a device map.
+def infer_sharded_device_map(model: nn.Module) -> dict[str, int | str]:
+    """Module name -> this rank's device, for loaders that take a device map (accelerate's
+    ``load_checkpoint_in_model``, which then puts each rank's slice in place on tpkit models).
 
     Under tensor parallelism every module lives on the rank's device; each holds its own shard.
+    The values are what accelerate device maps hold and safetensors accepts: a CUDA index or a
+    device type such as ``"cpu"``.
     """
     device = rank_device(model)
-    return {name: device for name, _ in model.named_modules()}
+    value: int | str = device.index if device.type == "cuda" else device.type
+    return {name: value for name, _ in model.named_modules()}
 
 
 def rank_device(model: nn.Module) -> torch.device:

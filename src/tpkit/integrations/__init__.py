@@ -1,8 +1,13 @@
-"""Fit tpkit models into other libraries' training loops.
+"""Fit tpkit models into other libraries: peft, the Hugging Face ``Trainer``, accelerate.
 
-- `tpkit.integrations.trainer`: Hugging Face ``Trainer`` / accelerate: ``patch_trainer()``.
+- `tpkit.integrations.autopatch`: what ``import tpkit`` registers so that plain calls of those
+  libraries work on tpkit models (no patch call needed; it imports none of them itself).
+- `tpkit.integrations.peft` / `tpkit.integrations.lora`: LoRA adapters on sharded bases.
+- `tpkit.integrations.trainer`: ``Trainer`` / accelerate (``patch_trainer()``, applied for you).
+- `tpkit.integrations.accelerate_loading`: ``load_checkpoint_in_model`` on tpkit models.
 
-Core tpkit never imports this package; it imports the core.
+The core (`tpkit.parallelize` and below) never imports this package; it reaches the core only
+through `tpkit.parallelize.register_split_extension`.
 """
 
 from tpkit.integrations.trainer import patch_trainer, unpatch_trainer

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from tpkit.fsdp import average_grads_over_dp, is_fsdp
 from tpkit.mesh import rank
 from tpkit.parallelize import tp_state
 from tpkit.plan import style_spec
@@ -382,7 +383,19 @@ def lay_out_adapters(model: nn.Module) -> nn.Module:
                     module.register_parameter(
                         pname, nn.Parameter(dt, requires_grad=p.requires_grad)
                     )
+    if state.dp_size > 1 and is_fsdp(hf_model(model)):
+        # adapters added after FSDP2 stay replicated over dp, their gradients averaged over it
+        average_grads_over_dp(_tp_only_params(model, state.tp_mesh), state.mesh["dp"])
     return model
+
+
+def _tp_only_params(model: nn.Module, tp_mesh) -> list[torch.Tensor]:
+    """Trainable parameters on the TP mesh alone (FSDP2's live on the 2-D mesh)."""
+    return [
+        p
+        for p in model.parameters()
+        if p.requires_grad and isinstance(p, DTensor) and p.device_mesh == tp_mesh
+    ]
 
 
 # ---- saving ------------------------------------------------------------------------------------

@@ -1,42 +1,36 @@
 """PEFT (LoRA) adapters on tensor-parallel tpkit models: train, save, load, merge.
 
-Usage (``torchrun --nproc-per-node 2 train.py``)::
+Usage (``torchrun --nproc-per-node 2 train.py``): plain peft calls, in either order::
 
-    import tpkit
-    from peft import LoraConfig
-    from tpkit.integrations import peft as tp_peft
+    import peft, tpkit
 
-    cfg = LoraConfig(r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                           "gate_proj", "up_proj", "down_proj"])
-    # adapters on an already sharded model (tp only) ...
-    model = tp_peft.get_peft_model(tpkit.tensor_parallel(model), cfg)
-    # ... or shard a PEFT model (needed for dp x tp with FSDP2: adapters come before sharding)
-    model = tp_peft.tensor_parallel(peft.get_peft_model(model, cfg), tp_size=2, dp_size=2)
-    # ... or load a saved adapter onto a sharded base (e.g. from tpkit.from_pretrained)
-    model = tp_peft.from_pretrained(tpkit.from_pretrained(path), adapter_dir)
+    cfg = peft.LoraConfig(r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                "gate_proj", "up_proj", "down_proj"])
+    model = peft.get_peft_model(tpkit.tensor_parallel(model), cfg)      # adapters on a tpkit model
+    model = tpkit.tensor_parallel(peft.get_peft_model(model, cfg), tp_size=2, dp_size=2)  # or
+    model = peft.PeftModel.from_pretrained(tpkit.from_pretrained(path), adapter_dir)    # or
 
     model.save_pretrained("out")           # every rank; rank 0 writes a normal, unsharded adapter
     merged = model.merge_and_unload()      # the merged, still sharded, base model
 
-Or keep plain peft calls: after ``tp_peft.patch_peft()`` (once per process, like
-``patch_trainer``), ``peft.get_peft_model(tpkit_model, cfg)``, ``PeftModel.from_pretrained(
-tpkit_model, dir)``, ``load_adapter`` / ``add_adapter`` and ``save_pretrained`` do the same;
-models tpkit did not shard are untouched.
+``import tpkit`` makes these work (`tpkit.integrations.autopatch`): the first ``tensor_parallel``
+applies `patch_peft` (now, or the moment peft is imported), and ``tpkit.tensor_parallel`` of a
+PeftModel goes to `split_peft_model`. The functions here (`get_peft_model`, `from_pretrained`,
+`tensor_parallel`, ...) are the same operations called explicitly; models tpkit did not shard go
+through every patched call untouched.
 
-Why explicit entry points and not automatic handling inside ``tpkit.tensor_parallel``: core tpkit
-never imports integrations, and *unpatched* ``peft.get_peft_model`` on a tpkit model silently sizes
-nn.Linear adapters from the *local* shard (peft reads ``weight.to_local().shape`` for a DTensor
-weight on a mesh not named "fsdp"), each rank with its own random adapter. ``tpkit.tensor_parallel``
-of a PeftModel must go through this module's `tensor_parallel` (core's plan does not see the
-wrapped names). These functions size adapters from the global shapes and then lay them out as
-the base layer's style says (`tpkit.integrations.lora`): a forward issues exactly the base
+Why peft needs this at all: *unpatched* ``peft.get_peft_model`` on a tpkit model sizes nn.Linear
+adapters from the *local* shard (peft reads ``weight.to_local().shape`` for a DTensor weight on a
+mesh not named "fsdp"), each rank with its own random adapter; and the base plan does not see
+peft's wrapped names. These functions size adapters from the global shapes and then lay them out
+as the base layer's style says (`tpkit.integrations.lora`): a forward issues exactly the base
 model's collectives.
 
 ``save_pretrained`` gathers only the adapter tensors (every rank takes part, rank 0 writes), so the
 files are exactly what peft writes for the unsharded model; `from_pretrained` / `load_adapter` load
-such files into a sharded model. FSDP2 (dp x tp): adapters must exist before ``fully_shard``:
-use `tensor_parallel` on the PEFT model, or `get_peft_model` on a tpkit model built with
-``sharded=False`` (FSDP is then applied after the adapters).
+such files into a sharded model. FSDP2 (dp x tp): adapters added before FSDP2 (`tensor_parallel`
+on the PEFT model, or a tpkit model built with ``sharded=False``) are FSDP-sharded with the base;
+adapters added to a model FSDP2 already shards stay replicated over dp, their gradients averaged.
 
 Not supported (clear errors): LoRA variants (DoRA, ...), ``lora_bias`` on row-parallel bases,
 row styles that split a replicated input (``rowwise_split_input``, ``packed_rowwise``), MoE expert
@@ -72,6 +66,7 @@ __all__ = [
     "load_adapter",
     "patch_peft",
     "shard_adapters",
+    "split_peft_model",
     "tensor_parallel",
     "unpatch_peft",
 ]
@@ -88,7 +83,6 @@ def get_peft_model(model: nn.Module, peft_config, *args, fsdp: bool | None = Non
     state = getattr(model, "_tpkit", None)
     if state is None:
         return peft.get_peft_model(model, peft_config, *args, **kwargs)
-    _refuse_fsdp(model)
     with global_features():
         peft_model = peft.get_peft_model(model, peft_config, *args, **kwargs)
     shard_adapters(peft_model)
@@ -102,8 +96,6 @@ def from_pretrained(model: nn.Module, adapter_dir, *args, fsdp: bool | None = No
     from peft import PeftModel
 
     state = getattr(model, "_tpkit", None)
-    if state is not None:
-        _refuse_fsdp(model)
     with global_features():
         peft_model = PeftModel.from_pretrained(model, adapter_dir, *args, **kwargs)
     if state is not None:
@@ -113,8 +105,7 @@ def from_pretrained(model: nn.Module, adapter_dir, *args, fsdp: bool | None = No
 
 
 def load_adapter(peft_model: nn.Module, adapter_dir, adapter_name: str, **kwargs):
-    """``PeftModel.load_adapter`` on a sharded PEFT model (not FSDP-sharded)."""
-    _refuse_fsdp(peft_model)
+    """``PeftModel.load_adapter`` on a sharded PEFT model."""
     with global_features():
         out = peft_model.load_adapter(adapter_dir, adapter_name, **kwargs)
     shard_adapters(peft_model)
@@ -122,13 +113,18 @@ def load_adapter(peft_model: nn.Module, adapter_dir, adapter_name: str, **kwargs
 
 
 def tensor_parallel(model: nn.Module, *args, **kwargs) -> nn.Module:
-    """`tpkit.tensor_parallel` for a PEFT model: shard the base with the base model's plan, then
-    lay out the adapters, then (dp > 1) FSDP2 over everything, adapters included. Same arguments;
-    a model that is not a PEFT model goes straight to `tpkit.tensor_parallel`."""
+    """`tpkit.tensor_parallel` for a PEFT model (which `tpkit.tensor_parallel` itself now does
+    too, through `split_peft_model`); same arguments."""
     device_ids = args[0] if args else kwargs.pop("device_ids", None)
     options = TPOptions.of(kwargs)
     if not hasattr(model, "peft_config"):
         return apply_pending_fsdp(split(model, device_ids, options))
+    return split_peft_model(model, device_ids, options)
+
+
+def split_peft_model(model: nn.Module, device_ids, options: TPOptions) -> nn.Module:
+    """Shard a PEFT model's base with the base model's plan, then lay out the adapters, then
+    (dp > 1) FSDP2 over everything, adapters included."""
     check_peft_type(model)
     hf = hf_model(model)
     # the base model as tpkit's plan knows it: each peft wrapper swapped back for its base layer
@@ -151,19 +147,10 @@ def tensor_parallel(model: nn.Module, *args, **kwargs) -> nn.Module:
     return model
 
 
-def _refuse_fsdp(model: nn.Module) -> None:
-    if is_fsdp(model):
-        raise ValueError(
-            "This tpkit model is already FSDP2-sharded over dp: adapters cannot join FSDP's "
-            "parameter groups afterwards. Add them before sharding: "
-            "tpkit.integrations.peft.tensor_parallel(peft.get_peft_model(model, cfg), tp_size=.., "
-            "dp_size=..), or build the tpkit model with sharded=False and pass it to "
-            "tpkit.integrations.peft.get_peft_model (FSDP is applied after the adapters)."
-        )
-
-
 def _maybe_fsdp(peft_model: nn.Module, state, fsdp: bool | None) -> None:
-    if state.dp_size > 1 and (fsdp is None or fsdp):
+    """FSDP2 over dp after the adapters, unless the base was sharded already (then the adapters
+    stay replicated over dp with their gradients averaged: `tpkit.integrations.lora`)."""
+    if state.dp_size > 1 and (fsdp is None or fsdp) and not is_fsdp(hf_model(peft_model)):
         hf = hf_model(peft_model)
         _with_frozen_strided(hf, lambda m: apply_fsdp(m, state.mesh["dp"]))
 
@@ -284,8 +271,6 @@ def _inject_adapter(base_tuner):
     @functools.wraps(inject)
     def inject_adapter(self, model, *args, **kwargs):
         tpkit_model = tp_state(model) is not None
-        if tpkit_model:
-            _refuse_fsdp(model)
         out = inject(self, model, *args, **kwargs)
         if tpkit_model and not _deferred.get():
             shard_adapters(model)
@@ -303,7 +288,6 @@ def _load_adapter(load, self, *args, **kwargs):
 
 
 def _from_pretrained(from_pretrained_, cls, model, *args, **kwargs):
-    _refuse_fsdp(model)
     return shard_adapters(_then_shard(from_pretrained_, cls, model, *args, **kwargs))
 
 

@@ -1,14 +1,12 @@
 """Hugging Face ``Trainer`` for tpkit models: train, ``save_model``, resume, on CPU and GPU.
 
-Usage (``torchrun --nproc-per-node 2 train.py``)::
+Usage (``torchrun --nproc-per-node 2 train.py``), the stock Trainer::
 
     import tpkit
     from accelerate import ParallelismConfig
-    from tpkit.integrations.trainer import patch_trainer
     from transformers import Trainer, TrainingArguments
 
-    patch_trainer()                                   # once per process, before Trainer(...)
-    model = tpkit.tensor_parallel(model)
+    model = tpkit.tensor_parallel(model)              # also applies patch_trainer() for you
     args = TrainingArguments(..., parallelism_config=ParallelismConfig(tp_size=2))
     trainer = Trainer(model=model, args=args, train_dataset=ds)
     trainer.train()                                   # or train(resume_from_checkpoint=...)
@@ -19,9 +17,10 @@ over the other dimension when tpkit shards, else dp replicas) with
 ``ParallelismConfig(tp_size=2, dp_shard_size=2)``; the config may also be left out, tpkit fills it
 in from the model. A checkpoint saved at one (dp, tp) layout resumes at another.
 
-Why a patch function and not a ``TPTrainer`` subclass: user code keeps the stock ``Trainer`` (and
+Why a patch and not a ``TPTrainer`` subclass: user code keeps the stock ``Trainer`` (and
 ``Seq2SeqTrainer``, TRL's ``SFTTrainer`` or any other subclass, and scripts that build the Trainer
-themselves) with one extra line. Every patched method first asks whether the Trainer's model is a
+themselves) with no extra line: ``tpkit.tensor_parallel`` applies `patch_trainer` (now, or when
+``transformers.trainer`` is imported: `tpkit.integrations.autopatch`). Every patched method first asks whether the Trainer's model is a
 tpkit model (``model._tpkit``) and otherwise calls the original untouched, so other models in the
 same process train exactly as before; ``unpatch_trainer()`` restores everything.
 
@@ -39,6 +38,8 @@ What Trainer and accelerate need, and what this module does about it:
   gathered full model (``model.safetensors``), as for any Trainer run.
 - **``save_model``** gathers each DTensor to a full tensor (`tpkit.save_tensor_parallel`), rank 0
   writes with ``save_pretrained``, the other ranks only take part in the gathers.
+- **CPU.** A model on a CPU mesh sets ``args.use_cpu`` (accelerate's MULTI_CPU needs it; without
+  it every rank would train alone), rebuilding the device state TrainingArguments made already.
 - **ParallelismConfig on CPU.** accelerate rejects a ParallelismConfig unless the run is FSDP2,
   DeepSpeed or multi-*GPU* (``DistributedType.MULTI_CPU`` is refused). While a Trainer builds
   its Accelerator for a tpkit model, tpkit accepts MULTI_CPU after the one check that matters
@@ -159,6 +160,8 @@ def _init(original):
             from transformers import TrainingArguments
 
             args = TrainingArguments(output_dir="tmp_trainer")
+        if state.mesh.device_type == "cpu" and not args.use_cpu:
+            _use_cpu(args)
         _mark_self_distributed(model)
         # ... which refuses checkpoints with optimizer state; tpkit writes those itself (DCP).
         save_only_model = args.save_only_model
@@ -170,6 +173,20 @@ def _init(original):
         _install_dp_grad_sync(model, state)
 
     return __init__
+
+
+def _use_cpu(args: Any) -> None:
+    """accelerate treats a CPU run as distributed (MULTI_CPU) only with ``use_cpu=True``; without
+    it each rank would see one process and train alone. The model's mesh says where it runs, so
+    the user need not say it again. ``TrainingArguments`` built its device state already (a
+    cached property and accelerate's process-wide ``PartialState``): both are rebuilt."""
+    from accelerate.state import AcceleratorState
+
+    args.use_cpu = True
+    if "_setup_devices" in args.__dict__:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        del args.__dict__["_setup_devices"]
+        _ = args.device  # rebuild now, with cpu=True
 
 
 def _wrapper_chain(model: Any) -> list:

@@ -89,7 +89,7 @@ def _dcp_dir(checkpoint: str) -> str:
     if atomic.find_complete(path, legacy_file=METADATA_FILE) is None:
         raise ValueError(
             f"{checkpoint} has no {DCP_DIR}/ checkpoint: it was not written by a Trainer training a "
-            "tpkit model with tpkit.integrations.trainer.patch_trainer() (or was saved with "
+            "tpkit model (or was saved with "
             "save_only_model=True), so optimizer state cannot be restored."
         )
     return path

@@ -152,12 +152,20 @@ def check_nf4_load(path: str) -> dict:
         logits = rel(model(x).logits, ref(x).logits)
     kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     tokens = model.generate(x, **kw).tolist() == ref.generate(x, **kw).tolist()
-    return {
+    out = {
         "same_bytes": same_bytes(model, ref),
         "ratio": quantized_weight_bytes(model) / fp32_bytes(path),
         "logits": logits,
         "tokens": tokens,
     }
+    # the README's call: bf16 compute (row-parallel partial sums rounded to bf16 per rank)
+    bf16 = tpkit.from_pretrained(path, tp_size=2, quantization_config=nf4(torch.bfloat16))
+    with torch.no_grad():
+        out["bf16_compute"] = rel(bf16(x).logits, single(path, nf4(torch.bfloat16))(x).logits)
+    model.to(torch.bfloat16)  # a cast moves the scales, never rounds them
+    scales = [m.absmax for m in model.modules() if hasattr(m, "absmax")]
+    out["scales_fp32"] = bool(scales) and all(t.dtype == torch.float32 for t in scales)
+    return out
 
 
 def check_qlora(path: str, adapter_dir: str) -> dict:
@@ -319,6 +327,7 @@ def test_nf4_from_pretrained_tp2(ranks2, tiny):
         assert r["ratio"] <= MEMORY_GOAL, r
         assert r["logits"] <= 1e-5, r
         assert r["tokens"], r
+        assert r["bf16_compute"] <= 1e-2 and r["scales_fp32"], r
 
 
 def test_qlora_tp2_matches_single_process(ranks2, tiny, tmp_path):

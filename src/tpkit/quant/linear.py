@@ -56,6 +56,20 @@ class QuantizedLinear(nn.Linear):
             f"bias={self.bias is not None}, quant={q.kind}, local={q.local_shape}"
         )
 
+    def _apply(self, fn, recurse: bool = True):
+        """``model.to(device)`` moves the scales; ``model.half()`` / ``.to(torch.bfloat16)`` must
+        not cast them (bitsandbytes keeps them float32 inside its quant state, out of reach of a
+        cast; a float16 absmax would change every dequantized weight)."""
+        scales = {n: b for n, b in self._buffers.items() if n in _SCALES and b is not None}
+        for name in scales:
+            del self._buffers[name]
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            for name, b in scales.items():
+                device = fn(torch.empty(0, dtype=b.dtype, device=b.device)).device
+                self._buffers[name] = b.to(device)
+
     def weight_bytes(self) -> int:
         """Bytes this rank holds for the quantized weight (packed values and scales)."""
         return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
@@ -92,6 +106,9 @@ class Linear8bitShard(QuantizedLinear):
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return nn.functional.linear(x, w, bias)
 
+
+#: float32 scales and code book: they follow the module's device, never its dtype
+_SCALES = ("absmax", "quant_code", "scb")
 
 #: attributes of bitsandbytes' own linears that hold the whole weight or its state
 _BNB_ATTRS = (

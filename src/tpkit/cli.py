@@ -199,6 +199,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``tpkit`` command. From the shell (``argv`` None) an error is one ``tpkit: error:`` line
+    (``TPKIT_DEBUG=1`` shows its traceback); called from Python with ``argv`` it raises, except
+    for bad command lines, which exit 2 as argparse does."""
     parser = argparse.ArgumentParser(prog="tpkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -259,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         parser.exit(2, f"tpkit: error: {exc}\n")
     except (ValueError, OSError) as exc:  # tpkit's own checks say what to do in one message
-        if os.environ.get("TPKIT_DEBUG"):
-            raise
+        if argv is not None or os.environ.get("TPKIT_DEBUG"):
+            raise  # called from Python (or debugging): the exception itself
         first = str(exc).strip() or type(exc).__name__
         parser.exit(1, f"tpkit: error: {first}\n(TPKIT_DEBUG=1 shows the traceback)\n")
 

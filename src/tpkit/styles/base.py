@@ -90,8 +90,11 @@ def distribute_param(
         param.detach(), mesh, [placement_for(layout)], src_data_rank=src_data_rank
     )
     local = dt._local_tensor
-    if local.device.type != "meta" and layout.sharded and _shares_storage(local, param):
-        # a dim-0 chunk is a view of the whole weight, which would then stay alive: own copy
+    if local.device.type != "meta" and _shares_storage(local, param):
+        # Own memory for every shard: a dim-0 chunk is a view of the whole weight, which would
+        # then stay alive; a replicated parameter loaded by transformers is a view into the
+        # memory-mapped checkpoint, and one such view keeps the whole file mapped and resident
+        # (on a 57M Llama at tp=2: 300 -> 175 MiB over the baseline after the split).
         dt = DTensor.from_local(
             local.clone(), mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride()
         )

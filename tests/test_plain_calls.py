@@ -270,6 +270,34 @@ def test_accelerate_load_checkpoint_in_model(ranks2, tmp_path):
             assert o["diff"] <= TOL and o["tied"] and o["sharded"] and o["no_meta"], r
 
 
+def test_libraries_imported_after_tpkit_are_patched_on_import():
+    """``import peft`` after the first split still gets the patch (the post-import hook), and
+    ``import tpkit`` itself imports none of peft, transformers' Trainer or accelerate."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import tpkit
+        from tpkit.integrations.autopatch import ensure_patched
+
+        print("IMPORTED", [m for m in ("peft", "transformers.trainer") if m in sys.modules])
+        ensure_patched()  # what the first tensor_parallel does
+        import peft
+        from transformers import Trainer
+        import accelerate.utils.modeling as modeling
+
+        print("PATCHED", bool(getattr(peft.PeftModel.save_pretrained, "__wrapped__", None)),
+              getattr(Trainer.__init__, "_tpkit_patch", False),
+              getattr(modeling.set_module_tensor_to_device, "_tpkit_patch", False))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-"], input=script, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "IMPORTED []" in out and "PATCHED True True True" in out, out
+
+
 # ---- tpkit.launch from stdin ---------------------------------------------------------------------
 def test_launch_from_stdin_with_the_group_up():
     script = textwrap.dedent(

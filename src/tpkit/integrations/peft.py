@@ -224,7 +224,7 @@ def patch_peft() -> None:
     ``PeftModel.from_pretrained(tpkit_model, dir)``, ``load_adapter``, ``add_adapter`` and
     ``save_pretrained`` then size, lay out, load and save adapters as this module's functions do.
     Idempotent; models tpkit did not shard go to peft untouched; `unpatch_peft` undoes it.
-    (`tensor_parallel` of a PEFT model still needs this module's `tensor_parallel`.)"""
+    ``tpkit.tensor_parallel`` calls it for you (`tpkit.integrations.autopatch`)."""
     from peft import PeftModel
     from peft.tuners import tuners_utils
     from peft.tuners.lora import layer as lora_layer

@@ -198,10 +198,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The ``tpkit`` command. From the shell (``argv`` None) an error is one ``tpkit: error:`` line
-    (``TPKIT_DEBUG=1`` shows its traceback); called from Python with ``argv`` it raises, except
-    for bad command lines, which exit 2 as argparse does."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -253,7 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="output directory for config + model.safetensors")
     p.add_argument("--model-cls", help="transformers class name (default: from the config)")
     p.set_defaults(fn=cmd_export)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``tpkit`` command. From the shell (``argv`` None) an error is one ``tpkit: error:`` line
+    (``TPKIT_DEBUG=1`` shows its traceback); called from Python with ``argv`` it raises, except
+    for bad command lines, which exit 2 as argparse does."""
+    parser = _parser()
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(raw)
     args.raw_argv = raw

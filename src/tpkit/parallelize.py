@@ -254,11 +254,17 @@ def split(
     )
     for extension, context in contexts:
         extension.finish(model, context, tp_mesh)
-    install_save_pretrained(model)  # every rank calls it, it gathers, rank 0 writes
-    if dims.tp > 1:  # guards
+    _install_guards(model, dims.tp, tp_mesh)
+    return model
+
+
+def _install_guards(model: nn.Module, tp: int, tp_mesh: DeviceMesh) -> None:
+    """save_pretrained that gathers (every rank calls it, rank 0 writes); at tp > 1 the inputs
+    of generate and of the first forwards checked across the TP group."""
+    install_save_pretrained(model)
+    if tp > 1:
         install_generate_guard(model)
         install_input_checks(model, tp_mesh)
-    return model
 
 
 def _split_tp(model, plan, tp_mesh, sequence_parallel, loss_parallel, mixed_dtype) -> None:

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from tpkit.quant.checks import check_splits, derive_for, tp_of
 from tpkit.quant.extension import shard_of
 from tpkit.quant.linear import QuantizedLinear, install
-from tpkit.quant.pack import quantize_4bit, quantize_8bit
+from tpkit.quant.pack import Packed4bit, Packed8bit, quantize_4bit, quantize_8bit
 from tpkit.quant.scheme import default_skip, scheme_of, skipped
 from tpkit.safetensors_io import CheckpointIndex
 
@@ -71,22 +71,68 @@ class QuantizedLoad:
         """Read, quantize and install each target's slice, one layer at a time."""
         modules = dict(model.named_modules())
         s = self.scheme
-        for name in self.targets:
-            module = modules[name]
-            weight = module._parameters["weight"]
+        weights = {n: modules[n]._parameters["weight"] for n in self.targets}
+        shapes = {n: _local_shape(w) for n, w in weights.items()}
+        arena = _Arena(shapes.values(), s, device)
+        largest = max((a * b for a, b in shapes.values()), default=0)
+        buffers: dict[torch.dtype, torch.Tensor] = {}
+        for name, weight in weights.items():
             dim, ranges = shard_of(weight)
-            key = keys[f"{name}.weight"]
             read_dim, read_ranges = (dim, ranges) if dim is not None else (0, None)
-            shape = index.local_shape(key, read_dim, read_ranges)
-            local = torch.empty(shape, dtype=weight.dtype, device=device)
-            index.read(key, read_dim, read_ranges, out=local)
+            buf = buffers.get(weight.dtype)
+            if buf is None:
+                buf = buffers[weight.dtype] = torch.empty(
+                    largest, dtype=weight.dtype, device=device
+                )
+            local = buf[: shapes[name][0] * shapes[name][1]].view(shapes[name])
+            index.read(keys[f"{name}.weight"], read_dim, read_ranges, out=local)
             if s.bits == 4:
-                packed = quantize_4bit(local, s.kind, s.blocksize)
+                packed = arena.keep_4bit(quantize_4bit(local, s.kind, s.blocksize))
             else:
                 group = weight.device_mesh.get_group() if isinstance(weight, DTensor) else None
-                packed = quantize_8bit(local, dim, group)
-            del local
-            install(module, packed, tuple(weight.shape), s.kind, s.blocksize, s.compute_dtype)
+                packed = arena.keep_8bit(quantize_8bit(local, dim, group))
+            install(
+                modules[name], packed, tuple(weight.shape), s.kind, s.blocksize, s.compute_dtype
+            )
+
+
+def _local_shape(weight: torch.Tensor) -> tuple[int, int]:
+    dim, ranges = shard_of(weight)
+    shape = list(weight.shape)
+    if dim is not None:
+        shape[dim] = sum(b - a for a, b in ranges)
+    return shape[0], shape[1]
+
+
+class _Arena:
+    """One allocation for all packed weights and one for all scales of a load, made before the
+    first layer is quantized. Without it, each layer's small kept results land between that
+    layer's large, freed quantization temporaries, and the heap keeps growing: measured on a
+    100M-parameter Llama at tp=2, RSS rose by 3 to 6 times the kept bytes per layer."""
+
+    def __init__(self, shapes, scheme: Any, device: torch.device) -> None:
+        shapes = list(shapes)
+        per_byte = 2 if scheme.bits == 4 else 1
+        values = sum(n * k // per_byte for n, k in shapes)
+        scales = sum(n * k // scheme.blocksize if scheme.bits == 4 else n for n, k in shapes)
+        self.values = torch.empty(values, dtype=torch.uint8, device=device)
+        self.scales = torch.empty(scales, dtype=torch.float32, device=device)
+        self.at = [0, 0]
+
+    def _put(self, which: int, t: torch.Tensor) -> torch.Tensor:
+        pool = self.values if which == 0 else self.scales
+        flat = t.reshape(-1).view(pool.dtype) if which == 0 else t.reshape(-1).float()
+        start = self.at[which]
+        self.at[which] = start + flat.numel()
+        out = pool[start : self.at[which]]
+        out.copy_(flat)
+        return out.view(t.dtype).view(t.shape) if which == 0 else out.view(t.shape)
+
+    def keep_4bit(self, w: Packed4bit) -> Packed4bit:
+        return Packed4bit(self._put(0, w.data), self._put(1, w.absmax), w.code, w.shape, w.dtype)
+
+    def keep_8bit(self, w: Packed8bit) -> Packed8bit:
+        return Packed8bit(self._put(0, w.data), self._put(1, w.scb))
 
 
 def _refuse_tied(model: nn.Module, targets: list[str]) -> None:

@@ -105,11 +105,10 @@ def average_grads_over_dp(params, dp_mesh: DeviceMesh) -> None:
     group as they are produced (replicated over dp, like DDP): strided 1-D TP parameters, and
     adapters added after FSDP2 was applied. Registered once per parameter."""
     for p in params:
-        if p.requires_grad and id(p) not in _AVERAGED:
-            _AVERAGED[id(p)] = p.register_hook(_average_hook(dp_mesh))
-
-
-_AVERAGED: dict[int, object] = {}  # id(parameter) -> its hook handle
+        # marked on the parameter itself: an id() could be reused by a later model's parameter
+        if p.requires_grad and not getattr(p, "_tpkit_dp_averaged", False):
+            p.register_hook(_average_hook(dp_mesh))
+            p._tpkit_dp_averaged = True
 
 
 def _clone_dtensor(grad: DTensor) -> DTensor:

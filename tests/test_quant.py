@@ -260,7 +260,9 @@ def check_int8(path: str) -> dict:
 
 def check_refusals(aligned: str, misaligned: str) -> dict:
     """What cannot be sharded is refused: a ValueError on every rank, before any collective."""
+    import peft
     import torch.distributed as dist
+    from peft import LoraConfig
 
     import tpkit
 
@@ -283,6 +285,8 @@ def check_refusals(aligned: str, misaligned: str) -> dict:
     }
     bnb_model = single(misaligned, nf4())
     cases["misaligned_tp"] = lambda: tpkit.tensor_parallel(bnb_model)
+    adapted = peft.get_peft_model(single(aligned, nf4()), LoraConfig(r=4, target_modules=TARGETS))
+    cases["peft_first"] = lambda: tpkit.tensor_parallel(adapted)
     try:
         for name, call in cases.items():
             try:
@@ -360,6 +364,7 @@ def test_refusals(ranks2, tiny):
             assert "llm_int8_skip_modules=['down_proj', 'lm_head']" in msg, msg
             assert "plan={'model.layers.*.mlp.*': 'replicate'}" in msg, msg
         assert "gptq" in r["scheme"], r
+        assert "peft.get_peft_model(tpkit.tensor_parallel(base), config)" in r["peft_first"], r
         assert r["restored"], r
         assert r["collectives"] == [], r
         assert max(r["fixes"]) <= 1e-5, r

@@ -14,6 +14,7 @@ single-process model's values, double quantization included.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,21 @@ def shard_of(weight: torch.Tensor) -> tuple[int | None, list[tuple[int, int]]]:
 
 class QuantExtension(SplitExtension):
     """The split extension for bitsandbytes-quantized models (see the module docstring)."""
+
+    def handle(
+        self, model: nn.Module, device_ids: Sequence | None, options: TPOptions
+    ) -> nn.Module | None:
+        """Refuse a PEFT model on a bitsandbytes base: peft wrapped its layers in its
+        bitsandbytes LoRA classes, which tpkit's adapter layouts do not take."""
+        peft = sys.modules.get("peft")
+        if peft is not None and isinstance(model, peft.PeftModel) and bnb_linears(model):
+            raise ValueError(
+                f"tensor_parallel got a PEFT model on a bitsandbytes-quantized base "
+                f"({type(model).__name__}); split the quantized base first, then add adapters: "
+                "peft.get_peft_model(tpkit.tensor_parallel(base), config), or load saved ones: "
+                "peft.PeftModel.from_pretrained(tpkit.tensor_parallel(base), adapter_dir)."
+            )
+        return None
 
     def prepare(self, model: nn.Module, options: TPOptions) -> Any:
         found = bnb_linears(model)

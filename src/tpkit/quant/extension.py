@@ -29,7 +29,7 @@ from tpkit.quant.linear import install
 from tpkit.quant.pack import Packed4bit, Packed8bit, float_absmax, slice_4bit, slice_8bit
 from tpkit.shards import local_ranges, tp_coords
 
-__all__ = ["QuantExtension", "shard_of"]
+__all__ = ["QuantExtension", "bnb_linears", "shard_of"]
 
 
 @dataclass

@@ -16,6 +16,7 @@ per rank gets by one all-reduce (max) of its rows' local absmax.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ import torch.distributed as dist
 __all__ = [
     "Packed4bit",
     "Packed8bit",
+    "float_absmax",
     "quantize_4bit",
     "quantize_8bit",
     "slice_4bit",
@@ -57,7 +59,7 @@ class Packed8bit:
         return tuple(self.data.shape)
 
 
-def float_absmax(state) -> torch.Tensor:
+def float_absmax(state: Any) -> torch.Tensor:
     """A bitsandbytes QuantState's per-block scales as float32 (double quantization undone the
     way ``dequantize_4bit`` undoes it, so the dequantized weight is unchanged)."""
     import bitsandbytes.functional as F
@@ -115,7 +117,7 @@ def slice_8bit(w: Packed8bit, dim: int | None, ranges: Ranges) -> Packed8bit:
     return Packed8bit(_take(w.data, 1, ranges), w.scb.clone())
 
 
-def quantize_8bit(weight: torch.Tensor, dim: int | None, group) -> Packed8bit:
+def quantize_8bit(weight: torch.Tensor, dim: int | None, group: Any) -> Packed8bit:
     """LLM.int8() of a rank's float slice, bit for bit what bitsandbytes gives the whole weight:
     fp16 values, ``round(w * 127 / absmax_row)``. A row-parallel slice (``dim`` 1) holds part of
     each row, so the row absmax is the max over the TP ``group`` (one all-reduce, the same on

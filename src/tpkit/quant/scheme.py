@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["QuantScheme", "scheme_of", "skipped"]
+__all__ = ["BLOCKSIZE_4BIT", "QuantScheme", "default_skip", "scheme_of", "skipped"]
 
 #: 4-bit blocks bitsandbytes quantizes with (one absmax per 64 values of a row)
 BLOCKSIZE_4BIT = 64

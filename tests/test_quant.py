@@ -59,9 +59,8 @@ def tiny(tmp_path_factory) -> dict[str, str]:
 def nf4(compute=torch.float32, **kw):
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute, **kw
-    )
+    kw = {"bnb_4bit_quant_type": "nf4", **kw}
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=compute, **kw)
 
 
 def int8():
@@ -208,7 +207,17 @@ def check_qlora(path: str, adapter_dir: str) -> dict:
         opt.step()
         ref_opt.step()
     losses_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    # resume: a DCP checkpoint (adapters and optimizer; the base re-made from the checkpoint)
+    tpkit.save_checkpoint(os.path.join(adapter_dir, "dcp"), model, opt)
+    again = peft.get_peft_model(
+        tpkit.from_pretrained(path, tp_size=2, quantization_config=nf4()), config
+    )
+    again_opt = torch.optim.AdamW([p for p in again.parameters() if p.requires_grad], lr=1e-2)
+    tpkit.load_checkpoint(os.path.join(adapter_dir, "dcp"), again, again_opt)
+    with torch.no_grad():
+        resumed = rel(again(input_ids=x).logits, model(input_ids=x).logits)
     return {
+        "resumed": resumed,
         "grads": grads,
         "n_params": len(params),
         "same_names": set(params) == set(ref_params),
@@ -227,7 +236,12 @@ def check_tensor_parallel_of_bnb(path: str) -> dict:
 
     out = {}
     x = inputs()
-    for label, config in (("nf4", nf4()), ("nf4_double", nf4(bnb_4bit_use_double_quant=True))):
+    configs = {
+        "nf4": nf4(),
+        "nf4_double": nf4(bnb_4bit_use_double_quant=True),
+        "fp4": nf4(bnb_4bit_quant_type="fp4"),
+    }
+    for label, config in configs.items():
         ref = single(path, config)
         model = tpkit.tensor_parallel(single(path, config))
         with torch.no_grad():
@@ -340,11 +354,12 @@ def test_qlora_tp2_matches_single_process(ranks2, tiny, tmp_path):
         assert r["grads"] <= 1e-5, r
         assert r["losses"] <= 1e-5, r
         assert r["trained"], r
+        assert r["resumed"] == 0.0, r
 
 
 def test_tensor_parallel_slices_transformers_quantized_model(ranks2, tiny):
     for r in ranks2.run(check_tensor_parallel_of_bnb, tiny["aligned"], timeout=TIMEOUT):
-        assert r["nf4"] <= 1e-5 and r["nf4_double"] <= 1e-5, r
+        assert max(r["nf4"], r["nf4_double"], r["fp4"]) <= 1e-5, r
         assert r["lora_backward"], r
 
 

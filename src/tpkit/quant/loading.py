@@ -45,7 +45,7 @@ class QuantizedLoad:
     ) -> None:
         self.scheme = scheme_of(quantization_config)
         if self.scheme.bits == 4:
-            import bitsandbytes  # noqa: F401 - a clear ImportError now, not mid-load
+            _need_bitsandbytes()
 
         skip = self.scheme.skip or default_skip(model)
         self.targets = [
@@ -94,6 +94,16 @@ class QuantizedLoad:
             install(
                 modules[name], packed, tuple(weight.shape), s.kind, s.blocksize, s.compute_dtype
             )
+
+
+def _need_bitsandbytes() -> None:
+    """A clear ImportError before the load starts, not one mid-way through it."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            "quantization_config with load_in_4bit needs bitsandbytes: pip install 'tpkit[quant]'"
+        ) from exc
 
 
 def _local_shape(weight: torch.Tensor) -> tuple[int, int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -280,6 +281,7 @@ def check_refusals(aligned: str, misaligned: str) -> dict:
 
     import tpkit
 
+    quantized = tpkit.from_pretrained(aligned, tp_size=2, quantization_config=nf4())
     calls = []
     names = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "barrier")
     saved = {n: getattr(dist, n) for n in names}
@@ -301,6 +303,7 @@ def check_refusals(aligned: str, misaligned: str) -> dict:
     cases["misaligned_tp"] = lambda: tpkit.tensor_parallel(bnb_model)
     adapted = peft.get_peft_model(single(aligned, nf4()), LoraConfig(r=4, target_modules=TARGETS))
     cases["peft_first"] = lambda: tpkit.tensor_parallel(adapted)
+    cases["save_base"] = lambda: quantized.save_pretrained(tempfile.mkdtemp())
     try:
         for name, call in cases.items():
             try:
@@ -380,6 +383,7 @@ def test_refusals(ranks2, tiny):
             assert "plan={'model.layers.*.mlp.*': 'replicate'}" in msg, msg
         assert "gptq" in r["scheme"], r
         assert "peft.get_peft_model(tpkit.tensor_parallel(base), config)" in r["peft_first"], r
+        assert "q_proj" in r["save_base"] and "tpkit.save_checkpoint" in r["save_base"], r
         assert r["restored"], r
         assert r["collectives"] == [], r
         assert max(r["fixes"]) <= 1e-5, r

@@ -48,6 +48,7 @@ def _save_pretrained(self: nn.Module, save_directory, *args: Any, **kwargs: Any)
     gathered) gets the plain method on its rank alone."""
     if kwargs.get("state_dict") is not None:
         return type(self).save_pretrained(self, save_directory, *args, **kwargs)
+    _refuse_unsaved(self)  # every rank, before the gather
     state_dict = gathered_state_dict(self)
     out = None
     if rank() == 0:
@@ -56,6 +57,15 @@ def _save_pretrained(self: nn.Module, save_directory, *args: Any, **kwargs: Any)
     del state_dict
     barrier()  # no rank reads the directory before rank 0 has written it
     return out
+
+
+def _refuse_unsaved(model: nn.Module) -> None:
+    """A module class whose state is not in ``state_dict()`` says why in ``tpkit_not_saved``
+    (tpkit's quantized shards, `tpkit.quant`): the checkpoint would silently lack it."""
+    for name, module in model.named_modules():
+        why = getattr(type(module), "tpkit_not_saved", None)
+        if why:
+            raise ValueError(f"save_pretrained: {name} {why}")
 
 
 def install_save_pretrained(model: nn.Module) -> None:

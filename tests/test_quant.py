@@ -43,9 +43,9 @@ def _config(intermediate: int):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict[str, str]:
-    """Two checkpoints: "aligned" (every split is whole 64-blocks at tp=2) and "misaligned"
-    (down_proj's 192 input features give each rank 96, not whole blocks)."""
-    from transformers import LlamaForCausalLM
+    """Llama "aligned" (every split is whole 64-blocks at tp=2) and "misaligned" (down_proj's
+    192 input features give each rank 96, not whole blocks); Qwen3 with a tied head."""
+    from transformers import LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     paths = {}
     for name, intermediate in (("aligned", 256), ("misaligned", 192)):
@@ -53,6 +53,19 @@ def tiny(tmp_path_factory) -> dict[str, str]:
         path = tmp_path_factory.mktemp(name)
         LlamaForCausalLM(_config(intermediate)).save_pretrained(path)
         paths[name] = str(path)
+    torch.manual_seed(0)
+    qwen3 = Qwen3Config(  # tied head (left float), per-head q/k norms
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+    )
+    paths["qwen3"] = str(tmp_path_factory.mktemp("qwen3"))
+    Qwen3ForCausalLM(qwen3).save_pretrained(paths["qwen3"])
     return paths
 
 
@@ -227,6 +240,38 @@ def check_qlora(path: str, adapter_dir: str) -> dict:
     }
 
 
+def check_qwen3_tied(path: str, adapter_dir: str) -> dict:
+    """Qwen3 (tied embeddings, per-head norms): logits and "all-linear" LoRA gradients."""
+    import peft
+    import torch.distributed as dist
+    from peft import LoraConfig
+    from torch.distributed.tensor import DTensor
+
+    import tpkit
+
+    model = tpkit.from_pretrained(path, tp_size=2, quantization_config=nf4())
+    ref = single(path, nf4())
+    x = inputs()
+    with torch.no_grad():
+        logits = rel(model(x).logits, ref(x).logits)
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    model = peft.get_peft_model(model, config)
+    model.save_pretrained(adapter_dir)
+    dist.barrier()
+    ref = peft.PeftModel.from_pretrained(ref, adapter_dir, is_trainable=True)
+    for m in (model, ref):
+        m.train()
+        m(input_ids=x, labels=x).loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    grads = [
+        rel(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad, ref_grads[n])
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    ]
+    return {"logits": logits, "grads": max(grads), "n": len(grads)}
+
+
 def check_tensor_parallel_of_bnb(path: str) -> dict:
     """tensor_parallel of models transformers quantized: the packed bytes sliced, double
     quantization included; plain peft on top."""
@@ -358,6 +403,11 @@ def test_qlora_tp2_matches_single_process(ranks2, tiny, tmp_path):
         assert r["losses"] <= 1e-5, r
         assert r["trained"], r
         assert r["resumed"] == 0.0, r
+
+
+def test_qwen3_tied_head_and_head_norms(ranks2, tiny, tmp_path):
+    for r in ranks2.run(check_qwen3_tied, tiny["qwen3"], str(tmp_path), timeout=TIMEOUT):
+        assert r["logits"] <= 1e-5 and r["grads"] <= 1e-5 and r["n"] == 28, r
 
 
 def test_tensor_parallel_slices_transformers_quantized_model(ranks2, tiny):

@@ -437,3 +437,20 @@ def test_refusals(ranks2, tiny):
         assert r["restored"], r
         assert r["collectives"] == [], r
         assert max(r["fixes"]) <= 1e-5, r
+
+
+def test_single_process_load_of_unaligned_widths(tmp_path):
+    """One process (no torchrun): every linear is whole, so widths that are not whole blocks
+    (here 160 = 2.5 blocks of 64) quantize as bitsandbytes pads them, bit for bit."""
+    from transformers import LlamaForCausalLM
+
+    import tpkit
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(_config(160)).save_pretrained(tmp_path)
+    model = tpkit.from_pretrained(tmp_path, quantization_config=nf4())
+    ref = single(str(tmp_path), nf4())
+    down, want = model.model.layers[0].mlp.down_proj, ref.model.layers[0].mlp.down_proj
+    assert torch.equal(down.weight, want.weight.data), "packed bytes differ"
+    with torch.no_grad():
+        assert rel(model(inputs()).logits, ref(inputs()).logits) == 0.0

@@ -81,9 +81,14 @@ def _problem(name: str, module: nn.Module, style: str, tp: int, kind: str, bs: i
         return f"{name}: a '{style}' split is not one of the output or input features."
     layout = param_layout(style, "weight", 2, module)
     in_f = module.in_features
-    if bs and in_f % bs:
-        return f"{name}: {in_f} input features are not whole {kind} blocks of {bs}."
-    if not layout.sharded or layout.dim == 0 or not bs:
+    if not layout.sharded or not bs:
+        return ""  # left whole: bitsandbytes pads the last block itself
+    if in_f % bs:
+        return (
+            f"{name}: split ('{style}'), but its {in_f} input features are not whole {kind} "
+            f"blocks of {bs}, so its rows do not start on block boundaries."
+        )
+    if layout.dim == 0:
         return ""
     placement = placement_for(layout)
     for rank in range(tp):

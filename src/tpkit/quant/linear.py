@@ -8,7 +8,9 @@ scales beside them, and `QuantRecord` (scheme, global and local shapes). ``in_fe
 to it (``_tpkit_style``): column-parallel, it computes its local output rows after f;
 row-parallel, it computes partial sums over its local input features and the style all-reduces
 them (g) and adds the bias once. The buffers are not in ``state_dict()``: like the frozen base
-of any QLoRA run, they are re-made from the base checkpoint, and only adapters are saved.
+of any QLoRA run, they are re-made from the base checkpoint, and only adapters (or a DCP
+checkpoint of adapters and optimizer) are saved; tpkit's gathering ``save_pretrained`` refuses
+the base (`QuantizedLinear.tpkit_not_saved`) rather than write a checkpoint without them.
 
 The class is a plain ``nn.Linear`` subclass, not bitsandbytes', so plain ``peft`` wraps it in
 its ordinary LoRA layer and tpkit lays the adapters out by the base's style

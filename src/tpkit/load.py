@@ -94,21 +94,28 @@ def from_pretrained(
         model = split(cls.from_pretrained(str(path), dtype=dtype, **kwargs), device_ids, options)
         how = "transformers"
     else:
-        quant = None
-        if quantization_config is not None:  # its refusals, before any collective
-            quant = QuantizedLoad(model, quantization_config, options, device_ids)
-        model = split(model, device_ids, options)
-        device = rank_device(model)
-        move_buffers(model, device)
-        if quant is not None:
-            quant.stream(model, index, keys, device)
-        stream_params(model, index, keys, device)
+        model = _split_and_stream(model, index, keys, quantization_config, options, device_ids)
         how = "slices"
     if getattr(model, "_tpkit", None) is not None:
         model._tpkit.loaded_from = how
     apply_pending_fsdp(model)  # FSDP2 after the weights are in
     _load_generation_config(model, path)
     return model.eval()
+
+
+def _split_and_stream(model, index, keys, quantization_config, options, device_ids) -> nn.Module:
+    """Split the model on meta, then read each rank's slices into its shards (quantizing the
+    linears' slices as they are read when asked; its refusals come before any collective)."""
+    quant = None
+    if quantization_config is not None:
+        quant = QuantizedLoad(model, quantization_config, options, device_ids)
+    model = split(model, device_ids, options)
+    device = rank_device(model)
+    move_buffers(model, device)
+    if quant is not None:
+        quant.stream(model, index, keys, device)
+    stream_params(model, index, keys, device)
+    return model
 
 
 def _warn_full_load(unmapped: list[str], path: Path) -> None:

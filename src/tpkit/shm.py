@@ -239,27 +239,27 @@ def shm_all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor 
     """Sum a contiguous CPU tensor over ``group`` in place through shared memory and return it,
     or None when the fast path does not apply (off, not a plain CPU tensor, too large, not one
     host, not gloo, compiling): the caller then uses the process group."""
-    nbytes = x.numel() * x.element_size()
-    if not _eligible(x, nbytes):
-        return None
-    ch = _shm_channel(group)
-    if ch is None or not _STATE["on"]:
-        return None
-    _count("all_reduce", nbytes)
-    return ch.all_reduce(x)
+    ch = _channel_for(x, group, "all_reduce")
+    return None if ch is None else ch.all_reduce(x)
 
 
 def shm_all_gather(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor | None:
     """Every rank's contiguous CPU ``x`` stacked in rank order (shape ``(t, *x.shape)``), or None
     when the fast path does not apply (as `shm_all_reduce`)."""
+    ch = _channel_for(x, group, "all_gather")
+    return None if ch is None else ch.all_gather(x)
+
+
+def _channel_for(x: torch.Tensor, group: ProcessGroup | None, kind: str) -> ShmChannel | None:
+    """The channel ``kind`` of ``x`` takes (counted), or None when the fast path does not apply."""
     nbytes = x.numel() * x.element_size()
     if not _eligible(x, nbytes):
         return None
     ch = _shm_channel(group)
     if ch is None or not _STATE["on"]:
         return None
-    _count("all_gather", nbytes)
-    return ch.all_gather(x)
+    _count(kind, nbytes)
+    return ch
 
 
 def shm_enabled() -> bool:

@@ -69,7 +69,9 @@ def _width_hooks(model: nn.Module, plan: Plan, shapes: Mapping[int, tuple]) -> l
             continue
         mod = model.get_submodule(t.name)
         kind = kind_of(mod) or "linear"
-        if t.style == "colwise_gather_output":
+        if t.style == "vocab_parallel" and getattr(mod, "padding_idx", None) is not None:
+            hooks.append(_local_padding(mod, shapes))
+        elif t.style == "colwise_gather_output":
             hooks.append(mod.register_forward_hook(_widen(out_width(mod, kind))))
         elif t.style == "rowwise_split_input":
             local = in_width(mod, kind)
@@ -115,6 +117,25 @@ def _brief(exc: Exception) -> str:
     ):
         return _NOTHING_LEARNED  # the fake forward cannot run this model at all
     return f"{type(exc).__name__}: {first[:160]}"
+
+
+class _Restore:
+    """A temporary attribute change with a hook's ``remove()``, undone with the hooks."""
+
+    def __init__(self, module: nn.Module, attr: str, value: Any):
+        self.module, self.attr, self.saved = module, attr, getattr(module, attr)
+        setattr(module, attr, value)
+
+    def remove(self) -> None:
+        setattr(self.module, self.attr, self.saved)
+
+
+def _local_padding(mod: nn.Module, shapes: Mapping[int, tuple]) -> _Restore:
+    """A vocab-parallel embedding's ``padding_idx`` as rank 0's rows see it (the style makes it
+    local, or None when another rank owns it): F.embedding asserts it is within the shard."""
+    rows = shapes.get(id(mod.weight), tuple(mod.weight.shape))[0]
+    pad = mod.padding_idx
+    return _Restore(mod, "padding_idx", pad if 0 <= pad < rows else None)
 
 
 def _narrow(local: int):

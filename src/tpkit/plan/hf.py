@@ -24,14 +24,23 @@ def _config_plan(model: nn.Module) -> dict[str, str]:
     return dict(plan or {})
 
 
-def _base_prefix(model: nn.Module) -> str:
-    """Dotted path from ``model`` to its base model ("" when model is the base model)."""
+def _base_prefix(model: nn.Module, keys: list[str]) -> str:
+    """Dotted path from ``model`` to its base model ("" when model is the base model).
+
+    transformers finds the base model by ``base_model_prefix``; a class whose prefix names no
+    attribute (Llama 4's causal LM says ``language_model``, its base model sits at ``model``)
+    gets itself back, and its plan would match nothing. Then the prefix is the shallowest
+    child under which the plan's keys name modules."""
     base = getattr(model, "base_model", model)
-    if base is model:
+    names = [n for n, _ in model.named_modules()]
+    if base is not model:
+        return next((n for n, m in model.named_modules() if m is base), "")
+    if any(matches(k, n) for k in keys for n in names):
         return ""
-    for name, module in model.named_modules():
-        if module is base:
-            return name
+    for prefix, _ in model.named_children():
+        inside = [n[len(prefix) + 1 :] for n in names if n.startswith(prefix + ".")]
+        if any(matches(k, n) for k in keys for n in inside):
+            return prefix
     return ""
 
 
@@ -61,7 +70,7 @@ def hf_plan(model: nn.Module) -> Plan | None:
     base_entries = _config_plan(model)
     if not base_entries:
         return None
-    prefix = _base_prefix(model)
+    prefix = _base_prefix(model, list(base_entries))
     join = (lambda k: f"{prefix}.{k}") if prefix else (lambda k: k)
     plan = Plan()
     embed = getattr(model, "get_input_embeddings", lambda: None)()

@@ -1,0 +1,94 @@
+"""Shared checks for the full-size and parity tests: a tiny architecture split at tp vs the
+unsharded model (logits and every gradient), and the share of >=2-D parameter bytes a plan
+shards on an architecture's default (full-size) config built on the meta device."""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _logits(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def tiny_parity(model_type: str, class_name: str, overrides: dict | None = None) -> dict:
+    """Run on every rank: max |diff| of the logits and of every parameter gradient (backward of
+    a fixed random projection of the logits) between ``tensor_parallel`` and the unsharded
+    model, and the share of >=2-D parameters it sharded."""
+    import transformers
+
+    import tpkit
+    from tests.tiny import inputs, tiny_config
+
+    config = tiny_config(model_type, class_name)
+    for k, v in (overrides or {}).items():
+        setattr(config, k, v)
+    torch.manual_seed(0)
+    ref = getattr(transformers, class_name)(config).float().eval()
+    kind = "seq2seq" if getattr(config, "is_encoder_decoder", False) else "causal-lm"
+    x = inputs(ref, kind)
+    model = tpkit.tensor_parallel(copy.deepcopy(ref))
+    w = None
+    for m in (ref, model):
+        out = _logits(m(**x))
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)) if w is None else w
+        (out * w).sum().backward()
+        m._out = out.detach()
+    ref_params = dict(ref.named_parameters())
+    grad, top, worst, missing, total, sharded = 0.0, 0.0, "", [], 0, 0
+    for name, p in model.named_parameters():
+        g, want = p.grad, ref_params[name].grad
+        if (g is None) != (want is None):
+            missing.append(name)
+            continue
+        if p.ndim >= 2:
+            total += p.numel()
+            sharded += p.numel() if isinstance(p, DTensor) and p.placements[0].is_shard() else 0
+        if g is not None:
+            g = g.full_tensor() if isinstance(g, DTensor) else g
+            diff = (g - want).abs().max().item()
+            worst = name if diff > grad else worst
+            grad, top = max(grad, diff), max(top, want.abs().max().item())
+    return {
+        "logits": (model._out - ref._out).abs().max().item(),
+        "grad": grad,
+        "grad_scale": top,
+        "worst": worst,
+        "missing": missing,
+        "share": sharded / max(1, total),
+    }
+
+
+def full_size_share(class_name: str, tp: int = 2, **overrides: Any) -> tuple[float, dict]:
+    """Share of >=2-D parameter elements the derived plan shards for the architecture's default
+    config on the meta device (validated at ``tp``), and the largest whole ones by pattern."""
+    import transformers
+
+    from tpkit.plan import derive_plan, param_layouts, validate
+
+    cls = getattr(transformers, class_name)
+    config = cls.config_class(**overrides)
+    with torch.device("meta"):
+        model = cls(config).float()
+    plan = derive_plan(model, "auto", tp)
+    validate(model, plan, tp)
+    layouts = param_layouts(model, plan)
+    total = sharded = 0
+    whole: dict[str, int] = {}
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if p.ndim < 2 or id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        if layouts[name][1].sharded:
+            sharded += p.numel()
+        else:
+            key = re.sub(r"\.\d+\.", ".*.", name)
+            whole[key] = whole.get(key, 0) + p.numel()
+    return sharded / max(1, total), dict(sorted(whole.items(), key=lambda kv: -kv[1])[:5])

@@ -7,7 +7,12 @@ that moves one breaks one file, and the rest of tpkit imports only public names 
 from __future__ import annotations
 
 # Fake tensors: shapes and dtypes without memory, what torch.compile traces with.
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 
 # DCP's own key flattening and nested-dict writer: the only way to compare keys exactly as DCP
 # will and to put loaded non-tensor items back where DCP's planner would.
@@ -23,6 +28,8 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
     "FakeTensorMode",
     "StorageInfo",
     "StridedShard",
@@ -30,4 +37,5 @@ __all__ = [
     "set_element",
     "tree_flatten",
     "tree_map",
+    "unset_fake_temporarily",
 ]

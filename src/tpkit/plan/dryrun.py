@@ -10,6 +10,7 @@ a group left whole) and validation can check a user's entries. A failure names t
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ from tpkit.plan.fake import (
 )
 from tpkit.plan.fixups import apply_fixups
 from tpkit.plan.layout import in_width, kind_of, local_shape, out_width, param_layouts
+from tpkit.plan.shadow import ShadowValues, needs_values
 from tpkit.plan.spec import Plan
 
 __all__ = ["dry_run", "fewest_replicated"]
@@ -37,9 +39,12 @@ _NOTHING_LEARNED = "<nothing learned>"
 def dry_run(model: nn.Module, plan: Plan, example: tuple | Mapping | None, tp: int) -> str | None:
     """None when ``model`` runs with ``plan`` at ``tp`` on fake tensors (rank 0's shard shapes,
     fix-ups applied), else the error in brief. A model whose code needs real values (a
-    data-dependent branch) is dry-run on its real weights with zero shards when it is small,
-    and otherwise counts as passing: nothing can be learned without running it."""
+    data-dependent branch) is dry-run again with made-up routing values (`tpkit.plan.shadow`),
+    then on its real weights with zero shards when it is small, and otherwise counts as
+    passing: nothing can be learned without running it."""
     error = _dry_run_once(model, plan, example, tp, real=False)
+    if error == _NOTHING_LEARNED:  # data-dependent routing: made-up values (`plan.shadow`)
+        error = _dry_run_once(model, plan, example, tp, real=False, values=True)
     if error == _NOTHING_LEARNED:
         params = list(model.parameters())
         real = params and params[0].device.type != "meta"
@@ -81,7 +86,9 @@ def _width_hooks(model: nn.Module, plan: Plan, shapes: Mapping[int, tuple]) -> l
     return hooks
 
 
-def _dry_run_once(model: nn.Module, plan: Plan, example, tp: int, real: bool) -> str | None:
+def _dry_run_once(
+    model: nn.Module, plan: Plan, example, tp: int, real: bool, values: bool = False
+) -> str | None:
     """None when a forward with rank 0's shapes runs, else the error in brief."""
     plan = plan.copy()
     plan.settle_groups(tp)  # what tp does not divide is validation's to report
@@ -97,7 +104,8 @@ def _dry_run_once(model: nn.Module, plan: Plan, example, tp: int, real: bool) ->
                 with real_state(model, shapes):
                     model(*args, **kwargs)
             else:
-                with meta_state(model, fake, shapes), fake_friendly_experts(model), fake:
+                shadow = ShadowValues(fake) if values else contextlib.nullcontext()
+                with meta_state(model, fake, shapes), fake_friendly_experts(model), fake, shadow:
                     model(*args, **kwargs)
         return None
     except Exception as exc:  # noqa: BLE001 - whatever the model's code raises
@@ -110,11 +118,7 @@ def _dry_run_once(model: nn.Module, plan: Plan, example, tp: int, real: bool) ->
 
 def _brief(exc: Exception) -> str:
     first = (str(exc).strip().splitlines() or [""])[0]
-    if (
-        "Tensor.item()" in first
-        or "data-dependent" in first.lower()
-        or "DataDependent" in type(exc).__name__
-    ):
+    if needs_values(exc):
         return _NOTHING_LEARNED  # the fake forward cannot run this model at all
     return f"{type(exc).__name__}: {first[:160]}"
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tpkit.compat import tree_map
-from tpkit.plan.layout import kind_of
+from tpkit.plan.layout import in_width, kind_of
 
 __all__ = [
     "REAL_TRACE_MAX_PARAMS",
@@ -56,7 +56,7 @@ def example_inputs(model: nn.Module) -> tuple[tuple, dict]:
         if kind == "embedding":
             return (ids,), {}
         if kind:
-            width = mod.weight.shape[0] if kind == "conv1d" else mod.weight.shape[1]
+            width = in_width(mod, kind)
             dtype = mod.weight.dtype if mod.weight.is_floating_point() else torch.float32
             return (torch.zeros((*shape, width), dtype=dtype, device="meta"),), {}
     raise ValueError(f"{type(model).__name__} has no Linear, Conv1D or Embedding to trace.")

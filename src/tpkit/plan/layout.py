@@ -54,23 +54,29 @@ def is_conv1d(module: nn.Module | None) -> bool:
 
 
 def kind_of(module: nn.Module) -> str | None:
+    """``linear``, ``conv1d``, ``embedding``, or ``experts``: a leaf module whose own weight is
+    3-D ``[experts, out, in]``, each expert a linear (JetMoE's ``ParallelExperts``, the layout
+    of MegaBlocks, ScatterMoE and vLLM); the trace checks the widths it computes with."""
     if isinstance(module, nn.Linear):
         return "linear"
     if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
         return "conv1d"
     if isinstance(module, nn.Embedding):
         return "embedding"
+    w = module._parameters.get("weight")
+    if w is not None and w.ndim == 3 and not module._modules:
+        return "experts"
     return None
 
 
 def out_width(module: nn.Module, kind: str) -> int:
     w = module.weight
-    return int(w.shape[1] if kind in ("conv1d", "embedding") else w.shape[0])
+    return int(w.shape[1] if kind in ("conv1d", "embedding") else w.shape[-2])
 
 
 def in_width(module: nn.Module, kind: str) -> int:
     w = module.weight
-    return int(w.shape[0] if kind == "conv1d" else w.shape[1])
+    return int(w.shape[0] if kind == "conv1d" else w.shape[-1])
 
 
 def param_layout(

@@ -34,6 +34,7 @@ from tpkit.plan.fake import (
     quiet_fake_tensors,
 )
 from tpkit.plan.layout import kind_of, out_width
+from tpkit.plan.shadow import ShadowValues, needs_values
 
 __all__ = ["STREAM", "Node", "blocks", "repeated_blocks", "reuse_traces", "trace"]
 
@@ -112,7 +113,10 @@ class _Tracer(TorchFunctionMode):
                 # another module computes with this weight (Mamba's dt_proj.weight): its
                 # layout must stay whole
                 self.nodes[owner].needs_whole = "its weight is read outside its own forward"
-        tags: frozenset[str] = frozenset().union(*(self.tag(t) for t in inputs))
+        # features flow through float tensors; an index or a mask (a router's top-k choice)
+        # says where rows go, not what they hold
+        feats = [t for t in inputs if t.is_floating_point() or t.is_complex()]
+        tags: frozenset[str] = frozenset().union(*(self.tag(t) for t in feats))
         if STREAM in tags and len(tags) > 1:
             tags = self.into_stream(tags)
         name = getattr(func, "__name__", "")
@@ -262,7 +266,12 @@ def trace(
     cache = _TRACES.get() if example is None and not real else None
     if cache is not None and id(model) in cache:
         return cache[id(model)]
-    info = _TraceHooks(model).run(example, real)
+    try:
+        info = _TraceHooks(model).run(example, real)
+    except Exception as exc:
+        if real or not needs_values(exc):
+            raise
+        info = _TraceHooks(model).run(example, real, values=True)  # data-dependent routing
     if cache is not None:
         cache[id(model)] = info
     return info
@@ -285,7 +294,8 @@ class _TraceHooks:
         self.block_ids = {id(m) for _, m in self.blocks}
         self.module_inputs: dict[str, list[tuple[str, tuple, frozenset]]] = {}
 
-    def run(self, example, real: bool) -> dict[str, Any]:
+    def run(self, example, real: bool, values: bool = False) -> dict[str, Any]:
+        """One forward with the hooks; ``values``: with `ShadowValues` (data-dependent code)."""
         model = self.model
         hooks = []
         for mod in model.modules():
@@ -301,7 +311,8 @@ class _TraceHooks:
                     fake = FakeTensorMode(allow_non_fake_inputs=True)
                     args, kwargs = fake_inputs(model, example, fake, real=False)
                     state, experts = meta_state(model, fake), fake_friendly_experts(model)
-                    with state, experts, torch.no_grad(), fake, self.tracer:
+                    shadow = ShadowValues(fake) if values else contextlib.nullcontext()
+                    with state, experts, torch.no_grad(), fake, shadow, self.tracer:
                         model(*args, **kwargs)
         finally:
             for h in hooks:

@@ -1,0 +1,170 @@
+"""Values for data-dependent routing on fake tensors: what lets a full-size MoE be planned.
+
+Fake tensors carry shapes, not values, so model code that reads a value (JetMoE's
+``expert_size.tolist()``, Switch Transformers' ``mask.nonzero()`` and ``f"expert_{idx}"``) stops
+a fake forward, and a model on the meta device (or too big to run) could not be traced or
+dry-run at all. `ShadowValues` gives such code values that are cheap and consistent:
+
+- routing decisions (``topk``, ``argmax``, ``sort`` ... indices) get a round-robin *shadow*:
+  row r picks experts ``(r * k + j) % n``, so every expert receives tokens and is traced;
+- any op with a shadowed input is also computed for real on small CPU tensors (shadows, and
+  zeros -- or all-True masks -- for the other inputs), which gives its outputs shadows too;
+  a weight too large for that (``LIMIT``) stops the shadow there, so a full-size model's
+  dense layers stay fake;
+- an op whose output shape or Python result depends on values gets its answer from that real
+  computation, and its fake output is built from it.
+
+The dataflow the trace sees is the model's own; only which tokens go to which expert is made
+up, and no value reaches a plan. Used only after a plain fake forward failed on values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from tpkit.compat import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    tree_flatten,
+    tree_map,
+    unset_fake_temporarily,
+)
+
+__all__ = ["LIMIT", "ShadowValues", "needs_values"]
+
+#: Largest tensor (elements) substituted by zeros in a real shadow computation.
+LIMIT = 1 << 20
+#: routing ops -> (position of their ``dim`` argument, whether the index output keeps that dim)
+_ROUTING = {
+    "topk": (2, True),
+    "sort": (1, True),
+    "argsort": (1, True),
+    "argmax": (1, False),
+    "argmin": (1, False),
+    "max": (1, False),
+    "min": (1, False),
+}
+
+
+def needs_values(exc: BaseException) -> bool:
+    """True when ``exc`` says a fake forward needed a value (the case `ShadowValues` fixes)."""
+    text = f"{type(exc).__name__} {str(exc)[:400]}"
+    keys = ("DataDependent", "DynamicOutputShape", "data-dependent", "Tensor.item()")
+    return isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)) or any(
+        k in text for k in keys
+    )
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+class ShadowValues(TorchFunctionMode):
+    """See the module docstring. Enter inside the fake mode, before a tracer."""
+
+    def __init__(self, fake: Any):
+        super().__init__()
+        self.fake = fake
+        self.shadow: dict[int, torch.Tensor] = {}
+        self.keep: list[torch.Tensor] = []  # ids stay unique while shadows are held
+
+    def _set(self, t: torch.Tensor, value: torch.Tensor) -> None:
+        if tuple(value.shape) == tuple(t.shape):
+            self.keep.append(t)
+            self.shadow[id(t)] = value
+
+    def _value(self, t: torch.Tensor) -> torch.Tensor | None:
+        if id(t) in self.shadow:
+            return self.shadow[id(t)]
+        if t.numel() > LIMIT:
+            return None
+        with unset_fake_temporarily():
+            if t.dtype == torch.bool:  # a mask: everything routes everywhere
+                return torch.ones(t.shape, dtype=t.dtype)
+            return torch.zeros(t.shape, dtype=t.dtype)
+
+    def _real(self, func, args: tuple, kwargs: dict) -> tuple[bool, Any, list]:
+        """(ok, result, substituted inputs) of ``func`` on shadows and stand-ins."""
+        inputs: dict[int, torch.Tensor] = {}
+        for t in _tensors((args, kwargs)):
+            value = self._value(t)
+            if value is None:
+                return False, None, []
+            inputs[id(t)] = value
+        swap = lambda v: inputs[id(v)] if isinstance(v, torch.Tensor) else v  # noqa: E731
+        try:
+            with unset_fake_temporarily(), torch.no_grad():
+                real_args, real_kwargs = tree_map(swap, (args, kwargs))
+                return True, func(*real_args, **real_kwargs), [real_args, real_kwargs]
+        except Exception:  # noqa: BLE001 - a stand-in the op cannot take: no shadow then
+            return False, None, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        shadowed = any(id(t) in self.shadow for t in _tensors((args, kwargs)))
+        try:
+            out = func(*args, **kwargs)
+        except Exception as exc:
+            if not needs_values(exc):
+                raise
+            ok, real, _ = self._real(func, args, kwargs)
+            if not ok:
+                raise
+            return self._fake_of(real)
+        if name in _ROUTING and isinstance(args[0] if args else None, torch.Tensor):
+            self._route(name, out, args, kwargs)
+        elif shadowed:
+            ok, real, used = self._real(func, args, kwargs)
+            if ok and real is not None and not _tensors(out) and not _tensors(real):
+                return real  # a Python value read off a tensor (format, tolist, bool)
+            if ok:
+                self._attach(out, real)
+                if (name.endswith("_") or name == "__setitem__") and args:
+                    self._set(args[0], _tensors(used)[0])
+        return out
+
+    def _attach(self, out: Any, real: Any) -> None:
+        for t, r in zip(_tensors(out), _tensors(real), strict=False):
+            self._set(t, r)
+
+    def _fake_of(self, real: Any) -> Any:
+        def convert(r: Any) -> Any:
+            if not isinstance(r, torch.Tensor):
+                return r
+            with unset_fake_temporarily():
+                meta = r.to("meta")  # where every other fake tensor of the run lives
+            f = self.fake.from_tensor(meta)
+            self._set(f, r)
+            return f
+
+        return tree_map(convert, real)
+
+    def _route(self, name: str, out: Any, args: tuple, kwargs: dict) -> None:
+        """Round-robin indices for a routing op's index output (see the module docstring)."""
+        pos, keeps = _ROUTING[name]
+        dim = kwargs.get("dim", args[pos] if len(args) > pos else None)
+        outs = _tensors(out)
+        indices = outs[-1] if name in ("argmax", "argmin", "argsort") else None
+        indices = outs[1] if indices is None and len(outs) > 1 else indices
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if not isinstance(indices, torch.Tensor) or src is None or indices.numel() > LIMIT:
+            return
+        with unset_fake_temporarily():
+            if dim is None or not isinstance(dim, int):  # over the flattened input
+                picks = torch.arange(indices.numel()) % max(1, src.numel())
+            else:
+                dim %= max(1, src.ndim)
+                n = src.shape[dim] if src.ndim else 1
+                kept = keeps or kwargs.get("keepdim") or (len(args) > pos + 1 and args[pos + 1])
+                if not kept or indices.ndim == 0:
+                    picks = torch.arange(indices.numel()) % n
+                else:
+                    moved = indices.movedim(dim, -1).shape
+                    rows, k = indices.numel() // max(1, moved[-1]), moved[-1]
+                    picks = (torch.arange(rows)[:, None] * k + torch.arange(k)[None, :]) % n
+                    picks = picks.reshape(moved).movedim(-1, dim)
+            self._set(indices, picks.reshape(indices.shape).to(indices.dtype))

@@ -92,5 +92,5 @@ def test_parity_tp2(ranks2):
 def test_parity_tp4(ranks4):
     switch = "SwitchTransformersForConditionalGeneration"
     _assert_parity(ranks4.run(tiny_parity, "switch_transformers", switch, timeout=120))
-    narrow = {**GROUPED_MM, "moe_intermediate_size": 8, "num_key_value_heads": 4}  # 8-byte rows
+    narrow = {**GROUPED_MM, "moe_intermediate_size": 8}  # 8-byte rows; KV heads 2 < tp
     _assert_parity(ranks4.run(tiny_parity, "qwen3_moe", "Qwen3MoeForCausalLM", narrow))

@@ -100,6 +100,13 @@ _BUILTIN = (
         packed_parts=3,
     ),
     StyleSpec(
+        "colwise_replicated_heads",
+        "column",
+        "K_r = X W[head r*kv/tp]: KV heads fewer than tp, each rank computes the one its query "
+        "heads read; weight replicated, gradient all-reduced (ranks sharing a head add up)",
+        # the weight is kept whole on every rank (shard None): its layout is replicated
+    ),
+    StyleSpec(
         "colwise_embedding",
         "column",
         "E_i = E[:, cols_i]: embedding columns split (a per-head bias table), output sharded",

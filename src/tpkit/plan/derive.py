@@ -22,6 +22,7 @@ from tpkit.plan.complete import (
 from tpkit.plan.dryrun import dry_run
 from tpkit.plan.hf import hf_plan
 from tpkit.plan.infer import infer_plan
+from tpkit.plan.kvheads import replicate_kv_heads
 from tpkit.plan.spec import Plan
 from tpkit.plan.trace import reuse_traces
 
@@ -89,6 +90,7 @@ def derive_plan(
             out = _base_plan(model, example_inputs).merged(_user_plan(plan))
         out = complete_grad_allreduce(model, complete_vocab_children(model, out), example_inputs)
     if tp_size is not None and tp_size > 1:
+        replicate_kv_heads(model, out, tp_size)  # fewer KV heads than tp: not a refusal
         out.settle_groups(tp_size)
     return out
 

@@ -27,6 +27,7 @@ from tpkit.plan.fake import (
     real_state,
 )
 from tpkit.plan.fixups import apply_fixups
+from tpkit.plan.kvheads import replicate_kv_heads
 from tpkit.plan.layout import in_width, kind_of, local_shape, out_width, param_layouts
 from tpkit.plan.shadow import ShadowValues, needs_values
 from tpkit.plan.spec import Plan
@@ -76,6 +77,9 @@ def _width_hooks(model: nn.Module, plan: Plan, shapes: Mapping[int, tuple]) -> l
         kind = kind_of(mod) or "linear"
         if t.style == "vocab_parallel" and getattr(mod, "padding_idx", None) is not None:
             hooks.append(_local_padding(mod, shapes))
+        elif t.style == "colwise_replicated_heads":  # this rank's one KV head
+            width = out_width(mod, kind) // int(plan.args_for(t.pattern).get("heads", 1))
+            hooks.append(mod.register_forward_hook(_widen(width)))
         elif t.style == "colwise_gather_output":
             hooks.append(mod.register_forward_hook(_widen(out_width(mod, kind))))
         elif t.style == "rowwise_split_input":
@@ -91,6 +95,7 @@ def _dry_run_once(
 ) -> str | None:
     """None when a forward with rank 0's shapes runs, else the error in brief."""
     plan = plan.copy()
+    replicate_kv_heads(model, plan, tp)  # as derivation lays the plan out for this tp
     plan.settle_groups(tp)  # what tp does not divide is validation's to report
     shapes = _shard_shapes(model, plan, tp)
     undo, hooks = (lambda: None), []

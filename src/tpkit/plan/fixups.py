@@ -11,6 +11,8 @@ undone afterwards), and `tpkit plan` prints them:
   parameter's dimension (``nf`` of a column-parallel Conv1D, exact for uneven splits too).
   Derived from the plan's styles by one rule (`shard_width_fixups`, `FORWARD_WIDTH_ATTRS`)
   wherever fix-ups are applied or printed, so no plan source has to remember it;
+- ``set``: ``{attr: value}``: the attribute becomes ``value`` on every rank (one KV head per
+  rank when KV heads are replicated, `tpkit.plan.kvheads`);
 - ``head_inputs``: ``{"kw:alibi": 0}``: a per-head input computed outside the module is sliced
   to the rank's contiguous heads, along dim 0 (batch*heads) or dim 1 (heads).
 
@@ -141,6 +143,10 @@ def apply_fixups(
                 restore.append((module, attr, value))
                 setattr(module, attr, value // tp)
                 heads = heads or (value if attr in HEAD_ATTRS else None)
+        for attr, value in (fix.get("set") or {}).items():  # per-rank values (kvheads.py)
+            if hasattr(module, attr):
+                restore.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, value)
         for attr, (pname, dim) in (fix.get("shard_width") or {}).items():
             restore.append((module, attr, getattr(module, attr)))
             style = styles.get(name, "replicate")

@@ -19,6 +19,7 @@ from torch import nn
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.dryrun import dry_run
 from tpkit.plan.fixups import HEAD_ATTRS
+from tpkit.plan.kvheads import KV_ATTRS, head_counts
 from tpkit.plan.layout import param_layouts
 from tpkit.plan.spec import Plan
 from tpkit.plan.trace import repeated_blocks, trace
@@ -79,6 +80,7 @@ def problems(
     for owner, label, count in constraints:
         if count % tp_size:
             found.append(f"tp_size={tp_size} does not divide {label} of {owner}; {fix}.")
+    found += _replicated_heads_problems(model, plan, tp_size)
     found += _tied_problems(model, plan)
     found += _identity_expert_problems(model, plan)
     found += _dtype_problems(model, plan)
@@ -109,10 +111,13 @@ def _head_constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]
     """Head counts of every module whose projections the plan splits by output."""
     modules = dict(model.named_modules())
     owners: dict[str, nn.Module] = {}
+    kv_whole: set[str] = set()  # attentions whose KV heads are replicated (plan.kvheads)
     for t in plan.resolve(model):
         if t.kind == "module" and style_spec(t.style).splits_output and "." in t.name:
             parent = t.name.rsplit(".", 1)[0]
             owners.setdefault(parent, modules[parent])
+            if t.style == "colwise_replicated_heads":
+                kv_whole.add(parent)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
@@ -126,9 +131,31 @@ def _head_constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]
         for src in sources:
             for attr in HEAD_ATTRS:
                 value = _read(src, attr)
+                if name in kv_whole and attr in KV_ATTRS:
+                    continue  # whole KV heads, each on tp / kv ranks: replicated_heads_problems
                 if isinstance(value, int) and value > 0 and (attr, value) not in seen:
                     seen.add((attr, value))
                     out.append((name, f"{attr}={value}", value))
+    return out
+
+
+def _replicated_heads_problems(model: nn.Module, plan: Plan, tp: int) -> list[str]:
+    """colwise_replicated_heads gives each rank one whole KV head: tp must be a multiple of the
+    KV heads, and tp must divide the attention's query heads."""
+    out = []
+    modules = dict(model.named_modules())
+    for t in plan.resolve(model):
+        if t.kind != "module" or t.style != "colwise_replicated_heads":
+            continue
+        kv = int(plan.args_for(t.pattern).get("heads", 1))
+        q, _, _ = head_counts(model, modules[t.name.rsplit(".", 1)[0]])
+        if kv <= 0 or tp % kv or (q and q % tp):
+            out.append(
+                f"{t.name} is colwise_replicated_heads with {kv} KV heads and {q} query heads: "
+                f"tp_size={tp} must be a multiple of the KV heads and divide the query heads; "
+                f"use a tp_size that does, or plain colwise when tp divides the KV heads."
+            )
+            break
     return out
 
 

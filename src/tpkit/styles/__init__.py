@@ -38,6 +38,7 @@ from tpkit.styles.linear import (
     PackedColwiseStyle,
     PackedQKVColwiseStyle,
     PackedRowwiseStyle,
+    ReplicatedHeadsColwiseStyle,
     RowwiseSplitInputStyle,
     RowwiseStyle,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "ParentSwap",
     "ReplicateGradAllReduceStyle",
     "ReplicateStyle",
+    "ReplicatedHeadsColwiseStyle",
     "RowwiseSplitInputStyle",
     "RowwiseStyle",
     "TPStyle",
@@ -78,6 +80,7 @@ for _cls in (
     GatherOutputStyle,
     RowwiseStyle,
     PackedRowwiseStyle,
+    ReplicatedHeadsColwiseStyle,
     RowwiseSplitInputStyle,
     VocabParallelStyle,
     AllReduceStyle,

@@ -5,6 +5,7 @@ X is the input, W the weight split over ranks i, t the tp size:
 - `ColwiseStyle`:           Y_i = X W_i, output features split; f on X (its gradient is summed)
 - `PackedColwiseStyle`:     the same for a fused [gate; up] (each part split separately)
 - `PackedQKVColwiseStyle`:  the same for a fused [q; k; v] (GPT-2 ``c_attn``)
+- `ReplicatedHeadsColwiseStyle`: KV heads fewer than tp: the whole weight, this rank's head
 - `GatherOutputStyle`:      Y = [X W_0, ..., X W_t-1], all-gathered (the lm_head); uneven ok
 - `RowwiseStyle`:           Y = sum_i X_i W_i + b, one all-reduce (g), the bias added once after
 - `PackedRowwiseStyle`:     the same with the input features split per packed part
@@ -30,6 +31,7 @@ __all__ = [
     "PackedQKVColwiseStyle",
     "PackedRowwiseStyle",
     "RowwiseSplitInputStyle",
+    "ReplicatedHeadsColwiseStyle",
     "RowwiseStyle",
 ]
 
@@ -71,6 +73,37 @@ class PackedQKVColwiseStyle(ColwiseStyle):
     """Colwise on a fused [q; k; v] (GPT-2's ``c_attn``): each of the 3 parts split separately."""
 
     name = "packed_qkv_colwise"
+
+
+class ReplicatedHeadsColwiseStyle(ColwiseStyle):
+    """KV heads fewer than tp (`tpkit.plan.kvheads`): the weight stays whole on every rank and
+    this rank computes only KV head ``rank * heads // tp``, the one its query heads read. f on
+    X as in colwise; the weight's gradient is all-reduced, since the tp / heads ranks sharing
+    a head each add their own queries' share (the others add zeros to its rows)."""
+
+    name = "colwise_replicated_heads"
+    grad_allreduce = True
+
+    def __init__(self, *, heads: int = 1, **options: Any) -> None:
+        super().__init__(**options)
+        self.heads = int(heads)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", heads={self.heads}"
+
+    def _setup(self, module: nn.Module) -> None:
+        w = module._parameters["weight"]
+        self.dim = param_layout("colwise", "weight", w.ndim, module).dim
+        width = w.shape[self.dim] // self.heads
+        self.start = (self.rank * self.heads // self.tp) * width
+        self.width = width
+
+    def _swap_in(self, module: nn.Module) -> None:
+        super()._swap_in(module)
+        params = module._parameters
+        params["weight"] = params["weight"].narrow(self.dim, self.start, self.width)
+        if params.get("bias") is not None:
+            params["bias"] = params["bias"].narrow(0, self.start, self.width)
 
 
 class GatherOutputStyle(ColwiseStyle):

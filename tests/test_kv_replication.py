@@ -1,0 +1,79 @@
+"""KV heads fewer than tp: each KV head replicated over tp / kv ranks (vLLM's layout), query
+heads still split; logits and every gradient (the replicated K/V weights' too, summed over the
+ranks sharing a head) match the unsharded model at tp=2 and tp=4. Bad layouts are one clear
+ValueError before any collective."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tests.parity import full_size_share, tiny_parity
+from tests.tiny import tiny_config
+
+TOL = 1e-5
+
+
+def _tiny_meta(kv: int, model_type="llama", cls="LlamaForCausalLM"):
+    config = tiny_config(model_type, cls)
+    config.num_key_value_heads = kv
+    with torch.device("meta"):
+        return getattr(transformers, cls)(config)
+
+
+@pytest.mark.parametrize(("kv", "tp"), [(2, 4), (1, 2), (1, 4)])
+def test_plan_replicates_kv_heads(kv, tp):
+    from tpkit.plan import derive_plan, validate
+
+    model = _tiny_meta(kv)
+    plan = derive_plan(model, "auto", tp)
+    validate(model, plan, tp)
+    for proj in ("k_proj", "v_proj"):
+        style, pattern = plan.style_for(f"model.layers.0.self_attn.{proj}")
+        assert style == "colwise_replicated_heads" and plan.args_for(pattern) == {"heads": kv}
+    assert plan.style_for("model.layers.0.self_attn.q_proj")[0] == "colwise"
+    assert plan.fixups_for("model.layers.0.self_attn")["set"] == {"num_key_value_groups": 4 // tp}
+
+
+def test_kv_heads_tp_divides_stay_plain_colwise():
+    from tpkit.plan import derive_plan
+
+    plan = derive_plan(_tiny_meta(2), "auto", 2)
+    assert plan.style_for("model.layers.0.self_attn.k_proj")[0] == "colwise"
+
+
+def test_bad_replicated_heads_refused_with_the_numbers():
+    from tpkit.plan import derive_plan, validate
+
+    model = _tiny_meta(2)
+    user = {"model.layers.*.self_attn.k_proj": "colwise_replicated_heads"}
+    plan = derive_plan(model, user, 3)
+    plan.args["model.layers.*.self_attn.k_proj"] = {"heads": 2}
+    with pytest.raises(ValueError, match=r"k_proj is colwise_replicated_heads with 2 KV heads"):
+        validate(model, plan, 3)
+
+
+def test_full_size_mqa_share():
+    share, whole = full_size_share("LlamaForCausalLM", 2, num_key_value_heads=1)
+    assert share >= 0.97, (share, whole)  # only the whole K/V projections stay replicated
+
+
+def _assert_parity(results):
+    for r in results:
+        assert r["logits"] <= TOL, r
+        assert r["grad"] <= TOL * max(1.0, r["grad_scale"]), r  # float32 sums in another order
+        assert not r["missing"], r
+
+
+def test_parity_tp2(ranks2):
+    for model_type, cls in (("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")):
+        _assert_parity(ranks2.run(tiny_parity, model_type, cls, {"num_key_value_heads": 1}))
+
+
+def test_parity_tp4(ranks4):
+    for kv in (2, 1):
+        overrides = {"num_key_value_heads": kv}
+        _assert_parity(ranks4.run(tiny_parity, "llama", "LlamaForCausalLM", overrides))
+    overrides = {"num_key_value_heads": 2}  # per-head k_norm on the replicated heads
+    _assert_parity(ranks4.run(tiny_parity, "qwen3", "Qwen3ForCausalLM", overrides))

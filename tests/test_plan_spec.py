@@ -100,12 +100,13 @@ def test_kv_heads_not_divisible():
 
 def test_width_not_divisible():
     model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 8))
-    plan = derive_plan(model, {"0": "colwise", "2": "rowwise"})
+    validate(model, derive_plan(model, {"0": "colwise", "2": "rowwise"}), 4)  # 2, 2, 2, 0: exact
+    packed = derive_plan(model, {"0": "packed_colwise", "2": "packed_rowwise"})
     with pytest.raises(
-        ValueError, match=r"tp_size=4 does not divide the output features \(6\) of 0.weight"
+        ValueError,
+        match=r"tp_size=4 does not divide the output features per packed part \(2 parts\) \(3\)",
     ):
-        validate(model, plan, 4)
-    validate(model, plan, 2)  # 6 splits in two
+        validate(model, packed, 4)
 
 
 def test_world_size_not_divisible():

@@ -27,7 +27,8 @@ def test_roles_answer_what_used_to_be_lists_of_column_styles():
     assert {n for n in columns if style_spec(n).splits_output} == columns
     assert style_spec("rowwise").splits_input and style_spec("packed_rowwise").packed_parts == 2
     assert not style_spec("colwise_gather_output").splits_output  # gathered: whole output
-    assert style_spec("vocab_parallel").uneven_ok and not style_spec("colwise").uneven_ok
+    assert style_spec("vocab_parallel").uneven_ok and style_spec("colwise").uneven_ok
+    assert not style_spec("packed_colwise").uneven_ok  # each part split: chunks would mix them
     assert style_spec("mla_kv_a_proj").name == "tail_grad_allreduce"  # transformers' name
 
 

@@ -82,6 +82,7 @@ _BUILTIN = (
         "column",
         "Y_i = X W_i: output features split, output stays sharded",
         shard="out",
+        uneven_ok=True,  # torch.chunk sizes; heads that tp does not divide are refused apart
         aliases=("local_colwise",),
     ),
     StyleSpec(
@@ -119,6 +120,7 @@ _BUILTIN = (
         "Y = sum_i X_i W_i + b: input features split, output all-reduced, bias added once",
         shard="in",
         collective="all_reduce",
+        uneven_ok=True,  # the same chunks as the column layer feeding it: sum_i X_i W_i exact
         aliases=("local_rowwise",),
     ),
     StyleSpec(

@@ -28,7 +28,14 @@ from tpkit.plan.fake import (
 )
 from tpkit.plan.fixups import apply_fixups
 from tpkit.plan.kvheads import replicate_kv_heads
-from tpkit.plan.layout import in_width, kind_of, local_shape, out_width, param_layouts
+from tpkit.plan.layout import (
+    chunk_offset,
+    in_width,
+    kind_of,
+    local_shape,
+    out_width,
+    param_layouts,
+)
 from tpkit.plan.shadow import ShadowValues, needs_values
 from tpkit.plan.spec import Plan
 
@@ -39,33 +46,56 @@ _NOTHING_LEARNED = "<nothing learned>"
 
 def dry_run(model: nn.Module, plan: Plan, example: tuple | Mapping | None, tp: int) -> str | None:
     """None when ``model`` runs with ``plan`` at ``tp`` on fake tensors (rank 0's shard shapes,
-    fix-ups applied), else the error in brief. A model whose code needs real values (a
-    data-dependent branch) is dry-run again with made-up routing values (`tpkit.plan.shadow`),
-    then on its real weights with zero shards when it is small, and otherwise counts as
-    passing: nothing can be learned without running it."""
-    error = _dry_run_once(model, plan, example, tp, real=False)
+    fix-ups applied; the last rank's too when a split is uneven), else the error in brief. A
+    model whose code needs real values (a data-dependent branch) is dry-run again with made-up
+    routing values (`tpkit.plan.shadow`), then on its real weights with zero shards when it is
+    small, and otherwise counts as passing: nothing can be learned without running it."""
+    for rank in (0, tp - 1) if _uneven(model, plan, tp) else (0,):
+        error = _dry_run_modes(model, plan, example, tp, rank)
+        if error is not None:
+            return error
+    return None
+
+
+def _dry_run_modes(model: nn.Module, plan: Plan, example, tp: int, rank: int) -> str | None:
+    error = _dry_run_once(model, plan, example, tp, real=False, rank=rank)
     if error == _NOTHING_LEARNED:  # data-dependent routing: made-up values (`plan.shadow`)
-        error = _dry_run_once(model, plan, example, tp, real=False, values=True)
+        error = _dry_run_once(model, plan, example, tp, real=False, values=True, rank=rank)
     if error == _NOTHING_LEARNED:
         params = list(model.parameters())
         real = params and params[0].device.type != "meta"
         small = sum(p.numel() for p in params) <= REAL_TRACE_MAX_PARAMS
-        error = _dry_run_once(model, plan, example, tp, real=True) if real and small else None
+        run = real and small
+        error = _dry_run_once(model, plan, example, tp, real=True, rank=rank) if run else None
     return None if error == _NOTHING_LEARNED else error
 
 
-def _shard_shapes(model: nn.Module, plan: Plan, tp: int) -> dict[int, tuple]:
-    """id(parameter) -> rank 0's shard shape, for every parameter the plan splits."""
+def _uneven(model: nn.Module, plan: Plan, tp: int) -> bool:
+    """Some parameter's shard is smaller on the last rank than on rank 0."""
+    layouts = param_layouts(model, plan)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        layout, shape = layouts[name][1], tuple(p.shape)
+        if layout.sharded and local_shape(shape, layout, tp, 0) != local_shape(
+            shape, layout, tp, tp - 1
+        ):
+            return True
+    return False
+
+
+def _shard_shapes(model: nn.Module, plan: Plan, tp: int, rank: int = 0) -> dict[int, tuple]:
+    """id(parameter) -> ``rank``'s shard shape, for every parameter the plan splits."""
     layouts = param_layouts(model, plan)
     shapes = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         layout = layouts[name][1]
         if layout.sharded:
-            shapes[id(p)] = local_shape(tuple(p.shape), layout, tp)
+            shapes[id(p)] = local_shape(tuple(p.shape), layout, tp, rank)
     return shapes
 
 
-def _width_hooks(model: nn.Module, plan: Plan, shapes: Mapping[int, tuple]) -> list:
+def _width_hooks(
+    model: nn.Module, plan: Plan, shapes: Mapping[int, tuple], tp: int, rank: int
+) -> list:
     """A gathered head hands on its full width; a row layer that slices its own input
     (rowwise_split_input) takes only its slice: hooks that do what those styles' collectives
     and slicing do to the shapes."""
@@ -76,7 +106,7 @@ def _width_hooks(model: nn.Module, plan: Plan, shapes: Mapping[int, tuple]) -> l
         mod = model.get_submodule(t.name)
         kind = kind_of(mod) or "linear"
         if t.style == "vocab_parallel" and getattr(mod, "padding_idx", None) is not None:
-            hooks.append(_local_padding(mod, shapes))
+            hooks.append(_local_padding(mod, shapes, tp, rank))
         elif t.style == "colwise_replicated_heads":  # this rank's one KV head
             width = out_width(mod, kind) // int(plan.args_for(t.pattern).get("heads", 1))
             hooks.append(mod.register_forward_hook(_widen(width)))
@@ -91,19 +121,26 @@ def _width_hooks(model: nn.Module, plan: Plan, shapes: Mapping[int, tuple]) -> l
 
 
 def _dry_run_once(
-    model: nn.Module, plan: Plan, example, tp: int, real: bool, values: bool = False
+    model: nn.Module,
+    plan: Plan,
+    example,
+    tp: int,
+    real: bool,
+    values: bool = False,
+    rank: int = 0,
 ) -> str | None:
-    """None when a forward with rank 0's shapes runs, else the error in brief."""
+    """None when a forward with ``rank``'s shapes runs, else the error in brief."""
     plan = plan.copy()
     replicate_kv_heads(model, plan, tp)  # as derivation lays the plan out for this tp
     plan.settle_groups(tp)  # what tp does not divide is validation's to report
-    shapes = _shard_shapes(model, plan, tp)
-    undo, hooks = (lambda: None), []
+    shapes = _shard_shapes(model, plan, tp, rank)
+    undo, hooks, running = (lambda: None), [], []
     try:  # every temporary change is made inside, so the finally undoes all of them
-        undo = apply_fixups(model, plan, tp, 0)
-        hooks = _width_hooks(model, plan, shapes)
+        undo = apply_fixups(model, plan, tp, rank)
+        hooks = _width_hooks(model, plan, shapes, tp, rank)
         fake = None if real else FakeTensorMode(allow_non_fake_inputs=True)
         args, kwargs = fake_inputs(model, example, fake, real)
+        hooks += _where(model, running)
         with quiet_fake_tensors(), torch.no_grad():
             if real:
                 with real_state(model, shapes):
@@ -114,11 +151,28 @@ def _dry_run_once(
                     model(*args, **kwargs)
         return None
     except Exception as exc:  # noqa: BLE001 - whatever the model's code raises
-        return _brief(exc)
+        error = _brief(exc)
+        inner = running[-1] if running else ""
+        return f"in {inner}: {error}" if inner and error != _NOTHING_LEARNED else error
     finally:
         for h in hooks:
             h.remove()
         undo()
+
+
+def _where(model: nn.Module, running: list[str]) -> list:
+    """Hooks keeping ``running`` the stack of modules whose forward is running, so a failure
+    names the innermost one (the attention whose reshape does not fit its shard)."""
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        running.pop()  # returns None: a forward hook's return value replaces the output
+
+    hooks = []
+    for name, mod in model.named_modules():
+        if name:
+            hooks.append(mod.register_forward_pre_hook(lambda m, a, n=name: running.append(n)))
+            hooks.append(mod.register_forward_hook(leave))
+    return hooks
 
 
 def _brief(exc: Exception) -> str:
@@ -139,11 +193,12 @@ class _Restore:
         setattr(self.module, self.attr, self.saved)
 
 
-def _local_padding(mod: nn.Module, shapes: Mapping[int, tuple]) -> _Restore:
-    """A vocab-parallel embedding's ``padding_idx`` as rank 0's rows see it (the style makes it
-    local, or None when another rank owns it): F.embedding asserts it is within the shard."""
+def _local_padding(mod: nn.Module, shapes: Mapping[int, tuple], tp: int, rank: int) -> _Restore:
+    """A vocab-parallel embedding's ``padding_idx`` as ``rank``'s rows see it (the style makes
+    it local, or None when another rank owns it): F.embedding asserts it is within the shard."""
     rows = shapes.get(id(mod.weight), tuple(mod.weight.shape))[0]
-    pad = mod.padding_idx
+    start = chunk_offset(mod.weight.shape[0], tp, rank)
+    pad = mod.padding_idx - start
     return _Restore(mod, "padding_idx", pad if 0 <= pad < rows else None)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from tpkit.plan.catalogue import canonical_style
+from tpkit.plan.catalogue import canonical_style, style_spec
 
 __all__ = ["Plan", "Target", "matches"]
 
@@ -157,12 +157,25 @@ class Plan(Mapping[str, str]):
             live = [p for p in group["modules"] if p in self and self.source(p) == "inferred"]
             if len(live) != len(group["modules"]) or all(self[p] == "replicate" for p in live):
                 continue  # overridden by the user, or already replicated
-            bad = [f"{label} = {n}" for label, n in group["counts"].items() if n % tp_size]
+            bad = [
+                f"{label} = {n}"
+                for label, n in group["counts"].items()
+                if n % tp_size and not self._uneven_width_ok(label)
+            ]
             if bad:
                 why = f"tp_size={tp_size} does not divide " + ", ".join(bad)
                 self.replicate_group(group, why)
                 written.append(why)
         return written
+
+    def _uneven_width_ok(self, label: str) -> bool:
+        """A group's width count (``output features of up_proj``) need not divide tp when its
+        module's style splits exactly into torch.chunk sizes (plain colwise / rowwise); head
+        counts and packed parts always must."""
+        for prefix in ("output features of ", "input features of "):
+            if label.startswith(prefix) and label[len(prefix) :] in self._styles:
+                return style_spec(self._styles[label[len(prefix) :]]).uneven_ok
+        return False
 
     # -- resolution ------------------------------------------------------------------------
     def style_for(self, name: str) -> tuple[str, str] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -86,7 +87,41 @@ def problems(
     found += _dtype_problems(model, plan)
     if not found:
         found += _user_dataflow_problems(model, plan, tp_size, example_inputs)
+    if not found and tp_size != 2:
+        found += _tp_dataflow_problems(model, plan, tp_size, example_inputs, fix)
     return found
+
+
+def _tp_dataflow_problems(
+    model: nn.Module, plan: Plan, tp: int, example: tuple | Mapping | None, fix: str
+) -> list[str]:
+    """A derived plan is dry-run at tp=2 when it is made; at another tp the model's code may
+    still not fit its shards (CodeGen's ``qkv_proj`` interleaves 4 fixed groups, ``mp_num``,
+    whatever the heads: tp=3 cuts groups apart). One forward on fake tensors with rank 0's
+    (and the last rank's) shards at this tp, no collectives; the failing module is named with
+    its integer attributes tp does not divide, and the tp sizes that do run are listed."""
+    error = dry_run(model, plan, example, tp)
+    if error is None or dry_run(model, Plan(), example, tp) is not None:
+        return []
+    where, _, brief = error[3:].partition(": ") if error.startswith("in ") else ("", "", error)
+    module = dict(model.named_modules()).get(where)
+    odd = [
+        f"{a}={v}"
+        for a, v in getattr(module, "__dict__", {}).items()
+        if isinstance(v, int)
+        and not isinstance(v, bool)
+        and v > 1
+        and v % tp
+        and not any(k in a for k in ("dim", "idx", "layer"))  # sizes within a head, indices
+    ]
+    hint = f" (its {', '.join(odd[:3])}: not a multiple of tp_size={tp})" if odd else ""
+    candidates = [int(t) for t in re.findall(r"\d+", fix)][:8]
+    runs = [t for t in candidates if t == 1 or dry_run(model, plan, example, t) is None]
+    use = ", ".join(map(str, runs)) if runs else "1"
+    return [
+        f"tp_size={tp}: {where or 'the model'} cannot run on its shards{hint}: {brief}; "
+        f"use tp_size {use}."
+    ]
 
 
 def _constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:

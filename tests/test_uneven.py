@@ -1,0 +1,83 @@
+"""Widths tp does not divide: plain column / row pairs split into torch.chunk sizes (exact:
+each rank's columns feed its own rows), checked on rank 0's and the last rank's shards; what
+cannot split unevenly (packed parts, heads, CodeGen's 4 fixed qkv groups) is one clear
+ValueError naming the module, the numbers and the tp sizes that work, before any collective."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tests.parity import tiny_parity
+from tests.tiny import tiny_config
+
+TOL = 1e-5
+
+
+def _meta(model_type: str, cls: str, **fields):
+    config = tiny_config(model_type, cls)
+    for k, v in fields.items():
+        setattr(config, k, v)
+    with torch.device("meta"):
+        return getattr(transformers, cls)(config)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_uneven_mlp_is_split(tp):
+    from tpkit.plan import derive_plan, validate
+
+    model = _meta("llama", "LlamaForCausalLM", intermediate_size=37)
+    plan = derive_plan(model, "auto", tp)
+    validate(model, plan, tp)
+    assert plan.style_for("model.layers.0.mlp.up_proj")[0] == "colwise"
+    assert plan.style_for("model.layers.0.mlp.down_proj")[0] == "rowwise"
+
+
+def test_inferred_uneven_mlp_is_not_settled_whole():
+    from tpkit.plan import derive_plan
+
+    plan = derive_plan(_meta("gpt2", "GPT2LMHeadModel", n_inner=37), "auto", 2)
+    assert plan.style_for("transformer.h.0.mlp.c_fc")[0] == "colwise"
+    assert plan.style_for("transformer.h.0.mlp.c_proj")[0] == "rowwise"
+
+
+def test_codegen_fixed_qkv_groups_refused_at_tp3():
+    from tpkit.plan import derive_plan, validate
+
+    model = _meta("codegen", "CodeGenForCausalLM", n_head=12, n_embd=192)
+    validate(model, derive_plan(model, "auto", 2), 2)  # 2 of the 4 groups per rank: fine
+    plan = derive_plan(model, "auto", 3)
+    with pytest.raises(ValueError) as info:
+        validate(model, plan, 3)
+    msg = str(info.value)
+    assert "tp_size=3: transformer.h.0.attn cannot run on its shards" in msg, msg
+    assert "mp_num=4" in msg and "use tp_size 1, 2, 4" in msg, msg
+
+
+def test_packed_uneven_refused_with_the_numbers():
+    from tpkit.plan import derive_plan, validate
+
+    model = _meta("qwen3_moe", "Qwen3MoeForCausalLM", moe_intermediate_size=37)
+    with pytest.raises(ValueError, match=r"per packed part \(2 parts\) \(37\) of model\.layers"):
+        validate(model, derive_plan(model, "auto", 2), 2)
+
+
+def _assert_parity(results):
+    for r in results:
+        assert r["logits"] <= TOL, r
+        assert r["grad"] <= TOL * max(1.0, r["grad_scale"]), r  # float32 sums in another order
+        assert not r["missing"], r
+        assert r["share"] > 0.4, r
+
+
+def test_parity_tp2(ranks2):
+    llama = {"intermediate_size": 37}
+    _assert_parity(ranks2.run(tiny_parity, "llama", "LlamaForCausalLM", llama))
+    _assert_parity(ranks2.run(tiny_parity, "gpt2", "GPT2LMHeadModel", {"n_inner": 37}))
+
+
+def test_parity_tp4(ranks4):
+    for inter in (37, 5):  # 10, 10, 10, 7 and 2, 2, 1, 0 columns per rank
+        overrides = {"intermediate_size": inter}
+        _assert_parity(ranks4.run(tiny_parity, "llama", "LlamaForCausalLM", overrides))

@@ -32,6 +32,12 @@ def tiny_parity(model_type: str, class_name: str, overrides: dict | None = None)
     ref = getattr(transformers, class_name)(config).float().eval()
     kind = "seq2seq" if getattr(config, "is_encoder_decoder", False) else "causal-lm"
     x = inputs(ref, kind)
+    if ref.main_input_name == "input_features":  # a speech encoder (Whisper)
+        frames = 2 * config.max_source_positions
+        g = torch.Generator().manual_seed(3)
+        x["input_features"] = torch.randn(
+            x.pop("input_ids").shape[0], config.num_mel_bins, frames, generator=g
+        )
     model = tpkit.tensor_parallel(copy.deepcopy(ref))
     w = None
     for m in (ref, model):

@@ -59,13 +59,20 @@ def test_data_dependent_routing_traces_on_meta():
 
 
 # class -> least share of >=2-D parameter elements sharded at tp=2, default config on meta
-FULL_SIZE = {"JetMoeForCausalLM": 0.95, "SwitchTransformersForConditionalGeneration": 0.95}
+FULL_SIZE = {
+    "JetMoeForCausalLM": ({}, 0.95),
+    "SwitchTransformersForConditionalGeneration": ({}, 0.95),
+    # layer drop's torch.rand, and experts the 21 trace tokens never reach (split like the
+    # ones they do); 8 of the default 128 experts keep the test fast
+    "NllbMoeForConditionalGeneration": ({"num_experts": 8}, 0.95),
+}
 
 
 @pytest.mark.parametrize("class_name", sorted(FULL_SIZE))
 def test_full_size_share(class_name):
-    share, whole = full_size_share(class_name)
-    assert share >= FULL_SIZE[class_name], (share, whole)
+    overrides, least = FULL_SIZE[class_name]
+    share, whole = full_size_share(class_name, **overrides)
+    assert share >= least, (share, whole)
 
 
 def _assert_parity(results):
@@ -82,6 +89,8 @@ def test_parity_tp2(ranks2):
     _assert_parity(ranks2.run(tiny_parity, "jetmoe", "JetMoeForCausalLM", timeout=120))
     switch = "SwitchTransformersForConditionalGeneration"
     _assert_parity(ranks2.run(tiny_parity, "switch_transformers", switch, timeout=120))
+    nllb = "NllbMoeForConditionalGeneration"
+    _assert_parity(ranks2.run(tiny_parity, "nllb-moe", nllb, timeout=120))
     # 12 / 2 = 6 float32 values: 24-byte rows, which torch's grouped_mm refuses
     narrow = {**GROUPED_MM, "moe_intermediate_size": 12}
     r = ranks2.run(tiny_parity, "qwen3_moe", "Qwen3MoeForCausalLM", narrow, timeout=120)

@@ -18,6 +18,8 @@ FULL_SIZE = {
     "Llama4ForCausalLM": 0.99,
     # pad_token_id is the vocabulary's last row: the dry run must see it rank-local
     "MarianMTModel": 0.95,
+    # a speech encoder: traced from input_features its first Conv1d and positions imply
+    "WhisperForConditionalGeneration": 0.95,
 }
 
 
@@ -30,6 +32,7 @@ def test_full_size_share(class_name):
 TINY = [
     ("llama4_text", "Llama4ForCausalLM"),
     ("marian", "MarianMTModel"),
+    ("whisper", "WhisperForConditionalGeneration"),
 ]
 
 

@@ -263,6 +263,29 @@ def _experts(model: nn.Module, exclude: set[str], styles: dict, groups: list) ->
             )
 
 
+def _unreached_like_siblings(model, nodes, styles, groups, why) -> None:
+    """Experts the trace never ran (128 of NLLB-MoE's, with 21 trace tokens routed round-robin)
+    are split like a sibling that did run: same name up to its numbers, same class and weight
+    shape, same role. They join that sibling's group, so what settles it settles them."""
+    key = lambda n: re.sub(r"(?<=[._])\d+(?=\.|$)", "#", n)  # noqa: E731 - expert_2, not fc2
+    modules = dict(model.named_modules())
+    ran = {key(n): n for n in styles if n in nodes and (nodes[n].src or nodes[n].consumers)}
+    for name, node in nodes.items():
+        twin = ran.get(key(name))
+        if name in styles or node.src or node.consumers or node.writer or twin is None:
+            continue
+        a, b = modules[name], modules[twin]
+        if type(a) is not type(b) or getattr(a, "weight", None) is None:
+            continue
+        if tuple(a.weight.shape) != tuple(b.weight.shape):
+            continue
+        styles[name] = styles[twin]
+        why.pop(name, None)
+        for g in groups:
+            if twin in g["modules"]:
+                g["modules"].append(name)
+
+
 def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> Plan:
     """A `Plan` for ``model`` from its dataflow (see the module docstring); source "inferred".
 
@@ -282,6 +305,7 @@ def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> 
         groups.append(_group(model, info, r, cols, styles, fixups))
     _tails(model, nodes, rows, groups, styles, args, why)
     _experts(model, exclude, styles, groups)
+    _unreached_like_siblings(model, nodes, styles, groups, why)
     notes = {
         name: f"replicated: {reason}"
         for name, reason in why.items()

@@ -37,6 +37,7 @@ __all__ = ["LIMIT", "ShadowValues", "needs_values"]
 
 #: Largest tensor (elements) substituted by zeros in a real shadow computation.
 LIMIT = 1 << 20
+_RANDOM = {"rand", "randn", "rand_like", "randn_like", "randint", "normal", "bernoulli"}
 #: routing ops -> (position of their ``dim`` argument, whether the index output keeps that dim)
 _ROUTING = {
     "topk": (2, True),
@@ -94,7 +95,13 @@ class ShadowValues(TorchFunctionMode):
             if value is None:
                 return False, None, []
             inputs[id(t)] = value
-        swap = lambda v: inputs[id(v)] if isinstance(v, torch.Tensor) else v  # noqa: E731
+
+        def swap(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                return inputs[id(v)]
+            return "cpu" if isinstance(v, torch.device) and v.type == "meta" else v
+
+        kwargs = {k: "cpu" if k == "device" and str(v) == "meta" else v for k, v in kwargs.items()}
         try:
             with unset_fake_temporarily(), torch.no_grad():
                 real_args, real_kwargs = tree_map(swap, (args, kwargs))
@@ -117,6 +124,8 @@ class ShadowValues(TorchFunctionMode):
             return self._fake_of(real)
         if name in _ROUTING and isinstance(args[0] if args else None, torch.Tensor):
             self._route(name, out, args, kwargs)
+        elif not _tensors((args, kwargs)) and _tensors(out):
+            self._made(name, func, out, args, kwargs)
         elif shadowed:
             ok, real, used = self._real(func, args, kwargs)
             if ok and real is not None and not _tensors(out) and not _tensors(real):
@@ -126,6 +135,22 @@ class ShadowValues(TorchFunctionMode):
                 if (name.endswith("_") or name == "__setitem__") and args:
                     self._set(args[0], _tensors(used)[0])
         return out
+
+    def _made(self, name: str, func, out: Any, args: tuple, kwargs: dict) -> None:
+        """A tensor made from nothing (``torch.zeros``, ``arange``) gets its real value as its
+        shadow; a random one (layer drop's ``torch.rand([]) < p``) a fixed 0.5, so the same
+        plan comes out every time and a layer is never dropped from the trace."""
+        outs = _tensors(out)
+        if sum(t.numel() for t in outs) > LIMIT:
+            return
+        if name in _RANDOM:
+            with unset_fake_temporarily():
+                for t in outs:
+                    self._set(t, torch.full(t.shape, 0.5, dtype=t.dtype))
+            return
+        ok, real, _ = self._real(func, args, kwargs)
+        if ok:
+            self._attach(out, real)
 
     def _attach(self, out: Any, real: Any) -> None:
         for t, r in zip(_tensors(out), _tensors(real), strict=False):

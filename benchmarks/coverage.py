@@ -6,7 +6,10 @@ builds a tiny random model for each from its default config (a generic shrinker 
 weights are downloaded), and on 2 gloo ranks compares the logits of ``tensor_parallel(model)``
 (plan "auto": transformers' plan when the architecture ships one, else the inferred one) with the
 unsharded model's. Besides, on the meta device and without ranks, it infers a plan for every
-architecture (also those with a transformers plan) and records the share of parameters it shards.
+architecture (also those with a transformers plan) and records the share of parameters it shards,
+and it builds each architecture's *default* (full-size) config on the meta device, derives the
+plan tp=2 would use and records the share of >=2-D parameter elements it shards, with the reason
+(the largest pattern left whole and the plan's note on it) wherever that share is below 90%.
 
     python -m benchmarks.coverage              # all, ~5-10 min on 2 CPU cores
     python -m benchmarks.coverage --only gpt2 t5 --out /tmp/cov
@@ -132,6 +135,24 @@ def infer_share(model_type: str, class_name: str) -> dict:
     return {"inferred_share": sharded / max(1, total), "inferred_notes": len(plan.notes)}
 
 
+FULL_SIZE_OK = 0.9
+
+
+def full_size(class_name: str) -> dict:
+    """The default (full-size) config on the meta device, no ranks: the share of >=2-D
+    parameter elements the tp=2 plan shards, and why when it is below `FULL_SIZE_OK`."""
+    from tests.parity import full_size_report
+
+    try:
+        r = full_size_report(class_name)
+    except Exception as exc:  # noqa: BLE001 - the default config or the plan, reported
+        return {"full_size_error": _short(exc)}
+    out = {"full_size_share": r["share"]}
+    if r["why"]:
+        out["full_size_why"] = r["why"]
+    return out
+
+
 def hf_plan_facts(config) -> dict:
     """Whether transformers ships a plan for the config, and whether it names a layer (a
     ``layers.*`` pattern) rather than only the vocabulary embedding, as some shipped plans do."""
@@ -176,6 +197,7 @@ def run(only: list[str] | None, out_dir: Path) -> dict:
                     row.update(infer_share(model_type, class_name))
                 except Exception as exc:  # noqa: BLE001
                     row["inferred_error"] = _short(exc)
+                row.update(full_size(class_name))
                 try:
                     build(model_type, class_name, device="meta")
                 except Exception as exc:  # noqa: BLE001
@@ -240,6 +262,13 @@ def summarize(rows: list[dict], seconds: float) -> dict:
         "median_inferred_share": _median(
             [r["inferred_share"] for r in text if "inferred_share" in r]
         ),
+        "full_size_planned": sum(1 for r in text if "full_size_share" in r),
+        "full_size_at_least_90": sum(
+            1 for r in text if r.get("full_size_share", 0) >= FULL_SIZE_OK
+        ),
+        "median_full_size_share": _median(
+            [r["full_size_share"] for r in text if "full_size_share" in r]
+        ),
         "seconds": round(seconds, 1),
     }
 
@@ -276,11 +305,15 @@ def markdown(summary: dict, rows: list[dict]) -> str:
         f"{s['transformers_plan_naming_layers']} of them name a layer, the others only the "
         "embedding",
         f"- median share of 2-D parameters an inferred plan shards: {s['median_inferred_share']:.1%}",
+        f"- **full size** (each default config on the meta device, the tp=2 plan): "
+        f"{s.get('full_size_planned', 0)} planned, {s.get('full_size_at_least_90', 0)} shard at "
+        f"least 90% of the >=2-D parameter elements; median "
+        f"{s.get('median_full_size_share', 0):.1%}; the table says why for each one below",
         f"- wall time: {s['seconds']} s",
         "",
         "| architecture | kind | transformers plan | plan used | parity | max diff | grad diff | "
-        "share sharded | inferred share | why not |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "share sharded | inferred share | full-size share | why not | full size: why below 90% |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         diff = f"{r['max_diff']:.1e}" if "max_diff" in r else ""
@@ -290,11 +323,15 @@ def markdown(summary: dict, rows: list[dict]) -> str:
         if "inferred_error" in r:
             ishare = "trace failed"
         why = r.get("why", "")
+        full = f"{r['full_size_share']:.0%}" if "full_size_share" in r else ""
+        full_why = r.get("full_size_why") or (
+            f"not planned: {r['full_size_error']}" if "full_size_error" in r else ""
+        )
         lines.append(
             f"| {r['architecture']} | {r['kind']} | {'yes' if r.get('transformers_plan') else 'no'}"
             f" | {r.get('source', '')} | {r.get('status', '')} | {diff} | {gdiff} | {share} | "
-            f"{ishare} | "
-            f"{why.replace('|', '/')} |"
+            f"{ishare} | {full} | "
+            f"{why.replace('|', '/')} | {full_why.replace('|', '/')} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -73,6 +73,13 @@ def tiny_parity(model_type: str, class_name: str, overrides: dict | None = None)
 def full_size_share(class_name: str, tp: int = 2, **overrides: Any) -> tuple[float, dict]:
     """Share of >=2-D parameter elements the derived plan shards for the architecture's default
     config on the meta device (validated at ``tp``), and the largest whole ones by pattern."""
+    r = full_size_report(class_name, tp, **overrides)
+    return r["share"], r["whole"]
+
+
+def full_size_report(class_name: str, tp: int = 2, **overrides: Any) -> dict:
+    """`full_size_share`'s figures and, below 90%, why: the largest pattern left whole, its
+    part of the 2-D elements and the plan's note on it (``why``)."""
     import transformers
 
     from tpkit.plan import derive_plan, param_layouts, validate
@@ -95,6 +102,20 @@ def full_size_share(class_name: str, tp: int = 2, **overrides: Any) -> tuple[flo
         if layouts[name][1].sharded:
             sharded += p.numel()
         else:
-            key = re.sub(r"\.\d+\.", ".*.", name)
+            key = _generic(name)
             whole[key] = whole.get(key, 0) + p.numel()
-    return sharded / max(1, total), dict(sorted(whole.items(), key=lambda kv: -kv[1])[:5])
+    whole = dict(sorted(whole.items(), key=lambda kv: -kv[1])[:5])
+    share = sharded / max(1, total)
+    why = ""
+    if share < 0.9 and whole:
+        top, n = next(iter(whole.items()))
+        module = top.rsplit(".", 1)[0]
+        note = next((v for k, v in plan.notes.items() if _generic(k) == module), "")
+        why = f"{top} stays whole ({n / total:.0%} of 2-D elements): " + (
+            note or "no plan entry splits it"
+        )
+    return {"share": share, "whole": whole, "why": why}
+
+
+def _generic(name: str) -> str:
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)

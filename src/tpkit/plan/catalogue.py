@@ -33,8 +33,10 @@ __all__ = [
 #: - ``row``: input split by features, output summed by one all-reduce (Y = sum_i X_i W_i);
 #: - ``whole``: whole input and whole output, sharded parameters inside (vocab-parallel lookup,
 #:   gathered head, a row layer that slices its own input, experts whose entries shard them);
-#: - ``replicate``: replicated parameters (some with their gradient all-reduced).
-ROLES = ("column", "row", "whole", "replicate")
+#: - ``replicate``: replicated parameters (some with their gradient all-reduced);
+#: - ``channel``: input and output split alike by channels, no collective (a depthwise conv or
+#:   a per-channel projection on a column layer's split output: Mamba's conv1d, dt_proj).
+ROLES = ("column", "row", "whole", "replicate", "channel")
 #: Which dimension a style splits (``shard``), by parameter kind: ``out`` = output features
 #: (Linear dim -2, Conv1D -1, 3-D experts -2; 1-D biases split with it), ``in`` = input features
 #: (Linear -1, Conv1D 0), ``vocab`` = an embedding's rows, ``cols`` = an embedding's columns;
@@ -130,6 +132,21 @@ _BUILTIN = (
         shard="in",
         packed_parts=2,
         collective="all_reduce",
+    ),
+    StyleSpec(
+        "rowwise_feeds_split",
+        "row",
+        "Y = f(sum_i X_i W_i): rowwise, its whole output then read by every rank's channels "
+        "(Mamba's x_proj -> dt, B, C): f sums those partial gradients",
+        shard="in",
+        collective="all_reduce",
+    ),
+    StyleSpec(
+        "channelwise",
+        "channel",
+        "Y_c = f_c(X_c): this rank's channels in, the same channels out (depthwise conv, "
+        "per-channel projection), no collective; its parent may read its weight directly",
+        shard="out",
     ),
     StyleSpec(
         "rowwise_split_input",

@@ -43,6 +43,7 @@ from tpkit.plan.fake import REAL_TRACE_MAX_PARAMS
 from tpkit.plan.fixups import HEAD_ATTRS, WIDTH_ATTRS
 from tpkit.plan.layout import in_width, kind_of
 from tpkit.plan.spec import Plan
+from tpkit.plan.ssm import ssm_groups
 from tpkit.plan.trace import STREAM, Node, trace
 
 __all__ = ["generic_name", "infer_plan"]
@@ -306,6 +307,11 @@ def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> 
     _tails(model, nodes, rows, groups, styles, args, why)
     _experts(model, exclude, styles, groups)
     _unreached_like_siblings(model, nodes, styles, groups, why)
+    mixers, mixer_groups = ssm_groups(model)  # Mamba-1 mixers: split by channels
+    for name, style in mixers.items():
+        styles[name] = style
+        why.pop(name, None)
+    groups.extend(mixer_groups)
     notes = {
         name: f"replicated: {reason}"
         for name, reason in why.items()

@@ -64,7 +64,8 @@ def kind_of(module: nn.Module) -> str | None:
     if isinstance(module, nn.Embedding):
         return "embedding"
     w = module._parameters.get("weight")
-    if w is not None and w.ndim == 3 and not module._modules:
+    builtin = type(module).__module__.startswith("torch.nn")  # Conv1d's weight is 3-D too
+    if w is not None and w.ndim == 3 and not module._modules and not builtin:
         return "experts"
     return None
 
@@ -96,6 +97,8 @@ def param_layout(
     if ndim <= 1:
         return ParamLayout(0, s.packed_parts) if s.shard == "out" else REPLICATED
     conv1d = is_conv1d(module)
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):  # [out, in / groups, *kernel]
+        return ParamLayout(0 if s.shard == "out" else 1, s.packed_parts)
     if s.shard in ("vocab", "cols"):  # [num_embeddings, dim]
         if ndim != 2:
             return REPLICATED

@@ -213,14 +213,26 @@ def _feature_dim_after_reshape(old: tuple, j: int, new: tuple) -> int | None:
 
 
 def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The elements of the outermost ModuleLists of same-typed, linear-holding modules."""
+    """The elements of the outermost ModuleLists of same-typed, linear-holding modules; or of
+    mixed types (a hybrid's attention and Mamba layers) when every element holds a linear and
+    each takes and returns the stream (blocks of the same width: their names say layers)."""
     lists = []
     for name, mod in model.named_modules():
-        same_type = isinstance(mod, nn.ModuleList) and len({type(m) for m in mod}) == 1
+        if not isinstance(mod, nn.ModuleList) or not len(mod):
+            continue
+        types = {type(m) for m in mod}
+        holds = [any(kind_of(m) for m in block.modules()) for block in mod]
+        mixed = len(types) > 1 and len(mod) > 1 and all(holds) and _layers(name)
         nested = any(name.startswith(p + ".") for p, _ in lists)
-        if same_type and not nested and any(kind_of(m) for m in mod[0].modules()):
+        if (len(types) == 1 or mixed) and not nested and holds[0]:
             lists.append((name, mod))
     return [(f"{p}.{i}" if p else str(i), m) for p, lst in lists for i, m in enumerate(lst)]
+
+
+def _layers(name: str) -> bool:
+    """A module list named as a model's layers (``model.layers``, ``h``, ``blocks``)."""
+    last = name.rsplit(".", 1)[-1].lower()
+    return last in ("layers", "layer", "h", "blocks", "block", "decoder_layers")
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

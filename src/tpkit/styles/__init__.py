@@ -33,18 +33,21 @@ from tpkit.styles.combined import (
 )
 from tpkit.styles.embedding import ColwiseEmbeddingStyle, VocabParallelStyle
 from tpkit.styles.linear import (
+    ChannelwiseStyle,
     ColwiseStyle,
     GatherOutputStyle,
     PackedColwiseStyle,
     PackedQKVColwiseStyle,
     PackedRowwiseStyle,
     ReplicatedHeadsColwiseStyle,
+    RowwiseFeedsSplitStyle,
     RowwiseSplitInputStyle,
     RowwiseStyle,
 )
 
 __all__ = [
     "AllReduceStyle",
+    "ChannelwiseStyle",
     "ColwiseEmbeddingStyle",
     "ColwiseStyle",
     "GatherOutputStyle",
@@ -57,6 +60,7 @@ __all__ = [
     "ReplicateGradAllReduceStyle",
     "ReplicateStyle",
     "ReplicatedHeadsColwiseStyle",
+    "RowwiseFeedsSplitStyle",
     "RowwiseSplitInputStyle",
     "RowwiseStyle",
     "TPStyle",
@@ -81,6 +85,8 @@ for _cls in (
     RowwiseStyle,
     PackedRowwiseStyle,
     ReplicatedHeadsColwiseStyle,
+    RowwiseFeedsSplitStyle,
+    ChannelwiseStyle,
     RowwiseSplitInputStyle,
     VocabParallelStyle,
     AllReduceStyle,

@@ -147,6 +147,7 @@ class TPStyle(ParallelStyle):
 
     name = "replicate"
     grad_allreduce = False  # every step, not only under SP (replicated_with_grad_allreduce)
+    read_by_parent = False  # its parent may read its local parameters without calling it
 
     def __init__(self, *, sp: Any = None, compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -326,6 +327,8 @@ def read_directly(child: nn.Module) -> bool:
     ``dt_proj.weight @ x``), an embedding table indexed by hand, a module driven through methods
     other than ``forward`` (JetMoe's ``experts.map``). Norms are always called."""
     style = style_of(child)
+    if style is not None and style.read_by_parent:
+        return True  # a sharded child with no collective of its own (channelwise)
     if style is None or type(style) is not ReplicateStyle:
         return False  # a sharded child must be called: its hooks do the collectives
     return "norm" not in type(child).__name__.lower()

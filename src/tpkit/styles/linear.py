@@ -30,6 +30,8 @@ __all__ = [
     "PackedColwiseStyle",
     "PackedQKVColwiseStyle",
     "PackedRowwiseStyle",
+    "ChannelwiseStyle",
+    "RowwiseFeedsSplitStyle",
     "RowwiseSplitInputStyle",
     "ReplicatedHeadsColwiseStyle",
     "RowwiseStyle",
@@ -205,6 +207,26 @@ class PackedRowwiseStyle(RowwiseStyle):
     experts' ``gate_up_proj``, named by raw dims as in transformers' plans."""
 
     name = "packed_rowwise"
+
+
+class RowwiseFeedsSplitStyle(RowwiseStyle):
+    """Rowwise whose reduced output is then read by every rank's own channels (Mamba's
+    ``x_proj`` -> dt, B, C): each rank's gradient for it is partial, so f follows g."""
+
+    name = "rowwise_feeds_split"
+
+    def _reduce_output(self, output: Any, bias: torch.Tensor | None) -> Any:
+        reduced = super()._reduce_output(output, bias)
+        return map_output(reduced, lambda y: copy_to_tp(y, self.group))
+
+
+class ChannelwiseStyle(TPStyle):
+    """This rank's channels in and out, no collective (a depthwise conv, a per-channel
+    projection on split activations): parameters split by output channel, and its parent may
+    read them directly (Mamba's ``F.conv1d(x, self.conv1d.weight)``, ``dt_proj.weight @ t``)."""
+
+    name = "channelwise"
+    read_by_parent = True
 
 
 class RowwiseSplitInputStyle(RowwiseStyle):

@@ -206,16 +206,7 @@ def run(only: list[str] | None, out_dir: Path) -> dict:
                     continue
                 r = group.run(me.check_parity, model_type, class_name, kind, timeout=120)[0]
                 row.update(r, status="ok" if r["parity"] else "mismatch")
-                if not r["parity"]:
-                    row["why"] = f"max |logits diff| = {r['max_diff']:.2e}"
-                elif r["grad_parity"] is None:
-                    row["why"] = f"gradients not checked: {r['grads_missing'][0]}"
-                elif not r["grad_parity"]:
-                    row["why"] = f"gradients: max |diff| = {r['grad_diff']:.2e}" + (
-                        f", only one model has a gradient for {r['grads_missing']}"
-                        if r["grads_missing"]
-                        else ""
-                    )
+                row.update(_parity_why(r))
             except RankError as exc:
                 why = _short(exc)
                 bad_ref = "unsharded reference forward fails" in str(exc)
@@ -236,6 +227,21 @@ def run(only: list[str] | None, out_dir: Path) -> dict:
     (out_dir / "coverage.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     (out_dir / "coverage.md").write_text(markdown(summary, rows))
     return summary
+
+
+def _parity_why(r: dict) -> dict:
+    """The row's ``why`` for a parity result that is not a plain pass."""
+    if not r["parity"]:
+        return {"why": f"max |logits diff| = {r['max_diff']:.2e}"}
+    if r["grad_parity"] is None:
+        return {"why": f"gradients not checked: {r['grads_missing'][0]}"}
+    if not r["grad_parity"]:
+        only = r["grads_missing"]
+        return {
+            "why": f"gradients: max |diff| = {r['grad_diff']:.2e}"
+            + (f", only one model has a gradient for {only}" if only else "")
+        }
+    return {}
 
 
 def summarize(rows: list[dict], seconds: float) -> dict:

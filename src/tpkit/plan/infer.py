@@ -41,10 +41,10 @@ from torch import nn
 from tpkit.plan.dryrun import fewest_replicated
 from tpkit.plan.fake import REAL_TRACE_MAX_PARAMS
 from tpkit.plan.fixups import HEAD_ATTRS, WIDTH_ATTRS
-from tpkit.plan.layout import in_width, kind_of
+from tpkit.plan.layout import in_width, kind_of, param_layouts
 from tpkit.plan.spec import Plan
 from tpkit.plan.ssm import ssm_groups
-from tpkit.plan.trace import STREAM, Node, trace
+from tpkit.plan.trace import STREAM, Node, has_mixed_blocks, same_type_blocks, trace
 
 __all__ = ["generic_name", "infer_plan"]
 
@@ -292,8 +292,33 @@ def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> 
 
     ``example_inputs`` (positional tuple or kwargs dict, any device) replaces the default trace
     inputs: ``input_ids`` of shape [3, 7] for transformers models, else a float tensor shaped for
-    the first linear. Raises ValueError when the model cannot be traced on meta.
+    the first linear. Raises ValueError when the model cannot be traced on meta. A hybrid whose
+    layer list mixes types is read both ways (`trace.same_type_blocks`); the plan that splits
+    more of its weights is kept.
     """
+    plan = _infer_once(model, example_inputs)
+    if has_mixed_blocks(model):
+        with same_type_blocks():
+            other = _infer_once(model, example_inputs)
+        if _sharded(model, other) > _sharded(model, plan):
+            plan = other
+    return plan
+
+
+def _sharded(model: nn.Module, plan: Plan) -> int:
+    """Elements of >=2-D parameters ``plan`` splits; -1 when it lays one tied parameter out
+    two ways (validation would refuse it)."""
+    layouts = param_layouts(model, plan)
+    seen: dict[int, object] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if seen.setdefault(id(p), layouts[name][1]) != layouts[name][1]:
+            return -1
+    params = dict(model.named_parameters())
+    return sum(params[n].numel() for n in params if params[n].ndim >= 2 and layouts[n][1].sharded)
+
+
+def _infer_once(model: nn.Module, example_inputs) -> Plan:
+    """`infer_plan` for one reading of the stream."""
     info = _trace_for_inference(model, example_inputs)
     nodes: dict[str, Node] = info["nodes"]
     styles: dict[str, str] = {}

@@ -36,7 +36,16 @@ from tpkit.plan.fake import (
 from tpkit.plan.layout import kind_of, out_width
 from tpkit.plan.shadow import ShadowValues, needs_values
 
-__all__ = ["STREAM", "Node", "blocks", "repeated_blocks", "reuse_traces", "trace"]
+__all__ = [
+    "STREAM",
+    "Node",
+    "blocks",
+    "has_mixed_blocks",
+    "repeated_blocks",
+    "reuse_traces",
+    "same_type_blocks",
+    "trace",
+]
 
 STREAM = "<stream>"
 
@@ -223,10 +232,34 @@ def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         types = {type(m) for m in mod}
         holds = [any(kind_of(m) for m in block.modules()) for block in mod]
         mixed = len(types) > 1 and len(mod) > 1 and all(holds) and _layers(name)
+        mixed = mixed and _MIXED.get()
         nested = any(name.startswith(p + ".") for p, _ in lists)
         if (len(types) == 1 or mixed) and not nested and holds[0]:
             lists.append((name, mod))
     return [(f"{p}.{i}" if p else str(i), m) for p, lst in lists for i, m in enumerate(lst)]
+
+
+#: whether `blocks` takes a mixed-type layer list as blocks (`same_type_blocks` turns it off)
+_MIXED: ContextVar[bool] = ContextVar("tpkit_mixed_blocks", default=True)
+
+
+@contextlib.contextmanager
+def same_type_blocks():
+    """Inside, `blocks` (and so `trace`) takes only same-typed layer lists as blocks: the other
+    reading of a hybrid model's stream (Zamba2's hybrid layers hold a shared transformer whose
+    output is projected, not added), which inference tries too and keeps when it splits more."""
+    token = _MIXED.set(False)
+    try:
+        yield
+    finally:
+        _MIXED.reset(token)
+
+
+def has_mixed_blocks(model: nn.Module) -> bool:
+    """True when `blocks` reads the model differently with and without mixed layer lists."""
+    mixed = [n for n, _ in blocks(model)]
+    with same_type_blocks():
+        return mixed != [n for n, _ in blocks(model)]
 
 
 def _layers(name: str) -> bool:
@@ -254,7 +287,7 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 #: model id -> its default fake trace, while `reuse_traces` is active
-_TRACES: ContextVar[dict[int, dict] | None] = ContextVar("tpkit_traces", default=None)
+_TRACES: ContextVar[dict[tuple, dict] | None] = ContextVar("tpkit_traces", default=None)
 
 
 @contextlib.contextmanager
@@ -276,8 +309,9 @@ def trace(
     code that needs values) and return what the tags say: ``nodes`` (name -> `Node`),
     ``blocks``, ``module_inputs`` (name -> [(key, shape, tags)]), ``batch``."""
     cache = _TRACES.get() if example is None and not real else None
-    if cache is not None and id(model) in cache:
-        return cache[id(model)]
+    key = (id(model), _MIXED.get())
+    if cache is not None and key in cache:
+        return cache[key]
     try:
         info = _TraceHooks(model).run(example, real)
     except Exception as exc:
@@ -285,7 +319,7 @@ def trace(
             raise
         info = _TraceHooks(model).run(example, real, values=True)  # data-dependent routing
     if cache is not None:
-        cache[id(model)] = info
+        cache[key] = info
     return info
 
 

@@ -87,7 +87,8 @@ def problems(
     found += _dtype_problems(model, plan)
     if not found:
         found += _user_dataflow_problems(model, plan, tp_size, example_inputs)
-    if not found and tp_size != 2:
+    user = any(plan.source(p) == "user" for p in plan)  # then dry-run at tp_size just above
+    if not found and tp_size != 2 and not user:
         found += _tp_dataflow_problems(model, plan, tp_size, example_inputs, fix)
     return found
 

@@ -16,10 +16,13 @@ def _logits(out: Any) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out[0]
 
 
-def tiny_parity(model_type: str, class_name: str, overrides: dict | None = None) -> dict:
+def tiny_parity(
+    model_type: str, class_name: str, overrides: dict | None = None, encoder_states: int = 0
+) -> dict:
     """Run on every rank: max |diff| of the logits and of every parameter gradient (backward of
     a fixed random projection of the logits) between ``tensor_parallel`` and the unsharded
-    model, and the share of >=2-D parameters it sharded."""
+    model, and the share of >=2-D parameters it sharded. ``encoder_states``: that many
+    positions of random ``encoder_hidden_states`` (a decoder-only model's cross-attention)."""
     import transformers
 
     import tpkit
@@ -38,6 +41,10 @@ def tiny_parity(model_type: str, class_name: str, overrides: dict | None = None)
         x["input_features"] = torch.randn(
             x.pop("input_ids").shape[0], config.num_mel_bins, frames, generator=g
         )
+    if encoder_states:
+        g = torch.Generator().manual_seed(4)
+        shape = (x["input_ids"].shape[0], encoder_states, config.hidden_size)
+        x["encoder_hidden_states"] = torch.randn(shape, generator=g)
     model = tpkit.tensor_parallel(copy.deepcopy(ref))
     w = None
     for m in (ref, model):

@@ -20,6 +20,9 @@ FULL_SIZE = {
     "MarianMTModel": 0.95,
     # a speech encoder: traced from input_features its first Conv1d and positions imply
     "WhisperForConditionalGeneration": 0.95,
+    # a decoder-only model's cross-attention never runs in the trace: split like self-attention
+    "BartForCausalLM": 0.95,
+    "MarianForCausalLM": 0.95,
 }
 
 
@@ -42,3 +45,11 @@ def test_tiny_parity_tp2(ranks2, model_type, class_name):
         assert r["logits"] <= TOL, r
         assert r["grad"] <= TOL * max(1.0, r["grad_scale"]), r  # float32 sums in another order
         assert not r["missing"], r
+
+
+def test_unused_cross_attention_parity(ranks2, ranks4):
+    for group in (ranks2, ranks4):  # with encoder_hidden_states: the cross-attention runs
+        for r in group.run(tiny_parity, "bart", "BartForCausalLM", None, 6, timeout=120):
+            assert r["logits"] <= TOL, r
+            assert r["grad"] <= TOL * max(1.0, r["grad_scale"]), r
+            assert not r["missing"] and r["share"] > 0.9, r

@@ -264,15 +264,26 @@ def _experts(model: nn.Module, exclude: set[str], styles: dict, groups: list) ->
             )
 
 
-def _unreached_like_siblings(model, nodes, styles, groups, why) -> None:
-    """Experts the trace never ran (128 of NLLB-MoE's, with 21 trace tokens routed round-robin)
-    are split like a sibling that did run: same name up to its numbers, same class and weight
-    shape, same role. They join that sibling's group, so what settles it settles them."""
+def _role(modules: dict[str, nn.Module], name: str) -> tuple:
+    """(grandparent, parent's class, child name): a decoder-only model's cross-attention
+    ``encoder_attn.k_proj`` plays the role its ``self_attn.k_proj`` plays (the same class)."""
+    parent, _, child = name.rpartition(".")
+    grand = parent.rpartition(".")[0]
+    return (grand, type(modules.get(parent)).__name__, child)
+
+
+def _unreached_like_siblings(model, nodes, styles, groups, why, fixups) -> None:
+    """Modules the trace never ran are split like a sibling that did: experts (128 of
+    NLLB-MoE's, with 21 trace tokens routed round-robin) by name up to their numbers, a
+    decoder-only model's unused cross-attention like its self-attention (`_role`); same class
+    and weight shape. They join that sibling's group, so what settles it settles them."""
     key = lambda n: re.sub(r"(?<=[._])\d+(?=\.|$)", "#", n)  # noqa: E731 - expert_2, not fc2
     modules = dict(model.named_modules())
-    ran = {key(n): n for n in styles if n in nodes and (nodes[n].src or nodes[n].consumers)}
+    reached = [n for n in styles if n in nodes and (nodes[n].src or nodes[n].consumers)]
+    ran = {key(n): n for n in reached}
+    by_role = {_role(modules, n): n for n in reached}
     for name, node in nodes.items():
-        twin = ran.get(key(name))
+        twin = ran.get(key(name)) or by_role.get(_role(modules, name))
         if name in styles or node.src or node.consumers or node.writer or twin is None:
             continue
         a, b = modules[name], modules[twin]
@@ -282,9 +293,14 @@ def _unreached_like_siblings(model, nodes, styles, groups, why) -> None:
             continue
         styles[name] = styles[twin]
         why.pop(name, None)
+        owner, twin_owner = name.rpartition(".")[0], twin.rpartition(".")[0]
+        if twin_owner in fixups and owner not in fixups:
+            fixups[owner] = dict(fixups[twin_owner])  # the heads it divides, as its twin's
         for g in groups:
             if twin in g["modules"]:
                 g["modules"].append(name)
+                if owner in fixups and twin_owner in g["owners"] and owner not in g["owners"]:
+                    g["owners"].append(owner)
 
 
 def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> Plan:
@@ -331,7 +347,7 @@ def _infer_once(model: nn.Module, example_inputs) -> Plan:
         groups.append(_group(model, info, r, cols, styles, fixups))
     _tails(model, nodes, rows, groups, styles, args, why)
     _experts(model, exclude, styles, groups)
-    _unreached_like_siblings(model, nodes, styles, groups, why)
+    _unreached_like_siblings(model, nodes, styles, groups, why, fixups)
     mixers, mixer_groups = ssm_groups(model)  # Mamba-1 mixers: split by channels
     for name, style in mixers.items():
         styles[name] = style

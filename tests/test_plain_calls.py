@@ -373,10 +373,21 @@ def test_cli_plan_collapses_layers_and_says_tp1_splits_nothing(checkpoints):
     assert proc.returncode == 1
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("- ")]
     assert lines and all("layers.0." not in ln and "layers.1." not in ln for ln in lines), lines
-    assert any(ln.endswith("(x2)") for ln in lines), lines
+    assert any("layers.*." in ln for ln in lines), lines
     assert "global -> local" not in proc.stdout  # no table of shapes that cannot exist
     one = _tpkit("plan", str(checkpoints / "llama"), "--tp", "1")
     assert one.returncode == 0 and "nothing is split" in one.stdout, one.stdout
+
+
+def testcollapse_layers_counts_repeats():
+    from tpkit.cli import collapse_layers
+
+    msg = "Cannot apply:\n- a of m.layers.0.q (x)\n- a of m.layers.1.q (x)\n- b of m.head"
+    assert collapse_layers(msg).splitlines() == [
+        "Cannot apply:",
+        "- a of m.layers.*.q (x) (x2)",
+        "- b of m.head",
+    ]
 
 
 @pytest.mark.parametrize("name", ["gpt2", "t5"])

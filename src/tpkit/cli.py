@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["main"]
+__all__ = ["collapse_layers", "main"]
 
 
 class UsageError(Exception):
@@ -35,7 +35,7 @@ def _check_tp(tp: int) -> None:
         raise UsageError(f"--tp must be >= 1, got {tp}.")
 
 
-def _collapse_layers(message: str) -> str:
+def collapse_layers(message: str) -> str:
     """One line per repeated layer (``layers.*``, with a count) in a validation error: a 32-layer
     model otherwise prints the same problem 32 times."""
     out: dict[str, int] = {}
@@ -68,7 +68,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _checkpoint_dir(args.model, need_weights=False)
     model, plan, error = _planned(args.model, args.model_cls, args.plan, args.tp)
     if error is not None:  # the table would only list shapes that cannot exist
-        print(_collapse_layers(str(error)), file=sys.stderr)
+        print(collapse_layers(str(error)), file=sys.stderr)
         return 1
     if args.tp == 1:
         print("tp_size=1: one rank holds the whole model; nothing is split, no collectives run.")
@@ -144,7 +144,7 @@ def _check_generate(args: argparse.Namespace) -> None:
     if args.tp > 1:
         _, _, error = _planned(args.model, None, None, args.tp)
         if error is not None:
-            raise UsageError(_collapse_layers(str(error)))
+            raise UsageError(collapse_layers(str(error)))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -126,3 +126,12 @@ def full_size_report(class_name: str, tp: int = 2, **overrides: Any) -> dict:
 
 def _generic(name: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+def assert_parity(results: list[dict], tol: float = 1e-5) -> None:
+    """Every rank's `tiny_parity` result within ``tol``: logits max-abs, gradients relative to
+    the largest gradient when it exceeds 1 (float32 sums in another order), nothing missing."""
+    for r in results:
+        assert r["logits"] <= tol, r
+        assert r["grad"] <= tol * max(1.0, r["grad_scale"]), r
+        assert not r["missing"], r

@@ -4,17 +4,19 @@ VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 # Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cu128"
 TORCH_PIP_ARGS ?=
+# The tested versions of everything else; CONSTRAINTS= VENV=.venv-latest for the newest releases.
+CONSTRAINTS ?= constraints.txt
 NPROC ?= 2
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.tpkit-installed-$(TORCH_VERSION)
+STAMP := $(VENV)/.tpkit-installed-$(TORCH_VERSION)$(if $(CONSTRAINTS),-pinned,-latest)
 
 .PHONY: install test demo lint format bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip || true
 	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
-	$(BIN)/python -m pip install -q -e ".[test,quant]"
+	$(BIN)/python -m pip install -q -e ".[test,quant]" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -59,8 +59,17 @@ def test_packed_uneven_refused_with_the_numbers():
     from tpkit.plan import derive_plan, validate
 
     model = _meta("qwen3_moe", "Qwen3MoeForCausalLM", moe_intermediate_size=37)
+    experts = {  # as transformers' plans named them up to 5.24
+        "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "model.layers.*.mlp.experts.down_proj": "rowwise",
+        "model.layers.*.mlp.experts": "moe_tp_experts",
+    }
     with pytest.raises(ValueError, match=r"per packed part \(2 parts\) \(37\) of model\.layers"):
-        validate(model, derive_plan(model, "auto", 2), 2)
+        validate(model, derive_plan(model, experts, 2), 2)
+    inferred = derive_plan(model, "infer", 2)  # inference keeps such experts whole, and says why
+    validate(model, inferred, 2)
+    assert inferred.style_for("model.layers.0.mlp.experts")[0] == "replicate"
+    assert "does not divide intermediate size" in inferred.notes["model.layers.*.mlp.experts"]
 
 
 def _assert_parity(results):

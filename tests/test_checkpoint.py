@@ -513,6 +513,47 @@ def test_crash_between_renames_on_two_ranks(ranks2, tmp_path):
         assert r["after_next_save"] == {"step": 3} and r["left"] == ["ck"], r
 
 
+def check_slow_reader_then_save(path: str) -> dict:
+    """Rank 1 still reading the fallback copy (``.tmp``, after an interrupted swap) when rank 0,
+    done with its own reads, starts the next save, whose first act is to move that copy back
+    to ``path``: the save must wait for every rank's load to finish."""
+    import time
+
+    import tpkit
+    import tpkit.checkpoint as ck
+    from tpkit import atomic
+
+    model = tpkit.tensor_parallel(build("llama"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tpkit.save_checkpoint(path, model, opt, step=1)
+    dist.barrier()
+    if dist.get_rank() == 0:  # the state a kill between the two renames leaves
+        os.replace(path, atomic.old_sibling(path))
+        import shutil
+
+        shutil.copytree(atomic.old_sibling(path), atomic.tmp_sibling(path))
+    dist.barrier()
+    real = ck.set_state_dict  # after DCP's last collective, before the extra state is read
+
+    def slow(*args, **kwargs):
+        time.sleep(2.0)
+        return real(*args, **kwargs)
+
+    if dist.get_rank() == 1:
+        ck.set_state_dict = slow
+    try:
+        loaded = tpkit.load_checkpoint(path, model, opt)
+    finally:
+        ck.set_state_dict = real
+    tpkit.save_checkpoint(path, model, opt, step=2)
+    return {"loaded": loaded, "after": tpkit.load_checkpoint(path, model, opt)}
+
+
+def test_a_save_waits_for_every_rank_to_finish_loading(ranks2, tmp_path):
+    for r in ranks2.run(check_slow_reader_then_save, str(tmp_path / "ck"), timeout=180):
+        assert r == {"loaded": {"step": 1}, "after": {"step": 2}}, r
+
+
 # ---- 4. export writes a clean directory ---------------------------------------------------------
 @pytest.fixture
 def llama_checkpoint(tmp_path) -> Path:

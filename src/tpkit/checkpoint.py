@@ -38,7 +38,7 @@ from tpkit.dcp_io import (
     UnsafeCheckpointError,
     read_metadata,
 )
-from tpkit.mesh import rank
+from tpkit.mesh import barrier, rank
 
 __all__ = ["export_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -139,6 +139,9 @@ def save_checkpoint(
     directory = Path(directory)
     extra_json = json.dumps(extra_state)  # fails here, on every rank, before any collective
     states = _states(model, optimizer)
+    # Rank 0's first act may move the copy a load just read (an interrupted swap's .tmp back to
+    # directory): no rank may still be reading it, and nothing in a load waits for the slowest.
+    barrier()
     _on_rank0(lambda: _prepare_save(directory), f"preparing to save {directory}")
     tmp = atomic.tmp_sibling(directory)
     _run_dcp(
@@ -248,6 +251,8 @@ def load_checkpoint(
     """
     source = _find_source(Path(directory))
     metadata = read_metadata(source)  # every rank, no collective: refusals raise everywhere
+    extra = source / EXTRA_FILE  # read now, from the copy every rank found, before any rank
+    extra_state = json.loads(extra.read_text()) if extra.exists() else {}  # can move on
     states = _states(model, optimizer)  # get_state_dict initialises an empty optimizer's state
     _check_matches(metadata, states, source, optimizer is not None)
     _run_dcp(
@@ -266,8 +271,7 @@ def load_checkpoint(
         set_state_dict(
             model, optimizer, model_state_dict=states[MODEL_KEY], optim_state_dict=states[OPTIM_KEY]
         )
-    extra = source / EXTRA_FILE
-    return json.loads(extra.read_text()) if extra.exists() else {}
+    return extra_state
 
 
 _HF_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", atomic.COMPLETE_MARKER)

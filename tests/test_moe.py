@@ -1,7 +1,8 @@
 """MoE experts sharded at full size: plans derived on the meta device for data-dependent
 routing (JetMoE's ``expert_size.tolist()``, Switch Transformers' ``nonzero`` and per-expert
 module names), JetMoE's 3-D ``ParallelExperts`` split per expert, and grouped_mm experts whose
-shard rows are narrower than 16 bytes run as batched_mm; parity of logits and every gradient
+shard rows are narrower than 16 bytes run as batched_mm, experts kept as a module's own 3-D
+weights and applied with bmm (Inkling's shared experts) split by their shapes; parity of logits and every gradient
 on tiny configs at tp=2 and tp=4."""
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ FULL_SIZE = {
     # layer drop's torch.rand, and experts the 21 trace tokens never reach (split like the
     # ones they do); 8 of the default 128 experts keep the test fast
     "NllbMoeForConditionalGeneration": ({"num_experts": 8}, 0.95),
+    # routed experts fused (inferred from 5.25 on), shared ones 3-D weights applied with bmm
+    "InklingForCausalLM": ({}, 0.99),
 }
 
 
@@ -94,3 +97,83 @@ def test_parity_tp4(ranks4):
     assert_parity(ranks4.run(tiny_parity, "switch_transformers", switch, timeout=120))
     narrow = {**GROUPED_MM, "moe_intermediate_size": 8}  # 8-byte rows; KV heads 2 < tp
     assert_parity(ranks4.run(tiny_parity, "qwen3_moe", "Qwen3MoeForCausalLM", narrow))
+
+
+class _BmmExperts(nn.Module):
+    """Shared experts as the module's own 3-D weights applied with bmm (Inkling's layout:
+    ``x W^T``), or stored the other way round (``x W``); ``inter`` == width is ambiguous, and
+    a residual added inside (``residual``) makes the output more than the experts' sum."""
+
+    def __init__(self, width=8, inter=12, transposed=False, residual=False):
+        super().__init__()
+        self.transposed, self.residual = transposed, residual
+        shape_in, shape_out = (2, inter, width), (2, width, inter)
+        if transposed:
+            shape_in, shape_out = shape_out, shape_in
+        self.gate = nn.Parameter(torch.randn(shape_in) / 8)
+        self.up = nn.Parameter(torch.randn(shape_in) / 8)
+        self.down = nn.Parameter(torch.randn(shape_out) / 8)
+
+    def forward(self, x):
+        h = x.reshape(1, -1, x.shape[-1]).expand(2, -1, -1)
+        w = (lambda p: p) if self.transposed else (lambda p: p.transpose(1, 2))  # noqa: E731
+        a = torch.nn.functional.silu(torch.bmm(h, w(self.gate))) * torch.bmm(h, w(self.up))
+        out = torch.bmm(a, w(self.down)).sum(0).view(x.shape)
+        return x + out if self.residual else out
+
+
+class _BmmStack(nn.Module):
+    def __init__(self, inter: int = 12):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            [_BmmExperts(inter=inter), _BmmExperts(transposed=True), _BmmExperts(residual=True)]
+        )
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def bmm_parity() -> dict:
+    import copy
+
+    import tpkit
+
+    torch.manual_seed(0)
+    ref = _BmmStack()
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    model = tpkit.tensor_parallel(copy.deepcopy(ref), example_inputs=(x,))
+    outs = [m(x) for m in (ref, model)]
+    for out in outs:
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    want = dict(ref.named_parameters())
+    grads = [
+        (p.grad.full_tensor() - want[n].grad).abs().max().item()
+        for n, p in model.named_parameters()
+    ]
+    return {
+        "out": (outs[0] - outs[1]).abs().max().item(),
+        "grad": max(grads),
+        "local": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()},
+    }
+
+
+def test_bmm_experts_split_by_their_shapes_either_way_stored(ranks2):
+    for r in ranks2.run(bmm_parity):
+        assert r["out"] <= 1e-5 and r["grad"] <= 1e-5, r
+        local = r["local"]
+        assert local["layers.0.gate"] == (2, 6, 8) and local["layers.0.down"] == (2, 8, 6), local
+        assert local["layers.1.gate"] == (2, 8, 6) and local["layers.1.down"] == (2, 6, 8), local
+        assert local["layers.2.gate"] == (2, 12, 8), local  # a residual inside: left whole
+
+
+def test_bmm_experts_as_wide_as_their_input_stay_whole():
+    from tpkit.plan import infer_plan
+
+    with torch.device("meta"):
+        model = _BmmStack(inter=8)  # layer 0: every dim is 8, nothing says which one to split
+    plan = infer_plan(model, (torch.zeros(2, 5, 8, device="meta"),))
+    assert plan.style_for("layers.0") is None and plan.style_for("layers.0.gate") is None
+    assert plan.style_for("layers.1")[0] == "moe_tp_experts"
+    assert plan.style_for("layers.2") is None  # checked on random weights: not a sum of slices

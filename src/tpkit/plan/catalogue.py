@@ -166,6 +166,16 @@ _BUILTIN = (
         aliases=("gather_output", "colwise_rep"),
     ),
     StyleSpec(
+        "colwise_embedding_gather",
+        "whole",
+        "E_i = E[:, cols_i]: an EmbeddingBag's columns split, bags reduced per column (exact in "
+        "every mode), columns all-gathered",
+        shard="cols",
+        collective="all_gather",
+        uneven_ok=True,
+        aliases=("embedding_bag_colwise",),
+    ),
+    StyleSpec(
         "vocab_parallel",
         "whole",
         "E[x] = sum_i E_i[x - off_i], masked to rank i's rows: rows split by vocab, all-reduced",

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tpkit.compat import FakeTensorMode
+from tpkit.plan.catalogue import style_spec
 from tpkit.plan.fake import (
     REAL_TRACE_MAX_PARAMS,
     fake_friendly_experts,
@@ -34,6 +35,7 @@ from tpkit.plan.layout import (
     kind_of,
     local_shape,
     out_width,
+    param_layout,
     param_layouts,
 )
 from tpkit.plan.shadow import ShadowValues, needs_values
@@ -96,7 +98,7 @@ def _shard_shapes(model: nn.Module, plan: Plan, tp: int, rank: int = 0) -> dict[
 def _width_hooks(
     model: nn.Module, plan: Plan, shapes: Mapping[int, tuple], tp: int, rank: int
 ) -> list:
-    """A gathered head hands on its full width; a row layer that slices its own input
+    """A gathered head or table hands on its full width; a row layer that slices its own input
     (rowwise_split_input) takes only its slice: hooks that do what those styles' collectives
     and slicing do to the shapes."""
     hooks = []
@@ -110,8 +112,10 @@ def _width_hooks(
         elif t.style == "colwise_replicated_heads":  # this rank's one KV head
             width = out_width(mod, kind) // int(plan.args_for(t.pattern).get("heads", 1))
             hooks.append(mod.register_forward_hook(_widen(width)))
-        elif t.style == "colwise_gather_output":
-            hooks.append(mod.register_forward_hook(_widen(out_width(mod, kind))))
+        elif style_spec(t.style).collective == "all_gather":  # a gathered head or table
+            w = mod.weight
+            width = w.shape[param_layout(t.style, "weight", w.ndim, mod).dim]
+            hooks.append(mod.register_forward_hook(_widen(int(width))))
         elif t.style == "rowwise_split_input":
             local = in_width(mod, kind)
             if id(mod.weight) in shapes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,18 +31,43 @@ __all__ = [
     "meta_state",
     "quiet_fake_tensors",
     "real_state",
+    "trace_batch",
+    "trace_one_row",
 ]
 
 TRACE_BATCH, TRACE_SEQ = 3, 7
 #: Largest model traced on its real weights when the fake-tensor trace fails.
 REAL_TRACE_MAX_PARAMS = 50_000_000  # odd sizes, unlikely to coincide with a width or head count
 
+#: Models whose forward refused a batch of `TRACE_BATCH` rows and traced with one (GPT-2's
+#: sequence classifiers without a pad token: "Cannot handle batch sizes > 1"); their dry runs
+#: use one row too. Weak, so a model's entry goes with the model.
+_ONE_ROW: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def trace_batch(model: nn.Module) -> int:
+    """The batch size of ``model``'s made-up inputs: `TRACE_BATCH`, or 1 (see `_ONE_ROW`)."""
+    return 1 if model in _ONE_ROW else TRACE_BATCH
+
+
+@contextlib.contextmanager
+def trace_one_row(model: nn.Module):
+    """Make up one-row inputs for ``model`` inside the block, and from then on if it exits
+    cleanly (the forward accepted them)."""
+    _ONE_ROW.add(model)
+    try:
+        yield
+    except BaseException:
+        _ONE_ROW.discard(model)
+        raise
+
 
 def example_inputs(model: nn.Module) -> tuple[tuple, dict]:
-    shape = (TRACE_BATCH, TRACE_SEQ)
+    batch = trace_batch(model)
+    shape = (batch, TRACE_SEQ)
     config = getattr(model, "config", None)
     codebooks = getattr(config, "num_codebooks", None)  # MusicGen: codebooks stacked in batch
-    rows = TRACE_BATCH * (codebooks if isinstance(codebooks, int) and codebooks > 0 else 1)
+    rows = batch * (codebooks if isinstance(codebooks, int) and codebooks > 0 else 1)
     ids = torch.zeros((rows, TRACE_SEQ), dtype=torch.long, device="meta")
     if config is not None and hasattr(model, "get_input_embeddings"):
         kwargs: dict[str, Any] = {"input_ids": ids}
@@ -79,7 +105,8 @@ def _audio_features(model: nn.Module, config: Any) -> torch.Tensor | None:
         return None
     frames = positions * math.prod(int(c.stride[0]) for c in convs)
     dtype = convs[0].weight.dtype
-    return torch.zeros((TRACE_BATCH, convs[0].in_channels, frames), dtype=dtype, device="meta")
+    shape = (trace_batch(model), convs[0].in_channels, frames)
+    return torch.zeros(shape, dtype=dtype, device="meta")
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ From the trace's tags:
 - a module with 1-D parameters acting per head on a column output (Qwen3 ``q_norm``) gets
   ``replicated_with_grad_allreduce``;
 - the input embedding is vocab-parallel, the output head ``colwise_gather_output``;
+- an ``nn.EmbeddingBag`` is split by columns and gathered (``colwise_embedding_gather``);
 - head-count attributes (``num_heads``, ``n_head``, ``embed_dim``, ``split_size``, ...) on the
   modules that own a column/row pair are listed as plan *fix-ups*, divided by tp when applied,
   and untagged per-head inputs of those modules (BLOOM's ``alibi``) are sliced to the rank's heads.
@@ -39,6 +40,7 @@ from typing import Any
 from torch import nn
 
 from tpkit.plan.dryrun import fewest_replicated
+from tpkit.plan.experts import expert_groups
 from tpkit.plan.fake import REAL_TRACE_MAX_PARAMS
 from tpkit.plan.fixups import HEAD_ATTRS, WIDTH_ATTRS
 from tpkit.plan.layout import in_width, kind_of, param_layouts
@@ -188,6 +190,19 @@ def _vocabulary(model: nn.Module, styles: dict[str, str]) -> set[str]:
     return exclude
 
 
+def _bags(model: nn.Module, styles: dict[str, str], why: dict[str, str]) -> None:
+    """Every ``nn.EmbeddingBag`` (a recommender's tables) split by columns, its output gathered
+    (``colwise_embedding_gather``: exact for every bag mode). One with ``max_norm`` stays whole:
+    its in-place renormalisation reads each row's norm over all the columns."""
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.EmbeddingBag) or name in styles:
+            continue
+        if mod.max_norm is not None:
+            why[name] = f"max_norm={mod.max_norm} renormalises each row over all its columns"
+        else:
+            styles[name] = "colwise_embedding_gather"
+
+
 def _column_style(node: Node) -> str:
     if node.kind == "embedding":
         return "colwise_embedding"
@@ -247,21 +262,6 @@ def _tails(model, nodes, rows, groups, styles, args, why) -> None:
                 for m in g["modules"]:
                     styles[m] = "replicate"
                     why[m] = f"{name} also feeds the split heads directly, not through them"
-
-
-def _experts(model: nn.Module, exclude: set[str], styles: dict, groups: list) -> None:
-    for name, mod in model.named_modules():
-        entries = _fused_experts(mod)
-        if entries and name not in exclude:
-            styles[name] = "moe_tp_experts"
-            styles.update({f"{name}.{p}": style for p, style in entries.items()})
-            groups.append(
-                {
-                    "modules": [name, *(f"{name}.{p}" for p in entries)],
-                    "owners": [],
-                    "counts": {f"intermediate size of {name}": _experts_inter(mod)},
-                }
-            )
 
 
 def _role(modules: dict[str, nn.Module], name: str) -> tuple:
@@ -341,12 +341,13 @@ def _infer_once(model: nn.Module, example_inputs) -> Plan:
     args: dict[str, dict] = {}
     exclude = _vocabulary(model, styles)
     rows, why = _pairs(nodes, exclude)
+    _bags(model, styles, why)
     groups: list[dict] = []
     fixups: dict[str, dict] = {}
     for r, cols in rows.items():
         groups.append(_group(model, info, r, cols, styles, fixups))
     _tails(model, nodes, rows, groups, styles, args, why)
-    _experts(model, exclude, styles, groups)
+    groups.extend(expert_groups(model, info, exclude, styles))
     _unreached_like_siblings(model, nodes, styles, groups, why, fixups)
     mixers, mixer_groups = ssm_groups(model)  # Mamba-1 mixers: split by channels
     for name, style in mixers.items():
@@ -395,38 +396,6 @@ def _owner_fixups(owner: nn.Module, widths: set[int], info: dict, owner_name: st
     if head_inputs:
         out["head_inputs"] = head_inputs
     return out
-
-
-def _fused_experts(mod: nn.Module) -> dict[str, str]:
-    """Styles for the 3-D weights of a transformers fused-experts module, read from what the
-    module declares about itself (``use_experts_implementation``: ``has_gate``,
-    ``is_concatenated`` [gate; up] or interleaved, ``is_transposed``, ``has_bias``): each
-    expert's up (and gate) projection column-parallel, its down projection row-parallel,
-    the module ``moe_tp_experts`` (f in, one all-reduce out). {} for any other module."""
-    d = mod.__dict__
-    if not all(isinstance(d.get(k), bool) for k in ("has_gate", "is_concatenated")):
-        return {}
-    up = "gate_up_proj" if d["has_gate"] else "up_proj"
-    params = dict(mod.named_parameters(recurse=False))
-    if params.get(up) is None or params[up].ndim != 3 or params.get("down_proj") is None:
-        return {}
-    # styles name raw dims, as in transformers' plans (see spec.param_layout): the output dim
-    # of gate_up is -2 ("colwise") or, transposed, -1 ("rowwise"); its 2-D bias [E, out] -1
-    packed = "packed_" if d["has_gate"] and d["is_concatenated"] else ""
-    transposed = d.get("is_transposed") is True
-    out = {
-        up: f"{packed}{'rowwise' if transposed else 'colwise'}",
-        "down_proj": "colwise" if transposed else "rowwise",
-    }
-    if f"{up}_bias" in params:
-        out[f"{up}_bias"] = f"{packed}rowwise"
-    return out
-
-
-def _experts_inter(mod: nn.Module) -> int:
-    """Each expert's intermediate width, from its down projection."""
-    w = mod.down_proj
-    return int(w.shape[1] if mod.__dict__.get("is_transposed") else w.shape[2])
 
 
 def _per_head_params(owner: nn.Module, widths: set[int]) -> list[str]:

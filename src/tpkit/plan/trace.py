@@ -27,11 +27,12 @@ from torch.overrides import TorchFunctionMode
 
 from tpkit.compat import FakeTensorMode, tree_flatten
 from tpkit.plan.fake import (
-    TRACE_BATCH,
     fake_friendly_experts,
     fake_inputs,
     meta_state,
     quiet_fake_tensors,
+    trace_batch,
+    trace_one_row,
 )
 from tpkit.plan.layout import kind_of, out_width
 from tpkit.plan.shadow import ShadowValues, needs_values
@@ -315,12 +316,34 @@ def trace(
     try:
         info = _TraceHooks(model).run(example, real)
     except Exception as exc:
-        if real or not needs_values(exc):
+        if real:
             raise
-        info = _TraceHooks(model).run(example, real, values=True)  # data-dependent routing
+        if needs_values(exc):
+            info = _TraceHooks(model).run(example, real, values=True)  # data-dependent routing
+        elif example is None and trace_batch(model) > 1:
+            info = _one_row(model, exc)
+        else:
+            raise
     if cache is not None:
         cache[key] = info
     return info
+
+
+def _batch(model: nn.Module, example: tuple | Mapping | None) -> int:
+    """The trace's batch size: the made-up inputs', or the first given tensor's first dim
+    (per-head inputs are recognised as [batch * heads, ...], BLOOM's alibi)."""
+    given = _tensors(example) if example is not None else []
+    return int(given[0].shape[0]) if given and given[0].ndim else trace_batch(model)
+
+
+def _one_row(model: nn.Module, first: Exception) -> dict[str, Any]:
+    """Trace again with a one-row batch, for a forward that refuses more rows (GPT-2's
+    classifiers without a pad token); the first error is what a user sees if that fails too."""
+    try:
+        with trace_one_row(model):
+            return _TraceHooks(model).run(None, False)
+    except Exception:
+        raise first from None
 
 
 class _TraceHooks:
@@ -367,7 +390,7 @@ class _TraceHooks:
             "nodes": self.nodes,
             "blocks": [n for n, _ in self.blocks],
             "module_inputs": self.module_inputs,
-            "batch": TRACE_BATCH,
+            "batch": _batch(model, example),
         }
 
     def _reset_stream(self, values: list[torch.Tensor], width: int | None = None) -> None:
@@ -389,9 +412,11 @@ class _TraceHooks:
         if name in nodes:
             tracer.active.append(name)
         if self._is_stream_boundary(mod):
+            # the stream is what has the first float input's width: not a block's other float
+            # inputs (BLOOM's alibi, T5's position bias), given or made inside the model
             floats = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
             if floats:
-                self._reset_stream(floats, floats[0].shape[-1] if mod is not self.model else None)
+                self._reset_stream(floats, floats[0].shape[-1])
         ins = [(f"arg:{i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ins += [(f"kw:{k}", v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
         self.module_inputs[name] = [

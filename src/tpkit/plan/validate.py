@@ -85,6 +85,7 @@ def problems(
     found += _tied_problems(model, plan)
     found += _identity_expert_problems(model, plan)
     found += _dtype_problems(model, plan)
+    found += _max_norm_problems(model, plan)
     if not found:
         found += _user_dataflow_problems(model, plan, tp_size, example_inputs)
     user = any(plan.source(p) == "user" for p in plan)  # then dry-run at tp_size just above
@@ -337,6 +338,21 @@ def checkpoint_problems(
             out.append(
                 f"{name}: the model expects {p.dtype}, {file} holds {dtype} (a quantized or "
                 "integer checkpoint is not a float one)"
+            )
+    return out
+
+
+def _max_norm_problems(model: nn.Module, plan: Plan) -> list[str]:
+    """An embedding with ``max_norm`` renormalises each looked-up row by its norm over all
+    columns, in place: with its columns split, each rank would use its own columns' norm."""
+    out, modules = [], dict(model.named_modules())
+    for t in plan.resolve(model):
+        mod = modules.get(t.name) if t.kind == "module" else None
+        if getattr(mod, "max_norm", None) is not None and style_spec(t.style).shard == "cols":
+            out.append(
+                f"{t.name} ({type(mod).__name__}, max_norm={mod.max_norm}) cannot be split by "
+                f"columns ({t.style}): each rank would renormalise rows by its own columns' "
+                "norm; replicate it ('replicate') or drop max_norm."
             )
     return out
 

@@ -31,7 +31,11 @@ from tpkit.styles.combined import (
     MoeIdentityExpertStyle,
     TailGradAllReduceStyle,
 )
-from tpkit.styles.embedding import ColwiseEmbeddingStyle, VocabParallelStyle
+from tpkit.styles.embedding import (
+    ColwiseEmbeddingStyle,
+    GatherColumnsEmbeddingStyle,
+    VocabParallelStyle,
+)
 from tpkit.styles.linear import (
     ChannelwiseStyle,
     ColwiseStyle,
@@ -50,6 +54,7 @@ __all__ = [
     "ChannelwiseStyle",
     "ColwiseEmbeddingStyle",
     "ColwiseStyle",
+    "GatherColumnsEmbeddingStyle",
     "GatherOutputStyle",
     "MoeExpertsStyle",
     "MoeIdentityExpertStyle",
@@ -81,6 +86,7 @@ for _cls in (
     PackedColwiseStyle,
     PackedQKVColwiseStyle,
     ColwiseEmbeddingStyle,
+    GatherColumnsEmbeddingStyle,
     GatherOutputStyle,
     RowwiseStyle,
     PackedRowwiseStyle,

@@ -27,14 +27,26 @@ __all__ = ["bmm_experts", "expert_groups", "fused_experts"]
 _PROBE_INTER = 4
 
 
-def expert_groups(model: nn.Module, info: dict, exclude: set[str], styles: dict) -> list[dict]:
+def expert_groups(
+    model: nn.Module, info: dict, exclude: set[str], styles: dict, why: dict
+) -> list[dict]:
     """Add the styles of every experts module (not in ``exclude``, not styled yet) to
-    ``styles``; return their groups, each with the intermediate width tp must divide."""
+    ``styles``; return their groups, each with the intermediate width tp must divide. Fused
+    experts with parameters of their own after the projections (Ergo's per-expert RMSNorm of
+    each route's output) stay whole, with the reason in ``why``: that norm would read each
+    rank's partial sum, before the all-reduce."""
     groups = []
     for name, mod in model.named_modules():
         if name in exclude:
             continue
         entries, inter = fused_experts(mod), 0
+        extra = [n for n, c in mod.named_children() if any(True for _ in c.parameters())]
+        if entries and extra:
+            why[name] = (
+                f"its {extra[0]} has parameters and acts inside the experts module, on each "
+                "rank's partial sum before the all-reduce"
+            )
+            continue
         if entries:
             inter = _fused_inter(mod)
         elif name not in styles:

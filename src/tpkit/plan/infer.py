@@ -347,7 +347,7 @@ def _infer_once(model: nn.Module, example_inputs) -> Plan:
     for r, cols in rows.items():
         groups.append(_group(model, info, r, cols, styles, fixups))
     _tails(model, nodes, rows, groups, styles, args, why)
-    groups.extend(expert_groups(model, info, exclude, styles))
+    groups.extend(expert_groups(model, info, exclude, styles, why))
     _unreached_like_siblings(model, nodes, styles, groups, why, fixups)
     mixers, mixer_groups = ssm_groups(model)  # Mamba-1 mixers: split by channels
     for name, style in mixers.items():

@@ -85,7 +85,9 @@ _BUILTIN = (
         "Y_i = X W_i: output features split, output stays sharded",
         shard="out",
         uneven_ok=True,  # torch.chunk sizes; heads that tp does not divide are refused apart
-        aliases=("local_colwise",),
+        # transformers' "unit_colwise" (k/v split by whole heads, replicated where KV heads < tp):
+        # colwise already splits by heads, and plan/kvheads.py replicates KV heads fewer than tp
+        aliases=("local_colwise", "unit_colwise"),
     ),
     StyleSpec(
         "packed_colwise",
@@ -123,7 +125,7 @@ _BUILTIN = (
         shard="in",
         collective="all_reduce",
         uneven_ok=True,  # the same chunks as the column layer feeding it: sum_i X_i W_i exact
-        aliases=("local_rowwise",),
+        aliases=("local_rowwise", "unit_rowwise"),
     ),
     StyleSpec(
         "packed_rowwise",
@@ -251,6 +253,12 @@ def register_spec(style: StyleSpec, implementation: Any = None, *, replace: bool
 def canonical_style(name: str) -> str:
     """Map an alias to its catalogue name; a ValueError listing the known names otherwise."""
     name = _ALIASES.get(name, name)
+    if name == "sequence_parallel":
+        raise ValueError(
+            "'sequence_parallel' is not a per-module style in tpkit: pass "
+            "tensor_parallel(model, sequence_parallel=True), which shards the norms and residual "
+            "stream between blocks by sequence (tpkit.sequence_parallel)."
+        )
     if name not in _SPECS:
         raise ValueError(
             f"Unknown tensor-parallel style {name!r}; known styles: {', '.join(sorted(_SPECS))} "

@@ -34,6 +34,9 @@ HARD = {
     # fused experts whose subclass normalises each route's output inside the module (a
     # per-expert RMSNorm): split, the norm read partial sums (logits off by 0.1); now whole
     "ergo": ("ErgoForCausalLM", 0.99, "a norm with parameters inside fused experts"),
+    # its ALiBi table [heads, 1, max_seq_len] enters each block as wide as the stream (tiny: 64
+    # and 64; default: 2048 and 2048): read as the stream, it left attention whole (69% sharded)
+    "mpt": ("MptForCausalLM", 0.99, "a per-head block input as wide as the stream"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", 0.9, "fused experts traced on meta in float32"),
     # transformers' plan names only the embedding; inferred: per-head attention sinks, fused
     # experts stored transposed, gate|up interleaved, with biases (the down bias enters / tp)
@@ -105,8 +108,9 @@ def test_hard_architectures_match_the_unsharded_model(ranks2, model_type):
     not_used = "base_model_tp_plan is not used" in r["note"]
     if model_type in ("doge", "diffllama", "gpt_oss"):
         assert r["sources"] == ["inferred"] and not_used, r
-    elif model_type == "ergo":  # no shipped plan
-        assert r["sources"] == ["inferred"] and "post_expert_norm" in r["expert_note"], r
+    elif model_type in ("ergo", "mpt"):  # no shipped plan
+        assert r["sources"] == ["inferred"], r
+        assert model_type != "ergo" or "post_expert_norm" in r["expert_note"], r
     elif model_type in ("inkling_text", "lfm2_moe"):
         # their shipped plans changed in transformers 5.25 (LFM2-MoE's now names attention,
         # Inkling's MLP entries match no module): kept, or replaced with the reason said

@@ -390,6 +390,8 @@ def _owner_fixups(owner: nn.Module, widths: set[int], info: dict, owner_name: st
                 continue  # tagged inputs are already sharded (T5's position_bias) or the stream
             if shape[0] == b * h and shape[0] != b:
                 head_inputs[key] = 0
+            elif len(shape) == 3 and shape[0] == h and h != b:
+                head_inputs[key] = 0  # [heads, 1, keys], shared by the batch (MPT's ALiBi)
             elif len(shape) == 4 and shape[1] == h and shape[0] in (1, b):
                 head_inputs[key] = 1
     out: dict[str, Any] = {"divide": divide}

@@ -209,6 +209,13 @@ class _Tracer(TorchFunctionMode):
         return False
 
 
+def _same_stream(t: torch.Tensor, like: torch.Tensor) -> bool:
+    """``t`` is shaped as the stream ``like``: same rank, same batch, same width."""
+    if not t.ndim or t.ndim != like.ndim or t.shape[-1] != like.shape[-1]:
+        return False
+    return t.ndim == 1 or t.shape[0] == like.shape[0]
+
+
 def _feature_dim_after_reshape(old: tuple, j: int, new: tuple) -> int | None:
     """Where the outermost factor of a feature dimension lands after a view/reshape."""
     prefix = math.prod(old[:j])
@@ -393,10 +400,12 @@ class _TraceHooks:
             "batch": _batch(model, example),
         }
 
-    def _reset_stream(self, values: list[torch.Tensor], width: int | None = None) -> None:
+    def _reset_stream(self, values: list[torch.Tensor], like: torch.Tensor | None = None) -> None:
+        """Tag as the stream what looks like ``like`` (same rank, batch and width): not a
+        per-head table that happens to be as wide (MPT's ALiBi [heads, 1, max_seq_len])."""
         tracer = self.tracer
         for t in values:
-            if t.is_floating_point() and (width is None or (t.ndim and t.shape[-1] == width)):
+            if t.is_floating_point() and (like is None or _same_stream(t, like)):
                 tracer.into_stream(tracer.tag(t))
                 tracer.set_tag(t, frozenset({STREAM}))
 
@@ -416,7 +425,7 @@ class _TraceHooks:
             # inputs (BLOOM's alibi, T5's position bias), given or made inside the model
             floats = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
             if floats:
-                self._reset_stream(floats, floats[0].shape[-1])
+                self._reset_stream(floats, floats[0])
         ins = [(f"arg:{i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ins += [(f"kw:{k}", v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
         self.module_inputs[name] = [

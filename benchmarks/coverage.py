@@ -138,13 +138,13 @@ def infer_share(model_type: str, class_name: str) -> dict:
 FULL_SIZE_OK = 0.9
 
 
-def full_size(class_name: str) -> dict:
+def full_size(class_name: str, model_type: str) -> dict:
     """The default (full-size) config on the meta device, no ranks: the share of >=2-D
     parameter elements the tp=2 plan shards, and why when it is below `FULL_SIZE_OK`."""
     from tests.parity import full_size_report
 
     try:
-        r = full_size_report(class_name)
+        r = full_size_report(class_name, model_type=model_type)
     except Exception as exc:  # noqa: BLE001 - the default config or the plan, reported
         return {"full_size_error": _short(exc)}
     out = {"full_size_share": r["share"]}
@@ -197,7 +197,7 @@ def run(only: list[str] | None, out_dir: Path) -> dict:
                     row.update(infer_share(model_type, class_name))
                 except Exception as exc:  # noqa: BLE001
                     row["inferred_error"] = _short(exc)
-                row.update(full_size(class_name))
+                row.update(full_size(class_name, model_type))
                 try:
                     build(model_type, class_name, device="meta")
                 except Exception as exc:  # noqa: BLE001
@@ -269,14 +269,19 @@ def summarize(rows: list[dict], seconds: float) -> dict:
             [r["inferred_share"] for r in text if "inferred_share" in r]
         ),
         "full_size_planned": sum(1 for r in text if "full_size_share" in r),
-        "full_size_at_least_90": sum(
-            1 for r in text if r.get("full_size_share", 0) >= FULL_SIZE_OK
-        ),
+        "full_size_at_least_90": sum(1 for r in text if _full_ok(r)),
         "median_full_size_share": _median(
             [r["full_size_share"] for r in text if "full_size_share" in r]
         ),
+        # issue 16's goal: tiny parity and >= 90% sharded at full size, over the text rows
+        "parity_and_full_size_90": len(goal := [r for r in ok if _full_ok(r)]),
+        "parity_and_full_size_90_share": round(len(goal) / max(1, len(text)), 3),
         "seconds": round(seconds, 1),
     }
+
+
+def _full_ok(row: dict) -> bool:
+    return row.get("full_size_share", 0) >= FULL_SIZE_OK
 
 
 def _median(xs: list[float]) -> float:
@@ -315,6 +320,9 @@ def markdown(summary: dict, rows: list[dict]) -> str:
         f"{s.get('full_size_planned', 0)} planned, {s.get('full_size_at_least_90', 0)} shard at "
         f"least 90% of the >=2-D parameter elements; median "
         f"{s.get('median_full_size_share', 0):.1%}; the table says why for each one below",
+        f"- **tiny parity and at least 90% sharded at full size: "
+        f"{s.get('parity_and_full_size_90', 0)} of {s['text_architectures']} "
+        f"({s.get('parity_and_full_size_90_share', 0):.1%})**",
         f"- wall time: {s['seconds']} s",
         "",
         "| architecture | kind | transformers plan | plan used | parity | max diff | grad diff | "

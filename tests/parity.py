@@ -84,17 +84,29 @@ def full_size_share(class_name: str, tp: int = 2, **overrides: Any) -> tuple[flo
     return r["share"], r["whole"]
 
 
-def full_size_report(class_name: str, tp: int = 2, **overrides: Any) -> dict:
+def full_size_report(
+    class_name: str, tp: int = 2, model_type: str | None = None, **overrides: Any
+) -> dict:
     """`full_size_share`'s figures and, below 90%, why: the largest pattern left whole, its
-    part of the 2-D elements and the plan's note on it (``why``)."""
+    part of the 2-D elements and the plan's note on it (``why``). With ``model_type`` the
+    default config is built as `tests.tiny.full_config` repairs it."""
     import transformers
 
+    from tests.tiny import full_config
     from tpkit.plan import derive_plan, param_layouts, validate
 
     cls = getattr(transformers, class_name)
-    config = cls.config_class(**overrides)
+    if model_type:
+        config = full_config(model_type, class_name)
+        for k, v in overrides.items():
+            setattr(config, k, v)
+    else:
+        config = cls.config_class(**overrides)
     with torch.device("meta"):
-        model = cls(config).float()
+        model = cls(config).float().eval()  # as from_pretrained returns it (Reformer's
+        # training forward accepts only its full axial length)
+    if hasattr(model, "set_default_language"):  # X-MOD routes through per-language adapters
+        model.set_default_language(next(iter(config.languages)))
     plan = derive_plan(model, "auto", tp)
     validate(model, plan, tp)
     layouts = param_layouts(model, plan)

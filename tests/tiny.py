@@ -155,6 +155,66 @@ PATCHES = {
 }
 
 
+# What the default (full-size) config needs to build at all: each a bug of the default itself,
+# given the published model's value where the default leaves it unset.
+FULL_PATCHES = {
+    "cohere_compass_text": PATCHES["cohere_compass_text"],
+    "dbrx": PATCHES["dbrx"],
+    "reformer": {"is_decoder": True},  # the LM head needs a decoder
+    # the indexed-attention layers need indexer sizes the default leaves unset (no published
+    # values: the index head as wide as the rope, 16 query heads, a 2048-token budget)
+    **{
+        t: {
+            "indexer_n_heads": 16,
+            "indexer_kv_heads": 1,
+            "indexer_head_dim": 256,
+            "indexer_budget": 2048,
+            "indexer_compress_ratio": 4,
+        }
+        for t in ("qwen4_exp", "qwen4_exp_text")
+    },
+    # experts unset (dots.llm1: 128 routed, 6 per token, 2 shared)
+    "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2},
+    # layer_types unset (LFM2-8B-A1B: attention at layers 2, 6, 10, 14, 18, 21 of 24)
+    "lfm2_moe": {
+        "num_hidden_layers": 24,
+        "layer_types": [
+            "full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)
+        ],
+    },
+}
+#: unset fields the modeling code divides by, filled as the model's own default would read them
+_UNSET = {
+    "head_dim": lambda c: c.hidden_size // c.num_attention_heads,
+    "num_key_value_heads": lambda c: c.num_attention_heads,
+}
+
+
+def full_config(model_type: str, class_name: str):
+    """The architecture's default config at its full size, as a user of the published model
+    builds it: `FULL_PATCHES` and `_UNSET` repair only what keeps the default from building."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    if hasattr(transformers, class_name):
+        cls = getattr(transformers, class_name).config_class
+    patches = FULL_PATCHES.get(model_type, {})
+    config = cls(**{k: v for k, v in patches.items() if "." not in k})
+    for k, v in patches.items():
+        if "." in k:
+            sub, attr = k.split(".", 1)
+            setattr(getattr(config, sub), attr, v)
+    for attr, fill in _UNSET.items():
+        try:
+            unset = attr in config.to_dict() and getattr(config, attr) is None
+        except (AttributeError, RuntimeError):  # a per-layer attribute refuses global reads
+            unset = False
+        if unset:
+            setattr(config, attr, fill(config))
+    return config
+
+
 def _layer_list(values: list, n: int) -> list:
     """A per-layer list cut to n layers, keeping one of each distinct kind first, so a hybrid
     model's tiny config still has each kind of layer (attention, SSM, MoE, ...)."""

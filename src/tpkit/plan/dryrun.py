@@ -44,6 +44,7 @@ from tpkit.plan.spec import Plan
 __all__ = ["dry_run", "fewest_replicated"]
 
 _NOTHING_LEARNED = "<nothing learned>"
+_RESHAPE = "is invalid for input of size"  # torch's error for a view that does not fit
 
 
 def dry_run(model: nn.Module, plan: Plan, example: tuple | Mapping | None, tp: int) -> str | None:
@@ -233,6 +234,13 @@ def fewest_replicated(model: nn.Module, plan: Plan, example, tp: int = 2) -> Pla
     error = dry_run(model, plan, example, tp)
     if error is None:
         return plan
+    merged = _with_merged_heads(model, plan) if _RESHAPE in error else None
+    if merged is not None:  # a reshape to the full width: merge_heads (see plan.fixups)
+        merged_error = dry_run(model, merged, example, tp)
+        if merged_error is None:
+            return merged
+        if merged_error != error:  # it got further: keep it, replicate what still fails
+            plan, error = merged, merged_error
     why = f"a dry run of the split forward failed: {error}"
 
     def trial(replicated: list[int]) -> Plan:
@@ -254,3 +262,21 @@ def fewest_replicated(model: nn.Module, plan: Plan, example, tp: int = 2) -> Pla
         if dry_run(model, trial(rest), example, tp) is None:
             chosen = rest
     return trial(chosen)
+
+
+def _with_merged_heads(model: nn.Module, plan: Plan) -> Plan | None:
+    """``plan`` with a ``merge_heads`` fix-up on every inferred group's owner: the widths its
+    row-parallel modules read (see `tpkit.plan.fixups`); None when no group has one."""
+    out, added = plan.copy(), False
+    for group in plan.groups:
+        widths = set()
+        for name, mod in model.named_modules():
+            hit = plan.style_for(name)
+            kind = kind_of(mod)
+            if hit and kind and style_spec(hit[0]).shard == "in" and hit[1] in group["modules"]:
+                widths.add(in_width(mod, kind))
+        for owner in group.get("owners", []):
+            if widths and owner in out.fixups:
+                out.fixups[owner] = {**out.fixups[owner], "merge_heads": sorted(widths)}
+                added = True
+    return out if added else None

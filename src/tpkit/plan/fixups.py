@@ -14,23 +14,37 @@ undone afterwards), and `tpkit plan` prints them:
 - ``set``: ``{attr: value}``: the attribute becomes ``value`` on every rank (one KV head per
   rank when KV heads are replicated, `tpkit.plan.kvheads`);
 - ``head_inputs``: ``{"kw:alibi": 0}``: a per-head input computed outside the module is sliced
-  to the rank's contiguous heads, along dim 0 (batch*heads) or dim 1 (heads).
+  to the rank's contiguous heads, along dim 0 (batch*heads) or dim 1 (heads);
+- ``merge_heads``: ``[width, ...]``: the module's code merges its heads back to a width read off
+  its input (``bsz, tgt_len, embed_dim = hidden_states.size()`` ... ``.reshape(bsz, tgt_len,
+  embed_dim)``, older BART-style attention), a local variable no attribute fix-up reaches:
+  while its forward runs, a ``view``/``reshape`` to such a width that cannot fit the rank's
+  heads is given the rank's width instead (`MergeHeads`). A reshape that fits is never changed.
 
 No process group: a rank's share is arithmetic on tp and its rank.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from tpkit.plan.layout import local_shape, param_layout
 from tpkit.plan.spec import Plan
 
-__all__ = ["HEAD_ATTRS", "WIDTH_ATTRS", "apply_fixups", "head_slicer", "shard_width_fixups"]
+__all__ = [
+    "HEAD_ATTRS",
+    "WIDTH_ATTRS",
+    "MergeHeads",
+    "apply_fixups",
+    "head_slicer",
+    "shard_width_fixups",
+]
 
 #: Attributes that count attention heads (on modules or their configs): validation checks that
 #: tp divides them, inference divides them on the modules that own a column/row pair.
@@ -43,6 +57,7 @@ HEAD_ATTRS = (
     "num_kv_heads",
     "n_kv_heads",
     "n_head_kv",
+    "num_attn_heads",  # ProphetNet
 )
 #: Attributes that hold a width; inference divides them only when they equal a split width.
 WIDTH_ATTRS = (
@@ -111,6 +126,61 @@ def head_slicer(
     return hook
 
 
+class MergeHeads(TorchFunctionMode):
+    """A ``view``/``reshape`` of a rank's heads to one of the full ``widths`` (the last dim,
+    given as a number) that cannot fit gets the rank's width: what the code means by merging
+    its heads. Only a call that would fail is changed, so every other reshape is the model's."""
+
+    def __init__(self, widths: list[int]):
+        super().__init__()
+        self.widths = set(widths)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("view", "reshape") and len(args) >= 2 and isinstance(args[0], torch.Tensor):
+            shape = _merged(args[0], args[1:], self.widths)
+            if shape is not None:
+                return func(args[0], shape)
+        return func(*args, **kwargs)
+
+
+def _merged(t: torch.Tensor, rest: tuple, widths: set[int]) -> tuple | None:
+    """The shape ``t.view(*rest)`` means when it asks for a full width ``t`` holds a share of."""
+    shape = tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+    if not shape or not all(isinstance(d, int) for d in shape) or shape[-1] not in widths:
+        return None
+    lead = 1
+    for d in shape[:-1]:
+        lead *= d
+    if lead <= 0 or lead * shape[-1] == t.numel() or t.numel() % lead:
+        return None
+    return (*shape[:-1], t.numel() // lead)
+
+
+def _merging_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    with MergeHeads(self.__dict__["_tpkit_merge_widths"]):
+        return self.__dict__["_tpkit_inner_forward"](*args, **kwargs)
+
+
+def _merge_heads(module: nn.Module, widths: list[int]) -> Callable[[], None]:
+    """Run ``module``'s forward under `MergeHeads`; return what undoes it."""
+    had = "forward" in module.__dict__
+    module.__dict__["_tpkit_inner_forward"] = module.forward
+    module.__dict__["_tpkit_merge_widths"] = list(widths)
+    module.forward = types.MethodType(_merging_forward, module)
+
+    def undo() -> None:
+        inner = module.__dict__.pop("_tpkit_inner_forward")
+        module.__dict__.pop("_tpkit_merge_widths", None)
+        if had:
+            module.forward = inner
+        else:
+            del module.forward
+
+    return undo
+
+
 def _local_size(module: nn.Module, style: str, pname: str, dim: int, tp: int, rank: int) -> int:
     p = module._parameters[pname]
     layout = param_layout(style, pname, p.ndim, module)
@@ -130,6 +200,7 @@ def apply_fixups(
     `head_slicer`."""
     restore: list[tuple[nn.Module, str, Any]] = []
     hooks = []
+    undos: list[Callable[[], None]] = []
     styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
     widths = shard_width_fixups(model, plan)
     for name, module in model.named_modules():
@@ -151,6 +222,8 @@ def apply_fixups(
             restore.append((module, attr, getattr(module, attr)))
             style = styles.get(name, "replicate")
             setattr(module, attr, _local_size(module, style, pname, dim, tp, rank))
+        if fix.get("merge_heads"):
+            undos.append(_merge_heads(module, fix["merge_heads"]))
         if fix.get("head_inputs") and heads:
             slicer = head_slicer(fix["head_inputs"], heads, tp, rank, before_slice)
             hooks.append(module.register_forward_pre_hook(slicer, with_kwargs=True))
@@ -158,6 +231,8 @@ def apply_fixups(
     def undo() -> None:
         for h in hooks:
             h.remove()
+        for u in reversed(undos):
+            u()
         for module, attr, value in reversed(restore):
             setattr(module, attr, value)
 

@@ -203,6 +203,35 @@ def _bags(model: nn.Module, styles: dict[str, str], why: dict[str, str]) -> None
             styles[name] = "colwise_embedding_gather"
 
 
+#: a table worth splitting: at least this share of the model's >= 2-D parameter elements
+TABLE_SHARE = 0.01
+
+
+def _tables(
+    model: nn.Module, nodes: dict[str, Node], styles: dict, why: dict, groups: list
+) -> None:
+    """Every other large id-fed ``nn.Embedding`` vocab-parallel too: a seq2seq decoder's own
+    vocabulary (FSMT), Gemma-3n's per-layer tables (a third of the model), a long position
+    table. Exact like the input embedding (masked lookup, all-reduced); one all-reduce per
+    lookup, so a table under `TABLE_SHARE` of the parameters stays whole. Tied weights,
+    ``max_norm`` and sparse gradients keep a table whole."""
+    total = sum(p.numel() for p in model.parameters() if p.ndim >= 2)
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    for name, node in nodes.items():
+        mod = model.get_submodule(name)
+        if node.kind != "embedding" or name in styles or node.src or not node.ids_first:
+            continue
+        if not isinstance(mod, nn.Embedding) or mod.max_norm is not None or mod.sparse:
+            continue
+        if counts.get(id(mod.weight), 0) > 1 or mod.weight.numel() < TABLE_SHARE * total:
+            continue
+        styles[name] = "vocab_parallel"
+        why.pop(name, None)
+        groups.append({"modules": [name], "owners": [], "counts": {}})  # for shipped plans
+
+
 def _column_style(node: Node) -> str:
     if node.kind == "embedding":
         return "colwise_embedding"
@@ -354,6 +383,7 @@ def _infer_once(model: nn.Module, example_inputs) -> Plan:
         styles[name] = style
         why.pop(name, None)
     groups.extend(mixer_groups)
+    _tables(model, nodes, styles, why, groups)
     notes = {
         name: f"replicated: {reason}"
         for name, reason in why.items()

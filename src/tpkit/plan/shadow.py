@@ -119,9 +119,14 @@ class ShadowValues(TorchFunctionMode):
             if not needs_values(exc):
                 raise
             ok, real, _ = self._real(func, args, kwargs)
-            if not ok:
+            if ok:
+                return self._fake_of(real)
+            scalars = self._scalars(args, kwargs)
+            if scalars is None:
                 raise
-            return self._fake_of(real)
+            # a large weight indexed by a routed scalar (DBRX's ``w1.view(E, F, H)[expert]``):
+            # too big to compute for real, so the fake op gets the scalar's value instead
+            return func(*scalars[0], **scalars[1])
         if name in _ROUTING and isinstance(args[0] if args else None, torch.Tensor):
             self._route(name, out, args, kwargs)
         elif not _tensors((args, kwargs)) and _tensors(out):
@@ -135,6 +140,25 @@ class ShadowValues(TorchFunctionMode):
                 if (name.endswith("_") or name == "__setitem__") and args:
                     self._set(args[0], _tensors(used)[0])
         return out
+
+    def _scalars(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """``(args, kwargs)`` with every shadowed one-element integer tensor replaced by its
+        Python value; None when there is none."""
+        found = False
+
+        def swap(v: Any) -> Any:
+            nonlocal found
+            integer = isinstance(v, torch.Tensor) and not (
+                v.is_floating_point() or v.is_complex() or v.dtype == torch.bool
+            )
+            if integer and v.numel() == 1 and id(v) in self.shadow:
+                found = True
+                with unset_fake_temporarily():
+                    return int(self.shadow[id(v)].item())
+            return v
+
+        swapped = tree_map(swap, (args, kwargs))
+        return swapped if found else None
 
     def _made(self, name: str, func, out: Any, args: tuple, kwargs: dict) -> None:
         """A tensor made from nothing (``torch.zeros``, ``arange``) gets its real value as its

@@ -65,6 +65,7 @@ class Node:
     split: int = 1
     uneven: str = ""
     cuts: list[int] = field(default_factory=list)  # sizes of the first uneven cut of its features
+    ids_first: bool = False  # an embedding called with integer ids as its first tensor
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -433,6 +434,8 @@ class _TraceHooks:
         ]
         tags = frozenset().union(*(tracer.tag(t) for _, t in ins))
         if name in nodes:
+            first = ins[0][1] if ins else None
+            nodes[name].ids_first = first is not None and not first.is_floating_point()
             nodes[name].src |= tags
             for src in tags & nodes.keys():
                 nodes[src].consumers.add(name)

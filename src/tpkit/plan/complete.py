@@ -41,8 +41,8 @@ def complete_with_inferred(
         for pattern in group["modules"]:
             target.set(pattern, inferred[pattern], "inferred", inferred.args.get(pattern))
         for owner in group["owners"]:
-            if owner in inferred.fixups:
-                target.fixups[owner] = inferred.fixups[owner]
+            for key in inferred.owner_fixups(owner):
+                target.fixups[key] = inferred.fixups[key]
         target.groups.append(group)
 
     added = []

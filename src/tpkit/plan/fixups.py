@@ -15,6 +15,8 @@ undone afterwards), and `tpkit plan` prints them:
   rank when KV heads are replicated, `tpkit.plan.kvheads`);
 - ``head_inputs``: ``{"kw:alibi": 0}``: a per-head input computed outside the module is sliced
   to the rank's contiguous heads, along dim 0 (batch*heads) or dim 1 (heads);
+- ``head_buffers``: ``{"slope_rate": 0}``: the module's own per-head buffers (made at init
+  for every head) cut to the rank's heads along that dim;
 - ``merge_heads``: ``[width, ...]``: the module's code merges its heads back to a width read off
   its input (``bsz, tgt_len, embed_dim = hidden_states.size()`` ... ``.reshape(bsz, tgt_len,
   embed_dim)``, older BART-style attention), a local variable no attribute fix-up reaches:
@@ -222,6 +224,12 @@ def apply_fixups(
             restore.append((module, attr, getattr(module, attr)))
             style = styles.get(name, "replicate")
             setattr(module, attr, _local_size(module, style, pname, dim, tp, rank))
+        for bname, dim in (fix.get("head_buffers") or {}).items():
+            buf = module._buffers.get(bname)
+            if buf is not None and heads and buf.shape[dim] == heads:
+                restore.append((module, bname, buf))
+                per = heads // tp
+                module._buffers[bname] = buf.narrow(dim, rank * per, per).clone()
         if fix.get("merge_heads"):
             undos.append(_merge_heads(module, fix["merge_heads"]))
         if fix.get("head_inputs") and heads:

@@ -427,6 +427,23 @@ def _owner_fixups(owner: nn.Module, widths: set[int], info: dict, owner_name: st
     out: dict[str, Any] = {"divide": divide}
     if head_inputs:
         out["head_inputs"] = head_inputs
+    if heads and (buffers := _head_buffers(owner, heads[0])):
+        out["head_buffers"] = buffers
+    return out
+
+
+def _head_buffers(owner: nn.Module, heads: int) -> dict[str, int]:
+    """The owner's own buffers laid out per head, computed at init for every head (MiniMax's
+    lightning-attention ``slope_rate`` [heads, 1, 1], ``diagonal_decay`` [1, heads, n, n]):
+    name -> the heads dim, so each rank keeps its heads' values."""
+    out = {}
+    for name, buf in owner.named_buffers(recurse=False):
+        if buf is None or buf.ndim < 2:
+            continue
+        if buf.shape[0] == heads:
+            out[name] = 0
+        elif buf.ndim == 4 and buf.shape[0] == 1 and buf.shape[1] == heads:
+            out[name] = 1
     return out
 
 

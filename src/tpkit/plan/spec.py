@@ -145,7 +145,14 @@ class Plan(Mapping[str, str]):
             self.set(pattern, "replicate", self._sources.get(pattern, "inferred"))
             self.notes[pattern] = f"replicated: {why}"
         for owner in group.get("owners", []):
-            self.fixups.pop(owner, None)
+            for key in self.owner_fixups(owner):
+                self.fixups.pop(key)
+
+    def owner_fixups(self, owner: str) -> list[str]:
+        """The fix-up keys an inferred group's ``owner`` pattern covers: itself, and the layers
+        it stands for whose fix-ups differ from their siblings' and so stayed concrete (MiniMax's
+        one lightning-attention layer under ``model.layers.*.self_attn``)."""
+        return [k for k in self.fixups if k == owner or matches(owner, k)]
 
     def settle_groups(self, tp_size: int) -> list[str]:
         """Replicate every inferred group ``tp_size`` does not divide (e.g. 3 heads at tp=2) so

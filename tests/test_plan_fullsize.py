@@ -23,6 +23,16 @@ FULL_SIZE = {
     # a decoder-only model's cross-attention never runs in the trace: split like self-attention
     "BartForCausalLM": 0.95,
     "MarianForCausalLM": 0.95,
+    # heads merged back to a width read off the input (merge_heads): 0.60 before
+    "TrOCRForCausalLM": 0.99,
+    # an ALiBi table as wide as the stream at its block's entry: 0.69 before
+    "MptForCausalLM": 0.99,
+    # lightning attention's per-head slopes and decays (head_buffers): 0.02 before
+    "MiniMaxForCausalLM": 0.95,
+    # no _tp_plan names the head: split and gathered like the embedding: 0.67 before
+    "NemotronHForCausalLM": 0.9,
+    # per-layer token tables, a third of the model, vocab-parallel: 0.64 before
+    "Gemma3nForCausalLM": 0.95,
 }
 
 

@@ -1,8 +1,9 @@
 """Plans for models whose inputs are not a batch of token ids: an ``nn.EmbeddingBag`` table
 (split by columns, exact for every bag mode), a bare transformer block whose forward needs
 arguments (``example_inputs=``), and a forward that refuses more than one row (GPT-2's
-sequence classifier without a pad token: the trace retries with one). Each checked against the
-unsharded module: output and every gradient."""
+sequence classifier without a pad token: the trace retries with one), and a second token table
+(vocab-parallel like the input embedding; a position table that looks up arange stays whole).
+Each checked against the unsharded module: output and every gradient."""
 
 from __future__ import annotations
 
@@ -172,3 +173,50 @@ def test_one_row_trace_is_remembered_for_the_dry_run_only_when_it_worked():
     with pytest.raises(RuntimeError):
         trace(broken)
     assert trace_batch(broken) == TRACE_BATCH
+
+
+class _Positions(nn.Embedding):
+    """BART's kind of position table: called with the ids, looks up ``arange(seq)``."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(torch.arange(ids.shape[-1], device=ids.device))
+
+
+class TwoTables(nn.Module):
+    """Token ids into two tables (Gemma-3n's per-layer one, FSMT's second vocabulary), a
+    position table and an MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(101, 64)
+        self.per_layer = nn.Embedding(101, 96)  # 51 and 50 rows at tp=2
+        self.positions = _Positions(16, 64)
+        self.fc1 = nn.Linear(160, 128)
+        self.fc2 = nn.Linear(128, 64)
+        self.head = nn.Linear(64, 101)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) + self.positions(ids)
+        h = torch.cat([x, self.per_layer(ids)], -1)
+        return self.head(x + self.fc2(torch.relu(self.fc1(h))))
+
+
+def tables_parity() -> dict:
+    import tpkit
+
+    torch.manual_seed(0)
+    ref = TwoTables()
+    ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(1))
+    model = tpkit.tensor_parallel(copy.deepcopy(ref))
+    return _compare(ref, model, lambda m: m(ids))
+
+
+def test_a_second_token_table_is_vocab_parallel_and_positions_stay_whole(ranks2):
+    for r in ranks2.run(tables_parity):
+        assert r["out"] <= TOL and r["grad"] <= TOL, r
+        local = r["local"]
+        assert local["per_layer.weight"][0] in (51, 50) and local["per_layer.weight"][1] == 96
+        assert local["positions.weight"] == (16, 64), local  # arange, not the ids: whole

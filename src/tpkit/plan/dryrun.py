@@ -27,7 +27,7 @@ from tpkit.plan.fake import (
     quiet_fake_tensors,
     real_state,
 )
-from tpkit.plan.fixups import apply_fixups
+from tpkit.plan.fixups import WIDTH_ATTRS, apply_fixups
 from tpkit.plan.kvheads import replicate_kv_heads
 from tpkit.plan.layout import (
     chunk_offset,
@@ -234,13 +234,20 @@ def fewest_replicated(model: nn.Module, plan: Plan, example, tp: int = 2) -> Pla
     error = dry_run(model, plan, example, tp)
     if error is None:
         return plan
-    merged = _with_merged_heads(model, plan) if _RESHAPE in error else None
-    if merged is not None:  # a reshape to the full width: merge_heads (see plan.fixups)
-        merged_error = dry_run(model, merged, example, tp)
-        if merged_error is None:
-            return merged
-        if merged_error != error:  # it got further: keep it, replicate what still fails
-            plan, error = merged, merged_error
+    if _RESHAPE in error or "AssertionError" in error:
+        # the code merges heads to a width read off its input (merge_heads), or also checks
+        # that input against a width attribute (FSMT: ``assert embed_dim == self.embed_dim``)
+        further = None
+        for repaired in (_with_merged_heads(model, plan), _with_merged_heads(model, plan, True)):
+            if repaired is None:
+                continue
+            repaired_error = dry_run(model, repaired, example, tp)
+            if repaired_error is None:
+                return repaired
+            if repaired_error != error and further is None:
+                further = (repaired, repaired_error)
+        if further is not None:  # it got further: keep it, replicate what still fails
+            plan, error = further
     why = f"a dry run of the split forward failed: {error}"
 
     def trial(replicated: list[int]) -> Plan:
@@ -264,9 +271,11 @@ def fewest_replicated(model: nn.Module, plan: Plan, example, tp: int = 2) -> Pla
     return trial(chosen)
 
 
-def _with_merged_heads(model: nn.Module, plan: Plan) -> Plan | None:
+def _with_merged_heads(model: nn.Module, plan: Plan, keep_widths: bool = False) -> Plan | None:
     """``plan`` with a ``merge_heads`` fix-up on every inferred group's owner: the widths its
-    row-parallel modules read (see `tpkit.plan.fixups`); None when no group has one."""
+    row-parallel modules read (see `tpkit.plan.fixups`); None when no group has one. With
+    ``keep_widths`` the owners' width attributes are no longer divided (head counts still
+    are): the code reads them only to check its input."""
     out, added = plan.copy(), False
     for group in plan.groups:
         widths = set()
@@ -276,7 +285,10 @@ def _with_merged_heads(model: nn.Module, plan: Plan) -> Plan | None:
             if hit and kind and style_spec(hit[0]).shard == "in" and hit[1] in group["modules"]:
                 widths.add(in_width(mod, kind))
         for owner in group.get("owners", []):
-            if widths and owner in out.fixups:
-                out.fixups[owner] = {**out.fixups[owner], "merge_heads": sorted(widths)}
+            for key in out.owner_fixups(owner) if widths else []:
+                fix = {**out.fixups[key], "merge_heads": sorted(widths)}
+                if keep_widths:
+                    fix["divide"] = [a for a in fix.get("divide", []) if a not in WIDTH_ATTRS]
+                out.fixups[key] = fix
                 added = True
     return out if added else None

@@ -103,4 +103,23 @@ def hf_plan(model: nn.Module) -> Plan | None:
         for key, style in (getattr(cls, "_tp_plan", None) or {}).items():
             if isinstance(key, str):
                 plan.set(key, style, "class")
+    _gathered_head(model, plan, embed)
     return plan
+
+
+def _gathered_head(model: nn.Module, plan: Plan, embed: nn.Module | None) -> None:
+    """The output head split and gathered where the class ships no ``_tp_plan`` for it
+    (Nemotron-H: a quarter of the model left whole), as for the embedding above; a head tied to
+    an embedding laid out otherwise is left to the plan."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if not isinstance(head, nn.Linear):
+        return
+    names = {id(m): n for n, m in model.named_modules()}
+    name = names.get(id(head))
+    if name is None or plan.style_for(name) is not None:
+        return
+    if embed is not None and getattr(embed, "weight", None) is head.weight:
+        hit = plan.style_for(names.get(id(embed), ""))
+        if hit is None or hit[0] != "vocab_parallel":
+            return
+    plan.set(name, "colwise_gather_output", "class")

@@ -65,7 +65,7 @@ class Node:
     split: int = 1
     uneven: str = ""
     cuts: list[int] = field(default_factory=list)  # sizes of the first uneven cut of its features
-    ids_first: bool = False  # an embedding called with integer ids as its first tensor
+    ids_first: bool = False  # an embedding that looks up exactly its first input (its ids)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -100,6 +100,7 @@ class _Tracer(TorchFunctionMode):
         self.keep: list[torch.Tensor] = []  # ids stay unique while the trace runs
         self.active: list[str] = []  # linear-like modules whose forward is running
         self.weights: dict[int, str] = {}  # id of a linear-like module's parameter -> module
+        self.first_input: dict[str, torch.Tensor] = {}  # module -> the first tensor it was given
 
     def tag(self, t: torch.Tensor) -> frozenset[str]:
         return self.tags.get(id(t), frozenset())
@@ -131,6 +132,10 @@ class _Tracer(TorchFunctionMode):
         if STREAM in tags and len(tags) > 1:
             tags = self.into_stream(tags)
         name = getattr(func, "__name__", "")
+        if name == "embedding" and self.active and args:
+            node = self.active[-1]
+            if self.first_input.get(node) is args[0] and self.nodes[node].kind == "embedding":
+                self.nodes[node].ids_first = True
         in_place = name.endswith("_") or name in ("__setitem__", "__iadd__", "__imul__")
         if in_place and args and isinstance(args[0], torch.Tensor):
             self.set_tag(args[0], tags)
@@ -434,8 +439,8 @@ class _TraceHooks:
         ]
         tags = frozenset().union(*(tracer.tag(t) for _, t in ins))
         if name in nodes:
-            first = ins[0][1] if ins else None
-            nodes[name].ids_first = first is not None and not first.is_floating_point()
+            if ins:  # BART's position table looks up arange(seq) + 2, not its input_ids
+                tracer.first_input[name] = ins[0][1]
             nodes[name].src |= tags
             for src in tags & nodes.keys():
                 nodes[src].consumers.add(name)

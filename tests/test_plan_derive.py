@@ -320,3 +320,32 @@ def test_replicating_an_inferred_column_drops_its_norms_gradient_all_reduce():
     # the same over transformers' plan, which names q_norm itself
     assert hf_plan(model).style_for(q_norm)[0] == "replicated_with_grad_allreduce"
     assert derive_plan(model, user).style_for(q_norm)[0] == "replicate"
+
+
+def test_transformers_unit_styles_read_as_colwise_and_rowwise():
+    from tpkit.plan.catalogue import canonical_style
+
+    assert canonical_style("unit_colwise") == "colwise"
+    assert canonical_style("unit_rowwise") == "rowwise"
+    model = _meta_qwen3(8, 2)  # 2 KV heads: at tp=4 each is kept whole on 2 ranks
+    entries = {
+        "model.layers.*.self_attn.q_proj": "colwise",
+        "model.layers.*.self_attn.k_proj": "unit_colwise",
+        "model.layers.*.self_attn.v_proj": "unit_colwise",
+        "model.layers.*.self_attn.o_proj": "unit_rowwise",
+    }
+    plan = derive_plan(model, entries, 4)
+    validate(model, plan, 4)
+    assert plan.style_for("model.layers.0.self_attn.k_proj")[0] == "colwise_replicated_heads"
+    assert plan.style_for("model.layers.0.self_attn.o_proj")[0] == "rowwise"
+    with pytest.raises(ValueError, match="sequence_parallel=True"):
+        canonical_style("sequence_parallel")
+
+
+def test_dbrx_plans_on_meta_where_a_routed_scalar_indexes_a_large_weight():
+    from tests.parity import full_size_report
+
+    # DBRX's experts index ``w1.view(E, F, H)[expert]`` with a routed 0-d tensor: too large to
+    # compute for real, the fake op gets the shadow's value (it could not be traced before)
+    r = full_size_report("DbrxForCausalLM", model_type="dbrx")
+    assert 0 < r["share"] < 1, r

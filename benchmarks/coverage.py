@@ -190,7 +190,10 @@ def run(only: list[str] | None, out_dir: Path) -> dict:
                 config = tiny_config(model_type, class_name)
                 row.update(hf_plan_facts(config))
                 if config is None:
-                    row.update(status="skipped", why="not a text architecture (multimodal config)")
+                    row.update(
+                        status="skipped",
+                        why="not a text architecture (its config holds vision, audio or text sub-configs)",
+                    )
                     rows.append(row)
                     continue
                 try:

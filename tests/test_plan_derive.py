@@ -41,6 +41,9 @@ HARD = {
     "trocr": ("TrOCRForCausalLM", 0.9, "bsz, tgt_len, embed_dim = hidden_states.size()"),
     # one lightning-attention layer: per-head buffers made at init (head_buffers fix-up)
     "minimax": ("MiniMaxForCausalLM", 0.9, "per-head slopes and decays"),
+    # a position table (an nn.Embedding) broadcast over the heads of q and k: kept whole on
+    # every rank like q_norm, not a column of the attention's output linear
+    "roformer": ("RoFormerForCausalLM", 0.9, "rotary table looked up by an nn.Embedding"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", 0.9, "fused experts traced on meta in float32"),
     # transformers' plan names only the embedding; inferred: per-head attention sinks, fused
     # experts stored transposed, gate|up interleaved, with biases (the down bias enters / tp)
@@ -118,7 +121,7 @@ def test_hard_architectures_match_the_unsharded_model(ranks2, model_type):
     not_used = "base_model_tp_plan is not used" in r["note"]
     if model_type in ("doge", "diffllama", "gpt_oss"):
         assert r["sources"] == ["inferred"] and not_used, r
-    elif model_type in ("ergo", "mpt", "trocr"):  # no shipped plan
+    elif model_type in ("ergo", "mpt", "trocr", "roformer"):  # no shipped plan
         assert r["sources"] == ["inferred"], r
         assert model_type != "ergo" or "post_expert_norm" in r["expert_note"], r
     elif model_type in ("inkling_text", "lfm2_moe"):

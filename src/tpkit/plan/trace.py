@@ -76,6 +76,12 @@ def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
+# elementwise ops whose operands broadcast against each other
+_ELEMENTWISE = frozenset(
+    {"mul", "__mul__", "__rmul__", "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__"}
+    | {"div", "__truediv__", "__rtruediv__", "__iadd__", "__imul__", "addcmul"}
+)
+
 # ops that cut a tensor along a dim -> position of that dim among their arguments
 _DIM_ARG = {
     "split": 2,
@@ -101,6 +107,7 @@ class _Tracer(TorchFunctionMode):
         self.active: list[str] = []  # linear-like modules whose forward is running
         self.weights: dict[int, str] = {}  # id of a linear-like module's parameter -> module
         self.first_input: dict[str, torch.Tensor] = {}  # module -> the first tensor it was given
+        self.head_tables: set[str] = set()  # embeddings broadcast over a linear's heads
 
     def tag(self, t: torch.Tensor) -> frozenset[str]:
         return self.tags.get(id(t), frozenset())
@@ -119,19 +126,25 @@ class _Tracer(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inputs = _tensors((args, kwargs))
+        # a call that returns no tensor read metadata only (LongT5 asks its bias table's
+        # ``weight.device``), not the values
+        reads_values = bool(_tensors(out))
         for t in inputs:
             owner = self.weights.get(id(t))
-            if owner is not None and owner not in self.active:
+            if owner is not None and owner not in self.active and reads_values:
                 # another module computes with this weight (Mamba's dt_proj.weight): its
                 # layout must stay whole
                 self.nodes[owner].needs_whole = "its weight is read outside its own forward"
         # features flow through float tensors; an index or a mask (a router's top-k choice)
         # says where rows go, not what they hold
         feats = [t for t in inputs if t.is_floating_point() or t.is_complex()]
+        name = getattr(func, "__name__", "")
+        if name in _ELEMENTWISE and len(feats) > 1:
+            self._per_head_tables(feats)
         tags: frozenset[str] = frozenset().union(*(self.tag(t) for t in feats))
+        tags -= self.head_tables
         if STREAM in tags and len(tags) > 1:
             tags = self.into_stream(tags)
-        name = getattr(func, "__name__", "")
         if name == "embedding" and self.active and args:
             node = self.active[-1]
             if self.first_input.get(node) is args[0] and self.nodes[node].kind == "embedding":
@@ -145,6 +158,26 @@ class _Tracer(TorchFunctionMode):
         if args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.origin:
             self._follow_features(name, args, kwargs, out, outs)
         return out
+
+    def _per_head_tables(self, feats: list[torch.Tensor]) -> None:
+        """An embedding's output broadcast over the heads of a split linear's output (RoFormer's
+        sinusoidal table times each head's queries) is one table every head reads: a rank
+        keeps it whole for its heads (its gradient all-reduced), like Qwen3's ``q_norm``. Its
+        tag stops here, so the attention's output linear does not count it as a column."""
+        for b in feats:
+            if id(b) not in self.origin or not self.origin[id(b)][2]:
+                continue
+            lin, j, _ = self.origin[id(b)]
+            for a in feats:
+                tags = self.tag(a)
+                if a is b or not tags or any(self.nodes.get(t) is None for t in tags):
+                    continue
+                if any(self.nodes[t].kind != "embedding" for t in tags):
+                    continue
+                k = j - (b.ndim - a.ndim)  # a's dim under b's heads, broadcasting from the right
+                if b.shape[j] > 1 and (k < 0 or a.shape[k] == 1):
+                    self.head_tables |= tags
+                    self.nodes[lin].per_head_consumers |= tags
 
     # -- where the features of a linear's output go: reshapes, splits, slices ----------------
     def _follow_features(self, name, args, kwargs, out, outs) -> None:

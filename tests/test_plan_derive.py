@@ -50,8 +50,9 @@ HARD = {
     "gpt_oss": ("GptOssForCausalLM", 0.9, "sinks, transposed interleaved experts with biases"),
     # transformers' plan leaves the xIELU activation's scalars (on split activations) unnamed
     "apertus": ("ApertusForCausalLM", 0.9, "parameterised activation between colwise and rowwise"),
-    # the short convolution needs in_proj whole: only that group stays replicated
-    "lfm2_moe": ("Lfm2MoeForCausalLM", 0.5, "dry run replicates the fewest groups"),
+    # the short convolution: in_proj's B, C, x parts colwise, the depthwise conv per channel
+    # (its weight read by causal_conv1d_fn, unseen by the trace); it stayed whole before
+    "lfm2_moe": ("Lfm2MoeForCausalLM", 0.99, "a short conv read through its weight"),
     # per-layer configs refuse global reads of head counts; MLA's rope width is per layer
     "dots3_note_text": ("Dots3NoteForCausalLM", 0.5, "heterogeneous per-layer config, MLA"),
 }

@@ -88,7 +88,19 @@ def shard_width_fixups(model: nn.Module, plan: Plan) -> dict[str, dict[str, Any]
                 continue
             if param_layout(t.style, pname, p.ndim, module).dim == dim % p.ndim:
                 out.setdefault(t.name, {}).setdefault("shard_width", {})[attr] = [pname, dim]
+        if _depthwise(module) and param_layout(t.style, "weight", 3, module).dim == 0:
+            # a depthwise conv split by channels: its forward passes groups=self.groups
+            widths = out.setdefault(t.name, {}).setdefault("shard_width", {})
+            widths.update({a: ["weight", 0] for a in ("in_channels", "out_channels", "groups")})
     return out
+
+
+def _depthwise(module: nn.Module) -> bool:
+    return (
+        isinstance(module, nn.Conv1d)
+        and module.groups == module.out_channels == module.in_channels
+        and module.groups > 1
+    )
 
 
 def head_slicer(

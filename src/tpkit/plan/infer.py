@@ -14,9 +14,14 @@ From the trace's tags:
   and plain colwise is right;
 - an ``nn.Embedding`` inside a block whose output reaches a row linear (T5's relative attention
   bias ``[buckets, heads]``) is split by heads (``colwise_embedding``);
-- a module with 1-D parameters acting per head on a column output (Qwen3 ``q_norm``) gets
-  ``replicated_with_grad_allreduce``;
-- the input embedding is vocab-parallel, the output head ``colwise_gather_output``;
+- a module with 1-D parameters acting per head on a column output (Qwen3 ``q_norm``), or an
+  ``nn.Embedding`` whose output is broadcast over a column output's heads (RoFormer's
+  sinusoidal table), gets ``replicated_with_grad_allreduce``;
+- a depthwise ``nn.Conv1d`` child of a pair's owner, as wide as a split part (LFM2's gated short
+  convolution, its weight read by ``causal_conv1d_fn``), is ``channelwise``;
+- the input embedding is vocab-parallel, the output head ``colwise_gather_output``; other large
+  id-fed tables are vocab-parallel when they look up their input, else split by columns and
+  gathered (LED's position table looks up ``arange``);
 - an ``nn.EmbeddingBag`` is split by columns and gathered (``colwise_embedding_gather``);
 - head-count attributes (``num_heads``, ``n_head``, ``embed_dim``, ``split_size``, ...) on the
   modules that own a column/row pair are listed as plan *fix-ups*, divided by tp when applied,
@@ -210,24 +215,28 @@ TABLE_SHARE = 0.01
 def _tables(
     model: nn.Module, nodes: dict[str, Node], styles: dict, why: dict, groups: list
 ) -> None:
-    """Every other large id-fed ``nn.Embedding`` vocab-parallel too: a seq2seq decoder's own
-    vocabulary (FSMT), Gemma-3n's per-layer tables (a third of the model), a long position
-    table. Exact like the input embedding (masked lookup, all-reduced); one all-reduce per
-    lookup, so a table under `TABLE_SHARE` of the parameters stays whole. Tied weights,
-    ``max_norm`` and sparse gradients keep a table whole."""
+    """Every other large id-fed ``nn.Embedding`` split too. One that looks up its own first
+    input (a seq2seq decoder's vocabulary in FSMT, Gemma-3n's per-layer tables, a third of the
+    model) is vocab-parallel, exact like the input embedding (masked lookup, all-reduced). One
+    whose forward makes its own ids (LED's 16384-row position table looks up ``arange``, so
+    masking its input would mask the wrong tensor) is split by columns and gathered
+    (``colwise_embedding_gather``): exact for any lookup. One collective per lookup, so a table
+    under `TABLE_SHARE` of the parameters stays whole; so do tied weights, a weight read
+    outside the table's forward, ``max_norm`` (rows renormalised over all their columns) and
+    sparse gradients."""
     total = sum(p.numel() for p in model.parameters() if p.ndim >= 2)
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
     for name, node in nodes.items():
         mod = model.get_submodule(name)
-        if node.kind != "embedding" or name in styles or node.src or not node.ids_first:
+        if node.kind != "embedding" or name in styles or node.src or node.read_outside:
             continue
         if not isinstance(mod, nn.Embedding) or mod.max_norm is not None or mod.sparse:
             continue
         if counts.get(id(mod.weight), 0) > 1 or mod.weight.numel() < TABLE_SHARE * total:
             continue
-        styles[name] = "vocab_parallel"
+        styles[name] = "vocab_parallel" if node.ids_first else "colwise_embedding_gather"
         why.pop(name, None)
         groups.append({"modules": [name], "owners": [], "counts": {}})  # for shipped plans
 
@@ -264,7 +273,28 @@ def _group(model, info, r, cols, styles, fixups) -> dict[str, Any]:
         for pname in _per_head_params(modules[owner], widths):
             styles[f"{owner}.{pname}"] = "colwise"  # split by heads, like the heads
             pair.append(f"{owner}.{pname}")
+        for conv in _channel_convs(modules[owner], owner, widths, info, styles):
+            styles[conv] = "channelwise"
+            pair.append(conv)
     return {"modules": pair, "owners": sorted(owners & set(fixups)), "counts": counts}
+
+
+def _channel_convs(owner: nn.Module, name: str, widths: set[int], info: dict, styles: dict):
+    """The owner's depthwise ``nn.Conv1d`` children as wide as a split part: a gated short
+    convolution (LFM2's ``B, C, x = in_proj(h).chunk(3)``, ``conv(B * x)``, ``out_proj(C * y)``)
+    convolves each channel on its own, so the rank's channels are exact; the code reads the
+    conv's weight directly (``causal_conv1d_fn``) where the trace cannot see it. One fed the
+    stream is not on the split path and stays whole."""
+    for child, mod in owner.named_children():
+        full = f"{name}.{child}" if name else child
+        if not isinstance(mod, nn.Conv1d) or full in styles:
+            continue
+        c = mod.out_channels
+        if mod.groups != c or mod.in_channels != c or c not in widths:
+            continue
+        if any(STREAM in tags for _, _, tags in info["module_inputs"].get(full, [])):
+            continue
+        yield full
 
 
 def _tails(model, nodes, rows, groups, styles, args, why) -> None:

@@ -66,6 +66,7 @@ class Node:
     uneven: str = ""
     cuts: list[int] = field(default_factory=list)  # sizes of the first uneven cut of its features
     ids_first: bool = False  # an embedding that looks up exactly its first input (its ids)
+    read_outside: bool = False  # its weight is computed with outside its own forward
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -135,6 +136,7 @@ class _Tracer(TorchFunctionMode):
                 # another module computes with this weight (Mamba's dt_proj.weight): its
                 # layout must stay whole
                 self.nodes[owner].needs_whole = "its weight is read outside its own forward"
+                self.nodes[owner].read_outside = True
         # features flow through float tensors; an index or a mask (a router's top-k choice)
         # says where rows go, not what they hold
         feats = [t for t in inputs if t.is_floating_point() or t.is_complex()]

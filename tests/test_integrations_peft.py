@@ -155,6 +155,19 @@ def test_tp2_lora_on_vocab_parallel_embedding_and_head(ranks2, order):
     _assert_parity(ranks2.run(check_parity, "llama", order, EMBED_HEAD))
 
 
+#: the MLP as the gathered fallback lays it out (tpkit.plan.gathered): LoRA replicated there
+GATHERED_MLP = {
+    "model.layers.*.mlp.gate_proj": "colwise_gather_output",
+    "model.layers.*.mlp.up_proj": "colwise_gather_output",
+    "model.layers.*.mlp.down_proj": "rowwise_split_input",
+}
+
+
+@pytest.mark.parametrize("order", ["tpkit_first", "peft_first"])
+def test_tp2_lora_on_a_gathered_pair(ranks2, order):
+    _assert_parity(ranks2.run(check_parity, "llama", order, plan=GATHERED_MLP))
+
+
 @pytest.mark.parametrize(
     "name, order", [("llama", "peft_first"), ("gpt2", "peft_first"), ("llama", "tpkit_first")]
 )

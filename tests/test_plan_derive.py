@@ -143,10 +143,12 @@ def test_auto_keeps_transformers_plan_when_it_runs_and_config_forces_it():
     assert dict(derive_plan(llama)) == dict(hf_plan(llama))
 
 
-def test_heads_cut_into_groups_stay_replicated_with_a_note():
-    """DiffLlama pairs head i with head i + H/2: contiguous head shards would pair others."""
+def test_heads_cut_into_groups_are_gathered_with_a_note():
+    """DiffLlama pairs head i with head i + H/2: contiguous head shards would pair others, so
+    its attention runs on whole heads, its weights split and its outputs gathered."""
     plan = infer_plan(build_tiny("diffllama", "DiffLlamaForCausalLM", device="meta"))
-    assert plan.style_for("model.layers.0.self_attn.v_proj") is None
+    assert plan.style_for("model.layers.0.self_attn.v_proj")[0] == "colwise_gather_output"
+    assert plan.style_for("model.layers.0.self_attn.o_proj")[0] == "rowwise_split_input"
     assert "cut into groups" in plan.notes["model.layers.*.self_attn.v_proj"]
     assert plan.style_for("model.layers.0.mlp.down_proj")[0] == "rowwise"
 
@@ -249,23 +251,28 @@ def test_transformers_plan_gets_grad_allreduce_for_parameters_on_split_activatio
     assert plan.style_for("model.layers.0.mlp.act_fn")[0] == "replicated_with_grad_allreduce"
 
 
-def test_a_failing_dry_run_replicates_only_the_groups_it_must():
-    """LFM2's short convolution reads in_proj's output whole; attention and MLP stay split."""
-    plan = infer_plan(build_tiny("lfm2_moe", "Lfm2MoeForCausalLM", device="meta"))
-    assert plan.style_for("model.layers.0.conv.in_proj")[0] == "replicate"
-    assert plan.style_for("model.layers.1.self_attn.q_proj")[0] == "colwise"
-    assert plan.style_for("model.layers.0.feed_forward.w2")[0] == "rowwise"
+def test_a_failing_dry_run_gathers_only_the_groups_it_must():
+    """OLMo-Hybrid's gated delta rule cannot run on split projections: the linear attention's
+    weights stay split with their outputs gathered (`tpkit.plan.gathered`), noted with the
+    dry run's error, and the MLPs stay split as before."""
+    plan = infer_plan(build_tiny("olmo_hybrid", "OlmoHybridForCausalLM", device="meta"))
+    assert plan.style_for("model.layers.0.linear_attn.q_proj")[0] == "colwise_gather_output"
+    assert plan.style_for("model.layers.0.linear_attn.o_proj")[0] == "rowwise_split_input"
+    assert "dry run" in plan.notes["model.layers.*.linear_attn.q_proj"]
+    assert plan.style_for("model.layers.0.mlp.gate_proj")[0] == "colwise"
+    assert plan.style_for("model.layers.1.mlp.down_proj")[0] == "rowwise"
 
 
-def test_a_replicated_group_takes_its_per_head_norms_along():
-    """3 heads at tp=2: the attention group stays whole, and so must q_norm's gradient (an
-    all-reduce there would double it)."""
+def test_a_whole_group_takes_its_per_head_norms_along():
+    """3 heads at tp=2: the attention runs on whole heads (its weights split, outputs
+    gathered), and so must q_norm's gradient stay whole (an all-reduce would double it)."""
     model = _meta_qwen3(heads=3, kv_heads=3)
     plan = infer_plan(model)
     attention = [g for g in plan.groups if "model.layers.*.self_attn.o_proj" in g["modules"]]
     assert "model.layers.*.self_attn.q_norm" in attention[0]["modules"]
     validate(model, plan, 2)
-    assert plan.style_for("model.layers.0.self_attn.q_proj")[0] == "replicate"
+    # its split heads fail the tp=2 dry run: gathered, the norm sees whole heads
+    assert plan.style_for("model.layers.0.self_attn.q_proj")[0] == "colwise_gather_output"
     assert plan.style_for("model.layers.0.self_attn.q_norm")[0] == "replicate"
     assert plan.style_for("model.layers.0.mlp.down_proj")[0] == "rowwise"
 

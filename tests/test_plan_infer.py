@@ -298,15 +298,18 @@ def test_t5_relative_bias_is_split_by_heads():
     assert plan.style_for(name)[0] == "colwise_embedding"
 
 
-def test_falcon_multi_query_stays_replicated_with_a_note():
+def test_falcon_multi_query_is_gathered_with_a_note():
+    """One KV head packed after the query heads, cut unevenly by the code: the pair keeps its
+    weights split, its output gathered (`tpkit.plan.gathered`); the MLP stays split."""
     torch.manual_seed(0)
     model = tf.FalconForCausalLM(
         tf.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=V)
     )
     plan = infer_plan(model)
     qkv = "transformer.h.0.self_attention.query_key_value"
-    assert plan.style_for(qkv) is None or plan.style_for(qkv)[0] == "replicate"
-    assert any("query_key_value" in p for p in plan.notes)
+    assert plan.style_for(qkv)[0] == "colwise_gather_output"
+    assert plan.style_for("transformer.h.0.self_attention.dense")[0] == "rowwise_split_input"
+    assert "gathered" in plan.notes["transformer.h.*.self_attention.query_key_value"]
     assert plan.style_for("transformer.h.0.mlp.dense_4h_to_h")[0] == "rowwise"
 
 

@@ -12,6 +12,9 @@ A LoRA adapter on a base layer follows the base's style (the catalogue's role):
   the peft wrapper runs, and a hook on the wrapper finishes it).
 - output head (``colwise_gather_output``), vocab-parallel embedding and replicated layers: the
   adapters are replicated (r x vocab is small), act after the base's collective, no new one.
+  So are they on a gathered pair (`tpkit.plan.gathered`): the column layer's adapter adds to
+  its gathered output, and the ``rowwise_split_input`` layer's reads the same whole input its
+  base slices, so its gradient is whole on every rank.
 
 So a forward issues exactly the collectives of the base model; backward adds one all-reduce of
 r-wide activations per column-parallel adapter and one of ``lora_B``'s gradient per row-parallel
@@ -73,7 +76,7 @@ def adapter_layout(style: str) -> str | None:
         return "column"
     if s.role == "row" and s.packed_parts == 1:
         return "row"
-    if s.name in ("colwise_gather_output", "vocab_parallel") or (
+    if s.name in ("colwise_gather_output", "rowwise_split_input", "vocab_parallel") or (
         s.role == "replicate" and not s.own_entries and s.name != "tail_grad_allreduce"
     ):
         return "replicated"

@@ -48,7 +48,9 @@ def complete_with_inferred(
     added = []
     for group in inferred.groups:
         patterns = group["modules"]
-        if not all(p in inferred and inferred[p] != "replicate" for p in patterns):
+        if not all(p in inferred for p in patterns) or all(
+            inferred[p] == "replicate" for p in patterns
+        ):
             continue  # left whole by inference too, or not one entry per layer kind
         concrete = [n for p in patterns for n in names if matches(p, n)]
         if not concrete or any(named_above(n) for n in concrete):

@@ -28,6 +28,7 @@ from tpkit.plan.fake import (
     real_state,
 )
 from tpkit.plan.fixups import WIDTH_ATTRS, apply_fixups
+from tpkit.plan.gathered import gather_group
 from tpkit.plan.kvheads import replicate_kv_heads
 from tpkit.plan.layout import (
     chunk_offset,
@@ -230,7 +231,8 @@ def fewest_replicated(model: nn.Module, plan: Plan, example, tp: int = 2) -> Pla
     left replicated that makes the model's code run (a global head count read where no fix-up
     reaches, a split output fed to a layer that needs it whole, like LFM2's short convolution),
     each noted with the error. Groups are replicated one more at a time (attention groups
-    first) until the dry run passes, then each is given back its split if it still passes."""
+    first) until the dry run passes, then each is given back its split if it still passes;
+    last, each one left whole is gathered instead (`tpkit.plan.gathered`) where that runs."""
     error = dry_run(model, plan, example, tp)
     if error is None:
         return plan
@@ -250,10 +252,11 @@ def fewest_replicated(model: nn.Module, plan: Plan, example, tp: int = 2) -> Pla
             plan, error = further
     why = f"a dry run of the split forward failed: {error}"
 
-    def trial(replicated: list[int]) -> Plan:
+    def trial(replicated: list[int], gathered: tuple[int, ...] = ()) -> Plan:
         out = plan.copy()
         for i in replicated:
-            out.replicate_group(plan.groups[i], why)
+            if i not in gathered or not gather_group(model, out, plan.groups[i], why):
+                out.replicate_group(plan.groups[i], why)
         return out
 
     order = sorted(range(len(plan.groups)), key=lambda i: not plan.groups[i]["owners"])
@@ -268,7 +271,12 @@ def fewest_replicated(model: nn.Module, plan: Plan, example, tp: int = 2) -> Pla
         rest = [j for j in chosen if j != i]
         if dry_run(model, trial(rest), example, tp) is None:
             chosen = rest
-    return trial(chosen)
+    gathered: tuple[int, ...] = ()  # then each kept whole keeps its weights split if it runs
+    for i in chosen:
+        gatherable = gather_group(model, plan.copy(), plan.groups[i], why)
+        if gatherable and dry_run(model, trial(chosen, (*gathered, i)), example, tp) is None:
+            gathered = (*gathered, i)
+    return trial(chosen, gathered)
 
 
 def _with_merged_heads(model: nn.Module, plan: Plan, keep_widths: bool = False) -> Plan | None:

@@ -7,7 +7,9 @@ From the trace's tags:
   **column-parallel** (Megatron's pairing: q/k/v -> o, up/gate -> down, c_fc -> c_proj, ...);
 - a column candidate whose output is also needed whole (a LayerNorm over its full width, a
   non-row consumer, the stream) or is sliced unevenly along its features (Falcon's multi-query
-  ``query_key_value``) stays replicated, and so does its row partner; the plan notes why;
+  ``query_key_value``) is not split that way, nor is its row partner: when both are plain
+  linears the pair is *gathered* (the column's output all-gathered, the row splitting its whole
+  input: `tpkit.plan.gathered`), else it stays replicated; the plan notes why;
 - the output of a column linear split into k equal parts along its features (GPT-2 ``c_attn`` ->
   q|k|v, fused gate_up -> gate|up) gets a *packed* style that splits each part; a split *after*
   a per-head reshape (BLOOM / GPT-NeoX ``query_key_value``, Falcon GQA) is per-head interleaved
@@ -48,6 +50,7 @@ from tpkit.plan.dryrun import fewest_replicated
 from tpkit.plan.experts import expert_groups
 from tpkit.plan.fake import REAL_TRACE_MAX_PARAMS
 from tpkit.plan.fixups import HEAD_ATTRS, WIDTH_ATTRS
+from tpkit.plan.gathered import gathered_pairs
 from tpkit.plan.layout import in_width, kind_of, param_layouts
 from tpkit.plan.spec import Plan
 from tpkit.plan.ssm import ssm_groups
@@ -56,10 +59,10 @@ from tpkit.plan.trace import STREAM, Node, has_mixed_blocks, same_type_blocks, t
 __all__ = ["generic_name", "infer_plan"]
 
 
-def _pairs(nodes: dict[str, Node], exclude: set[str]) -> tuple[dict[str, set[str]], dict]:
-    """Row linear -> its column sources, after removing every pair that cannot be split."""
-    why: dict[str, str] = {}
-    rows = {
+def _row_candidates(nodes: dict[str, Node], exclude: set[str]) -> dict[str, set[str]]:
+    """Row linear -> its column sources: every linear that writes the stream and reads only
+    other linears, before any pair is removed."""
+    return {
         n: {s for s in v.src}
         for n, v in nodes.items()
         if v.kind != "embedding"
@@ -68,6 +71,12 @@ def _pairs(nodes: dict[str, Node], exclude: set[str]) -> tuple[dict[str, set[str
         and v.src
         and all(s in nodes and s not in exclude for s in v.src)
     }
+
+
+def _pairs(nodes: dict[str, Node], exclude: set[str]) -> tuple[dict[str, set[str]], dict]:
+    """Row linear -> its column sources, after removing every pair that cannot be split."""
+    why: dict[str, str] = {}
+    rows = _row_candidates(nodes, exclude)
     for n, v in nodes.items():
         if n not in rows and n not in exclude and v.kind != "embedding":
             if STREAM in v.src and v.writer:
@@ -414,11 +423,13 @@ def _infer_once(model: nn.Module, example_inputs) -> Plan:
         why.pop(name, None)
     groups.extend(mixer_groups)
     _tables(model, nodes, styles, why, groups)
-    notes = {
-        name: f"replicated: {reason}"
+    gathered, notes = gathered_pairs(model, nodes, _row_candidates(nodes, exclude), styles, why)
+    groups.extend(gathered)
+    notes.update(
+        (name, f"replicated: {reason}")
         for name, reason in why.items()
         if name not in styles or styles[name] == "replicate"
-    }
+    )
     all_names = [n for n, _ in model.named_modules()]
     all_names += [n for n, _ in model.named_parameters(remove_duplicate=False)]
     plan = Plan()

@@ -66,6 +66,12 @@ def test_parity_tp2(ranks2):
         assert results[0]["share"] > 0.9, (model_type, results[0])
 
 
+def test_uneven_widths(ranks2):
+    """An intermediate width tp does not divide: gathered in torch.chunk sizes, exact."""
+    results = ranks2.run(tiny_parity, "bitnet", "BitNetForCausalLM", {"intermediate_size": 37})
+    assert_parity(results)
+
+
 def test_parity_tp4(ranks4):
     # tp=4 chunks: Mamba-2's in_proj and BitNet's MLP widths split unevenly where 4 does not
     # divide them; the gather puts them back in order

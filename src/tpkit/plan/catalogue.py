@@ -156,6 +156,7 @@ _BUILTIN = (
         "rowwise on a replicated input: each rank takes its slice of the input first",
         shard="in",
         collective="all_reduce",
+        uneven_ok=True,  # the slice is the rank's torch.chunk of the input, as its weight's rows
         aliases=("rowwise_rep",),
     ),
     StyleSpec(

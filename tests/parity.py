@@ -77,6 +77,23 @@ def tiny_parity(
     }
 
 
+def greedy_parity(model_type: str, class_name: str) -> tuple[Any, Any, bool]:
+    """Run on every rank: the tiny model and ``tensor_parallel`` of a copy, each generating 6
+    greedy tokens after a 5-token prompt with the cache on; (unsharded, split, same tokens)."""
+    import tpkit
+    from tests.tiny import build, inputs
+
+    ref = build(model_type, class_name).eval()
+    ref.config.use_cache = True
+    model = tpkit.tensor_parallel(copy.deepcopy(ref))
+    prompt = inputs(ref, "causal-lm")["input_ids"][:, :5]
+    kw = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        expected = ref.generate(prompt, **kw)
+        tokens = model.generate(prompt, **kw)
+    return ref, model, torch.equal(tokens, expected)
+
+
 def full_size_share(class_name: str, tp: int = 2, **overrides: Any) -> tuple[float, dict]:
     """Share of >=2-D parameter elements the derived plan shards for the architecture's default
     config on the meta device (validated at ``tp``), and the largest whole ones by pattern."""

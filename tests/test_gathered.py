@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parity import assert_parity, full_size_share, tiny_parity
+from tests.parity import assert_parity, full_size_share, greedy_parity, tiny_parity
 from tests.tiny import build
 from tpkit.plan import infer_plan
 
@@ -82,35 +82,21 @@ def test_parity_tp4(ranks4):
 def gathered_generate(model_type: str, class_name: str) -> dict:
     """Greedy generation at tp vs unsharded (the recurrent state cached whole on every rank),
     and the local width of the first gathered layer's weight."""
-    import copy
-
-    import torch
     from torch.distributed.tensor import DTensor
 
-    import tpkit
-    from tests.tiny import inputs
-
-    ref = build(model_type, class_name).eval()
-    ref.config.use_cache = True
-    model = tpkit.tensor_parallel(copy.deepcopy(ref))
-    prompt = inputs(ref, "causal-lm")["input_ids"][:, :5]
-    kw = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
-    with torch.no_grad():
-        expected = ref.generate(prompt, **kw)
-        tokens = model.generate(prompt, **kw)
+    ref, model, equal = greedy_parity(model_type, class_name)
     plan = model._tpkit.plan
     name = next(
         n
         for n, _ in model.named_modules()
         if n
-        and plan.style_for(n)
-        and plan.style_for(n)[0] == "colwise_gather_output"
+        and (hit := plan.style_for(n))
+        and hit[0] == "colwise_gather_output"
         and "lm_head" not in n
     )
     w = model.get_submodule(name).weight
     local = w.to_local().shape[0] if isinstance(w, DTensor) else w.shape[0]
-    full = ref.get_submodule(name).weight.shape[0]
-    return {"equal": torch.equal(tokens, expected), "local": local, "full": full}
+    return {"equal": equal, "local": local, "full": ref.get_submodule(name).weight.shape[0]}
 
 
 def test_generation_matches(ranks2):

@@ -73,10 +73,13 @@ def _row_candidates(nodes: dict[str, Node], exclude: set[str]) -> dict[str, set[
     }
 
 
-def _pairs(nodes: dict[str, Node], exclude: set[str]) -> tuple[dict[str, set[str]], dict]:
-    """Row linear -> its column sources, after removing every pair that cannot be split."""
+def _pairs(
+    nodes: dict[str, Node], exclude: set[str], candidates: dict[str, set[str]]
+) -> tuple[dict[str, set[str]], dict]:
+    """Row linear -> its column sources, after removing every pair of ``candidates`` (see
+    `_row_candidates`) that cannot be split."""
     why: dict[str, str] = {}
-    rows = _row_candidates(nodes, exclude)
+    rows = {r: set(srcs) for r, srcs in candidates.items()}
     for n, v in nodes.items():
         if n not in rows and n not in exclude and v.kind != "embedding":
             if STREAM in v.src and v.writer:
@@ -408,7 +411,8 @@ def _infer_once(model: nn.Module, example_inputs) -> Plan:
     styles: dict[str, str] = {}
     args: dict[str, dict] = {}
     exclude = _vocabulary(model, styles)
-    rows, why = _pairs(nodes, exclude)
+    candidates = _row_candidates(nodes, exclude)
+    rows, why = _pairs(nodes, exclude, candidates)
     _bags(model, styles, why)
     groups: list[dict] = []
     fixups: dict[str, dict] = {}
@@ -423,7 +427,7 @@ def _infer_once(model: nn.Module, example_inputs) -> Plan:
         why.pop(name, None)
     groups.extend(mixer_groups)
     _tables(model, nodes, styles, why, groups)
-    gathered, notes = gathered_pairs(model, nodes, _row_candidates(nodes, exclude), styles, why)
+    gathered, notes = gathered_pairs(model, nodes, candidates, styles, why)
     groups.extend(gathered)
     notes.update(
         (name, f"replicated: {reason}")

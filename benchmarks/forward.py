@@ -14,6 +14,7 @@ from benchmarks.common import (
     timing_figures,
 )
 from benchmarks.suites import Suite, failed_rows, ok
+from benchmarks.systems import GLOO, without_shm
 
 
 def run(ctx, systems):
@@ -28,6 +29,10 @@ def run(ctx, systems):
                 fns[name] = lambda m=s.model: m(input_ids=x, use_cache=False)
             except Exception as e:  # noqa: BLE001 - recorded in the row
                 rows.append({**ctx.base_row(name), "status": error_text(e)})
+        if "tpkit" in fns and ctx.tp > 1:  # the same model with the shm fast path off
+            m = ok(systems)["tpkit"].model
+            logits[GLOO] = without_shm(lambda: m(input_ids=x, use_cache=False).logits.float())
+            fns[GLOO] = lambda: without_shm(lambda: m(input_ids=x, use_cache=False))
         times = time_interleaved(fns, spec["repeats"], spec["warmup"], ctx.sync)
     med = {n: median(t) for n, t in times.items()}
     tokens = x.numel()
@@ -44,7 +49,8 @@ def run(ctx, systems):
                 **timing_figures(times, name),
                 "max_abs_diff": diff,
                 "repeats": len(t),
-                "note": getattr(ok(systems).get(name), "note", ""),
+                "note": getattr(ok(systems).get(name), "note", "")
+                or ("every collective on gloo" if name == GLOO else ""),
             }
         )
     return rows

@@ -15,6 +15,7 @@ from benchmarks.common import (
     time_interleaved,
 )
 from benchmarks.suites import Suite, failed_rows, ok
+from benchmarks.systems import GLOO, without_shm
 
 
 def _generate(model, prompt, n):
@@ -49,9 +50,9 @@ def run(ctx, systems):
                 rows.append({**ctx.base_row(name), "status": error_text(e)})
         if "tpkit" in tokens and ctx.tp > 1:  # the same model with the shm fast path off
             m = ok(systems)["tpkit"].model
-            tokens[GLOO] = _without_shm(lambda: _generate(m, prompt, n))
-            fns[(GLOO, "first")] = lambda: _without_shm(lambda: _generate(m, prompt, 1))
-            fns[(GLOO, "all")] = lambda: _without_shm(lambda: _generate(m, prompt, n))
+            tokens[GLOO] = without_shm(lambda: _generate(m, prompt, n))
+            fns[(GLOO, "first")] = lambda: without_shm(lambda: _generate(m, prompt, 1))
+            fns[(GLOO, "all")] = lambda: without_shm(lambda: _generate(m, prompt, n))
         times = time_interleaved(fns, spec["gen_repeats"], spec["gen_warmup"], ctx.sync)
     med = {k: median(v) for k, v in times.items()}
     tps, rounds = {}, {}
@@ -81,19 +82,6 @@ def run(ctx, systems):
             }
         )
     return rows
-
-
-GLOO = "tpkit_gloo"  # tpkit with TPKIT_CPU_SHM_ALLREDUCE's fast path off: every collective on gloo
-
-
-def _without_shm(fn):
-    from tpkit.shm import set_shm_enabled
-
-    before = set_shm_enabled(False)  # every rank runs the same round: the same setting on all
-    try:
-        return fn()
-    finally:
-        set_shm_enabled(before)
 
 
 def _spread(rounds: dict[str, list[float]], name: str) -> dict:
@@ -146,7 +134,7 @@ SUITE = Suite(
         "tok/s = batch·(N−1) / (median N-token time − TTFT). Ratios of tok/s (medians of per-round "
         "ratios) are higher-is-better; `IQR of rounds` is their interquartile range and `vs "
         "transformers TP` says `better`/`worse` only when it lies wholly above/below 1.00. tpkit's "
-        "no-grad collectives take the same-host shared-memory path by default (`tpkit.shm`); "
+        "collectives take the same-host shared-memory path by default (`tpkit.shm`); "
         "`tpkit, shm off` is the same model with it off (every collective on gloo), in the same "
         "rounds. `same tokens` compares the greedy sequences with the unsharded model's."
     ),

@@ -14,7 +14,7 @@ from benchmarks.common import (
     timing_figures,
 )
 from benchmarks.suites import Suite, failed_rows, ok
-from benchmarks.systems import training
+from benchmarks.systems import GLOO, training, without_shm
 
 
 def run(ctx, systems):
@@ -30,6 +30,12 @@ def run(ctx, systems):
                 fns[name], states[name] = (lambda f=step: f(x)), state
             except Exception as e:  # noqa: BLE001 - recorded in the row
                 rows.append({**ctx.base_row(name), "status": error_text(e)})
+        if "tpkit" in fns and ctx.tp > 1:
+            # the same model with the shm fast path off, stepped by its own AdamW at lr=0: the
+            # same work, and the weights stay tpkit's (its `loss after` stays comparable)
+            step, _ = stack.enter_context(training(ok(systems)["tpkit"], lr=0.0))
+            without_shm(lambda f=step: f(x))
+            fns[GLOO] = lambda f=step: without_shm(lambda: f(x))
         times = time_interleaved(fns, spec["step_repeats"], spec["step_warmup"], ctx.sync)
     med = {n: median(t) for n, t in times.items()}
     for name, t in times.items():
@@ -40,8 +46,11 @@ def run(ctx, systems):
                 "min_ms": min(t) * 1e3,
                 "tokens_per_s": x.numel() / med[name],
                 **timing_figures(times, name),
-                "loss": states[name].get("loss"),
+                "loss": states[name].get("loss") if name in states else None,
                 "repeats": len(t),
+                "note": "every collective on gloo; AdamW at lr=0 (the same work)"
+                if name == GLOO
+                else "",
             }
         )
     return rows

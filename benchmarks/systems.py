@@ -32,6 +32,21 @@ LABELS = {
 }
 
 
+GLOO = "tpkit_gloo"  # the tpkit model with tpkit.shm's fast path off: every collective on gloo
+
+
+def without_shm(fn: Callable[[], Any]) -> Any:
+    """``fn()`` with tpkit's shared-memory collectives off (`GLOO` rows). Every rank runs the same
+    round, so every rank has the same setting, as `tpkit.shm.set_shm_enabled` requires."""
+    from tpkit.shm import set_shm_enabled
+
+    before = set_shm_enabled(False)
+    try:
+        return fn()
+    finally:
+        set_shm_enabled(before)
+
+
 @dataclass
 class System:
     name: str

@@ -251,16 +251,15 @@ def test_repeated_tensor_parallel_calls_leak_no_groups(ranks2):
 
 
 def check_shm_dead_peer(timeout_s: str) -> str:
-    """Rank 1 never enters the shared-memory all-reduce: rank 0 must fail within TPKIT_TIMEOUT."""
+    """Rank 1 never enters the shared-memory all-reduce: rank 0 must fail within the group's
+    timeout, as a gloo collective on that group would (tpkit's own groups carry TPKIT_TIMEOUT:
+    `test_dp_sub_groups_get_tpkit_timeout`)."""
+    import datetime
+
     from tpkit.shm import ShmChannel
 
-    saved = dict(os.environ)
-    os.environ["TPKIT_TIMEOUT"] = timeout_s
-    try:
-        channel = ShmChannel(dist.group.WORLD)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    group = dist.new_group(timeout=datetime.timedelta(seconds=float(timeout_s)))
+    channel = ShmChannel(group)
     if dist.get_rank() == 1:
         return "skipped"
     start = time.monotonic()
@@ -268,7 +267,7 @@ def check_shm_dead_peer(timeout_s: str) -> str:
     return f"{msg} after {time.monotonic() - start:.1f}"
 
 
-def test_shm_all_reduce_gives_up_on_a_dead_peer_after_tpkit_timeout(ranks2):
+def test_shm_all_reduce_gives_up_on_a_dead_peer_after_the_group_timeout(ranks2):
     msg = ranks2.run(check_shm_dead_peer, "2", timeout=60)[0]
     assert "timed out after 2 s waiting for group rank(s) [1]" in msg, msg
     assert float(msg.rsplit(" ", 1)[1]) < 10, msg

@@ -1,7 +1,8 @@
-"""The same-host shared-memory collectives (`tpkit.shm`), on by default for no-grad CPU work.
+"""The same-host shared-memory collectives (`tpkit.shm`), on by default for tpkit's CPU layers.
 
-Behaviour only, never timing: the same tokens with the fast path on and off, every fast-path
-collective counted, a clean fallback where it does not apply, and the sums exact and in rank order.
+Behaviour only, never timing: the same tokens with the fast path on and off, the same training
+step (loss and every gradient, bit for bit), every fast-path collective counted, a clean fallback
+where it does not apply, and the sums exact and in rank order, tensors larger than a slot too.
 """
 
 from __future__ import annotations
@@ -80,10 +81,26 @@ def check_sums_and_gathers() -> dict:
             out[f"sum {dtype}"] = got is not None and torch.equal(got, want)
         g = shm.shm_all_gather(torch.full((3,), float(rank)), group)
         out["gather"] = g is not None and g.tolist() == [[float(r)] * 3 for r in range(world)]
-        big = torch.zeros(shm.ShmChannel.SLOT // 4 + 1)
-        out["too large"] = shm.shm_all_reduce(big, group)
         out["meta"] = shm.shm_all_reduce(torch.zeros(4, device="meta"), group)
+        out["bool"] = shm.shm_all_reduce(torch.ones(4, dtype=torch.bool), group)
+        out["product"] = shm.shm_all_reduce(torch.ones(4), group, dist.ReduceOp.PRODUCT)
     out["seen"] = seen
+    # larger than a slot: 2.5 slots of float32 go through in 3 pieces, the sum still exact
+    n = shm.ShmChannel.SLOT * 5 // 8
+    gen = torch.Generator().manual_seed(rank)
+    big = torch.randn(n, generator=gen)
+    want = big.clone()
+    dist.all_reduce(want, group=group)
+    got = shm.shm_all_reduce(big.clone(), group)
+    out["big sum"] = got is not None and torch.equal(got, want)
+    want = big.clone()
+    dist.all_reduce(want, op=dist.ReduceOp.MAX, group=group)
+    got = shm.shm_all_reduce(big.clone(), group, dist.ReduceOp.MAX)
+    out["big max"] = got is not None and torch.equal(got, want)
+    parts = [torch.empty_like(big) for _ in range(world)]
+    dist.all_gather(parts, big, group=group)
+    got = shm.shm_all_gather(big, group)
+    out["big gather"] = got is not None and torch.equal(got, torch.stack(parts))
     for _ in range(50):  # alternating buffers: many calls back to back stay exact
         x = torch.full((8,), float(rank))
         shm.shm_all_reduce(x, group)
@@ -98,10 +115,66 @@ def test_sums_are_exact_counted_and_fall_back_when_not_eligible(ranks2):
         assert r["fast"], r
         assert all(v for k, v in r.items() if k.startswith("sum")), r
         assert r["gather"] and r["repeated"], r
-        assert r["too large"] is None and r["meta"] is None, r
+        assert r["big sum"] and r["big max"] and r["big gather"], r
+        assert r["meta"] is None and r["bool"] is None and r["product"] is None, r
         kinds = [k for k, _ in r["seen"]]
         assert kinds == ["all_reduce"] * 3 + ["all_gather"], r["seen"]
         assert r["seen"][0][1] == 6 * 4 and r["seen"][3][1] == 3 * 4, r["seen"]
+
+
+def _train_step(model, x) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    grads = {
+        n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+    return loss.item(), grads
+
+
+def check_training_is_the_same_with_shared_memory_on_and_off(name: str, **options) -> dict:
+    """One training step of the same model twice, the fast path on then off: a training step's
+    collectives (forward all-reduces, backward gradient all-reduces, the vocab-parallel loss's
+    max and sums) take shared memory, and the loss and every gradient are the same bits."""
+    import tpkit
+    from tpkit import shm
+
+    ref = build(name)
+    model = tpkit.tensor_parallel(copy.deepcopy(ref), **options)
+    x = batch(ref.config.vocab_size, shape=(2, 8))
+    model(input_ids=x, labels=x).loss.backward()  # the group's one-time vote stays out
+    before = shm.shm_counts()["all_reduce"]
+    loss_on, grads_on = _train_step(model, x)
+    calls = shm.shm_counts()["all_reduce"] - before
+    previous = shm.set_shm_enabled(False)
+    try:
+        loss_off, grads_off = _train_step(model, x)
+    finally:
+        shm.set_shm_enabled(previous)
+    ref.zero_grad()
+    ref_loss = ref(input_ids=x, labels=x).loss
+    ref_loss.backward()
+    ref_grads = dict(ref.named_parameters())
+    return {
+        "calls": calls,
+        "loss equal": loss_on == loss_off,
+        "grads equal": sorted(n for n in grads_on if not torch.equal(grads_on[n], grads_off[n])),
+        "same names": sorted(grads_on) == sorted(grads_off),
+        "loss vs ref": abs(loss_on - ref_loss.item()),
+        "grad vs ref": max((g - ref_grads[n].grad).abs().max().item() for n, g in grads_on.items()),
+    }
+
+
+def test_a_training_step_is_the_same_with_shared_memory_on_and_off(ranks2):
+    for name, options in (("llama", {}), ("llama", {"loss_parallel": True}), ("gpt2", {})):
+        for r in ranks2.run(
+            check_training_is_the_same_with_shared_memory_on_and_off, name, **options
+        ):
+            assert r["calls"] >= 8, (name, options, r)  # 2 blocks x (2 forward + 2 backward)
+            assert r["loss equal"] and r["grads equal"] == [] and r["same names"], (name, r)
+            assert r["loss vs ref"] <= 1e-5 and r["grad vs ref"] <= 1e-5, (name, options, r)
 
 
 def check_wrapped_all_reduce_sees_every_call() -> dict:
@@ -123,14 +196,21 @@ def check_wrapped_all_reduce_sees_every_call() -> dict:
     try:
         with torch.no_grad():
             model(input_ids=x)
+        no_grad = len(calls)
+        model(input_ids=x, labels=x).loss.backward()
     finally:
         dist.all_reduce = real
-    return {"wrapped": len(calls), "shm": shm.shm_counts()["all_reduce"] - before}
+    return {
+        "no grad": no_grad,
+        "step": len(calls) - no_grad,
+        "shm": shm.shm_counts()["all_reduce"] - before,
+    }
 
 
-def test_a_wrapped_all_reduce_sees_the_no_grad_collectives(ranks2):
+def test_a_wrapped_all_reduce_sees_every_collective(ranks2):
     for r in ranks2.run(check_wrapped_all_reduce_sees_every_call):
-        assert r["wrapped"] >= 4 and r["shm"] == 0, r  # 2 per block x 2 blocks, + embedding
+        assert r["no grad"] >= 4 and r["shm"] == 0, r  # 2 per block x 2 blocks, + embedding
+        assert r["step"] >= 2 * r["no grad"], r  # forward and backward
 
 
 def check_env_off() -> dict:

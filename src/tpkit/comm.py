@@ -12,11 +12,13 @@ gloo's ~1 ms per small collective, which the shared-memory path below removes.
 - ``gather_from_tp``: all-gather along the last dim forward, keep own slice backward (gathered
   logits). Handles torch.chunk-style uneven splits (e.g. GPT-2's 50257-token vocabulary).
 
-No-grad all-reduces and all-gathers of CPU tensors on a one-host gloo group take the
-shared-memory path (`tpkit.shm`, ~20x faster for decode-sized tensors) unless
+Every all-reduce and all-gather here (forward and backward, with or without grad) of a plain
+contiguous CPU tensor on a one-host gloo group takes the shared-memory path (`tpkit.shm`: measured 2-15x
+faster than gloo, from a decode step's KiB to tens of MiB) unless
 ``torch.distributed.all_reduce`` / ``all_gather`` has been replaced by a wrapper (a profiler, a
 test's counter): then they go through the wrapper so it sees every collective. Wrap on every rank
-alike, as with any collective.
+alike, as with any collective. `all_reduce_` and `all_gather_parts` are the same choice for the
+other collectives of tpkit's layers (the vocab-parallel loss, sequence parallelism).
 """
 
 from __future__ import annotations
@@ -27,16 +29,35 @@ from torch.distributed import ProcessGroup
 
 from tpkit.shm import shm_all_gather, shm_all_reduce
 
-__all__ = ["copy_to_tp", "gather_from_tp", "reduce_from_tp"]
+__all__ = ["all_gather_parts", "all_reduce_", "copy_to_tp", "gather_from_tp", "reduce_from_tp"]
 
 
 # torch's own functions: a different object there means someone wraps them to watch collectives
 _TORCH_ALL_REDUCE, _TORCH_ALL_GATHER = dist.all_reduce, dist.all_gather
 
 
-def _all_reduce(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    dist.all_reduce(t, group=group)
+def all_reduce_(
+    t: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> torch.Tensor:
+    """All-reduce ``t`` over ``group`` in place and return it: through shared memory where that
+    applies (`tpkit.shm`: one host, gloo, a plain contiguous CPU tensor, SUM or MAX), else the
+    process group; always the process group while ``dist.all_reduce`` is wrapped."""
+    if dist.all_reduce is _TORCH_ALL_REDUCE and shm_all_reduce(t, group, op) is not None:
+        return t
+    dist.all_reduce(t, op=op, group=group)
     return t
+
+
+def all_gather_parts(x: torch.Tensor, group: ProcessGroup) -> list[torch.Tensor]:
+    """Every rank's contiguous ``x`` (the same shape on every rank), in rank order: through
+    shared memory where that applies, else the process group (as `all_reduce_`)."""
+    if dist.all_gather is _TORCH_ALL_GATHER:
+        stacked = shm_all_gather(x, group)
+        if stacked is not None:
+            return list(stacked.unbind(0))
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return parts
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -47,34 +68,25 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad.contiguous().clone(), ctx.group), None
+        return all_reduce_(grad.contiguous().clone(), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        return _all_reduce(x.contiguous().clone(), group)
+        return all_reduce_(x.contiguous().clone(), group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
 
 
-def _gather_last(
-    x: torch.Tensor, sizes: list[int], group: ProcessGroup, fast: bool = False
-) -> torch.Tensor:
+def _gather_last(x: torch.Tensor, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
     width = max(sizes)
     x = x.contiguous()
     if x.shape[-1] < width:
         x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
-    stacked = None
-    if fast and dist.all_gather is _TORCH_ALL_GATHER:
-        stacked = shm_all_gather(x, group)  # same-host CPU fast path (tpkit.shm)
-    if stacked is not None:
-        parts = list(stacked.unbind(0))
-    else:
-        parts = [torch.empty_like(x) for _ in sizes]
-        dist.all_gather(parts, x, group=group)
+    parts = all_gather_parts(x, group)
     return torch.cat([p[..., :s] for p, s in zip(parts, sizes)], dim=-1)
 
 
@@ -100,19 +112,11 @@ def reduce_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """All-reduce (sum) forward, identity backward (Megatron's g). In-place when no grad is needed."""
     if torch.is_grad_enabled() and x.requires_grad:
         return _ReduceFromTP.apply(x, group)
-    return _no_grad_all_reduce(x, group)
+    return all_reduce_(x if x.is_contiguous() else x.contiguous(), group)
 
 
 def gather_from_tp(x: torch.Tensor, sizes: list[int], rank: int, group: ProcessGroup):
     """All-gather along the last dim (uneven ``sizes`` allowed); backward keeps this rank's slice."""
     if torch.is_grad_enabled() and x.requires_grad:
         return _GatherFromTP.apply(x, sizes, rank, group)
-    return _gather_last(x, sizes, group, fast=True)
-
-
-def _no_grad_all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    x = x if x.is_contiguous() else x.contiguous()
-    done = None
-    if dist.all_reduce is _TORCH_ALL_REDUCE:
-        done = shm_all_reduce(x, group)  # same-host CPU fast path (tpkit.shm)
-    return done if done is not None else _all_reduce(x, group)
+    return _gather_last(x, sizes, group)

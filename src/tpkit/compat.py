@@ -27,6 +27,19 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 # Flatten / map nested Python containers of tensors (what torch.compile uses).
 from torch.utils._pytree import tree_flatten, tree_map
 
+
+def group_timeout(group) -> float | None:
+    """``group``'s collective timeout in seconds, or None where torch does not say: a wait of
+    tpkit's own on the group (the shared-memory all-reduce) then lasts as long as gloo's would.
+    torch keeps it on the backend's private options and has no public getter."""
+    import torch
+
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
 __all__ = [
     "DataDependentOutputException",
     "DynamicOutputShapeException",
@@ -34,6 +47,7 @@ __all__ = [
     "StorageInfo",
     "StridedShard",
     "flatten_state_dict",
+    "group_timeout",
     "set_element",
     "tree_flatten",
     "tree_map",

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
+from tpkit.comm import all_reduce_
 from tpkit.plan.layout import chunk_offset
 
 __all__ = ["causal_lm_loss", "enable_loss_parallel", "vocab_parallel_cross_entropy"]
@@ -26,7 +27,7 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits, target, vocab_start, ignore_index, group):
         # logits: [N, V_local] float32; target: [N] global ids
         local_max = logits.max(dim=-1).values
-        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_(local_max, group, dist.ReduceOp.MAX)
         shifted = logits - local_max.unsqueeze(-1)
         v_local = logits.shape[-1]
         ignored = target == ignore_index
@@ -37,7 +38,7 @@ class _VocabParallelCE(torch.autograd.Function):
         exp = shifted.exp_()
         sum_exp = exp.sum(dim=-1)
         both = torch.stack([picked, sum_exp])  # one collective for both sums
-        dist.all_reduce(both, group=group)
+        all_reduce_(both, group)
         picked, sum_exp = both[0], both[1]
         loss = (sum_exp.log() - picked).masked_fill(ignored, 0.0)
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward

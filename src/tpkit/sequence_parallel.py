@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from tpkit.comm import all_gather_parts, all_reduce_
 from tpkit.plan import Plan, style_spec
 from tpkit.plan.layout import tp_regions
 from tpkit.plan.trace import repeated_blocks
@@ -47,10 +48,7 @@ SEQ_DIM = 1
 
 # ---- collectives along the sequence dimension ------------------------------------------------
 def _all_gather(x: torch.Tensor, group: ProcessGroup, rank: int, tp: int) -> torch.Tensor:
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(tp)]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=SEQ_DIM)
+    return torch.cat(all_gather_parts(x.contiguous(), group), dim=SEQ_DIM)
 
 
 def _chunk(x: torch.Tensor, group: ProcessGroup, rank: int, tp: int) -> torch.Tensor:
@@ -65,8 +63,7 @@ def _reduce_scatter(x: torch.Tensor, group: ProcessGroup, rank: int, tp: int) ->
         dist.reduce_scatter_tensor(out, moved, group=group)
         return out.movedim(0, SEQ_DIM)
     x = x.contiguous().clone()  # gloo has no reduce-scatter: all-reduce, keep our chunk
-    dist.all_reduce(x, group=group)
-    return _chunk(x, group, rank, tp)
+    return _chunk(all_reduce_(x, group), group, rank, tp)
 
 
 class _SequenceOp(torch.autograd.Function):

@@ -177,6 +177,55 @@ def test_a_training_step_is_the_same_with_shared_memory_on_and_off(ranks2):
             assert r["loss vs ref"] <= 1e-5 and r["grad vs ref"] <= 1e-5, (name, options, r)
 
 
+def check_compiled_model_keeps_the_fast_path() -> dict:
+    """torch.compile of a tp=2 model: no graph break at tpkit's collectives (only the skipped input
+    check of the first forwards), its collectives the ``tpkit::`` shared-memory ops, logits and
+    gradients as the unsharded model's."""
+    import torch._dynamo
+
+    import tpkit
+    from tpkit import shm
+
+    ref = build("llama")
+    model = tpkit.tensor_parallel(copy.deepcopy(ref))
+    x = batch(ref.config.vocab_size, shape=(2, 8))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        compiled(input_ids=x, use_cache=False)  # compiles (and takes the input check's calls)
+        before = shm.shm_counts()
+        logits = compiled(input_ids=x, use_cache=False).logits
+        after = shm.shm_counts()
+        want = ref(input_ids=x, use_cache=False).logits
+    loss = compiled(input_ids=x, labels=x).loss
+    loss.backward()
+    ref_loss = ref(input_ids=x, labels=x).loss
+    ref_loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    grad_diff = max(
+        ((g.full_tensor() if hasattr(g, "full_tensor") else g) - q.grad).abs().max().item()
+        for (n, g), q in zip(grads.items(), ref.parameters())
+    )
+    return {
+        "graph breaks": dict(torch._dynamo.utils.counters["graph_break"]),
+        "all_reduce": after["all_reduce"] - before["all_reduce"],
+        "all_gather": after["all_gather"] - before["all_gather"],
+        "logits": (logits - want).abs().max().item(),
+        "loss": abs(loss.item() - ref_loss.item()),
+        "grads": grad_diff,
+    }
+
+
+def test_a_compiled_model_keeps_the_fast_path(ranks2):
+    for r in ranks2.run(check_compiled_model_keeps_the_fast_path, timeout=300):
+        # the one break: the first forwards' cross-rank input check, run eagerly on purpose
+        assert all("torch.compiler.disable" in k for k in r["graph breaks"]), r
+        assert sum(r["graph breaks"].values()) <= 1, r
+        assert r["all_reduce"] == 5 and r["all_gather"] == 1, r  # 2 blocks x 2 + embedding; logits
+        assert r["logits"] <= 1e-5 and r["loss"] <= 1e-5 and r["grads"] <= 1e-5, r
+
+
 def check_wrapped_all_reduce_sees_every_call() -> dict:
     """A counter that wraps torch.distributed.all_reduce (as some tests do) sees every call: the
     fast path steps aside while torch's function is replaced."""

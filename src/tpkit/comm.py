@@ -19,6 +19,11 @@ faster than gloo, from a decode step's KiB to tens of MiB) unless
 test's counter): then they go through the wrapper so it sees every collective. Wrap on every rank
 alike, as with any collective. `all_reduce_` and `all_gather_parts` are the same choice for the
 other collectives of tpkit's layers (the vocab-parallel loss, sequence parallelism).
+
+Under torch.compile the graph calls the custom ops ``tpkit::all_reduce`` / ``tpkit::all_gather``
+(opaque to the compiler, each deciding as an eager call when it runs) for groups that agreed on
+shared memory, and torch's traced collectives otherwise: a compiled CPU model keeps the fast path,
+with no graph break at a collective.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from tpkit.shm import shm_all_gather, shm_all_reduce
+from tpkit.compat import resolve_process_group
+from tpkit.shm import shm_all_gather, shm_all_reduce, shm_ready
 
 __all__ = ["all_gather_parts", "all_reduce_", "copy_to_tp", "gather_from_tp", "reduce_from_tp"]
 
@@ -36,13 +42,22 @@ __all__ = ["all_gather_parts", "all_reduce_", "copy_to_tp", "gather_from_tp", "r
 _TORCH_ALL_REDUCE, _TORCH_ALL_GATHER = dist.all_reduce, dist.all_gather
 
 
+_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max"}
+_OPS = {v: k for k, v in _OP_NAMES.items()}
+
+
 def all_reduce_(
     t: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
 ) -> torch.Tensor:
-    """All-reduce ``t`` over ``group`` in place and return it: through shared memory where that
-    applies (`tpkit.shm`: one host, gloo, a plain contiguous CPU tensor, SUM or MAX), else the
-    process group; always the process group while ``dist.all_reduce`` is wrapped."""
-    if dist.all_reduce is _TORCH_ALL_REDUCE and shm_all_reduce(t, group, op) is not None:
+    """All-reduce ``t`` over ``group`` and return the result: in place through shared memory
+    where that applies (`tpkit.shm`: one host, gloo, a plain contiguous CPU tensor, SUM or MAX),
+    else through the process group; always the process group while ``dist.all_reduce`` is
+    wrapped. Use the returned tensor: while torch.compile traces, it is a new one (the graph calls
+    the ``tpkit::all_reduce`` op, so a compiled model keeps the fast path)."""
+    if torch.compiler.is_compiling():  # (no wrapper check: dynamo cannot trace `is` on them)
+        if op in _OP_NAMES and _compiled_fast(t, group):
+            return torch.ops.tpkit.all_reduce(t, group.group_name, _OP_NAMES[op])
+    elif dist.all_reduce is _TORCH_ALL_REDUCE and shm_all_reduce(t, group, op) is not None:
         return t
     dist.all_reduce(t, op=op, group=group)
     return t
@@ -51,13 +66,45 @@ def all_reduce_(
 def all_gather_parts(x: torch.Tensor, group: ProcessGroup) -> list[torch.Tensor]:
     """Every rank's contiguous ``x`` (the same shape on every rank), in rank order: through
     shared memory where that applies, else the process group (as `all_reduce_`)."""
-    if dist.all_gather is _TORCH_ALL_GATHER:
+    if torch.compiler.is_compiling():
+        if _compiled_fast(x, group):
+            return list(torch.ops.tpkit.all_gather(x, group.group_name).unbind(0))
+    elif dist.all_gather is _TORCH_ALL_GATHER:
         stacked = shm_all_gather(x, group)
         if stacked is not None:
             return list(stacked.unbind(0))
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x, group=group)
     return parts
+
+
+def _compiled_fast(x: torch.Tensor, group: ProcessGroup) -> bool:
+    """While torch.compile traces: put a ``tpkit::`` op in the graph (which takes the shared-memory
+    path or the process group when it runs) instead of torch's traced collective?"""
+    return x.device.type == "cpu" and shm_ready(group.group_name)
+
+
+# The shared-memory collectives as custom ops, opaque to torch.compile: a traced graph cannot
+# run tpkit.shm's pipes and buffers, but it can call these, and each call decides as an eager one.
+@torch.library.custom_op("tpkit::all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor, group_name: str, op: str) -> torch.Tensor:
+    return all_reduce_(x.contiguous().clone(), resolve_process_group(group_name), _OPS[op])
+
+
+@_all_reduce_op.register_fake
+def _(x: torch.Tensor, group_name: str, op: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("tpkit::all_gather", mutates_args=())
+def _all_gather_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.stack(all_gather_parts(x.contiguous(), resolve_process_group(group_name)))
+
+
+@_all_gather_op.register_fake
+def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    t = dist.get_world_size(resolve_process_group(group_name))
+    return x.new_empty((t, *x.shape))
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -40,6 +40,15 @@ def group_timeout(group) -> float | None:
         return None
 
 
+def resolve_process_group(group_name: str):
+    """The live process group named ``group_name`` (``ProcessGroup.group_name``): what a custom op
+    receives in place of a group, which torch.library cannot pass. torch's functional collectives
+    use the same lookup."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
 __all__ = [
     "DataDependentOutputException",
     "DynamicOutputShapeException",
@@ -48,6 +57,7 @@ __all__ = [
     "StridedShard",
     "flatten_state_dict",
     "group_timeout",
+    "resolve_process_group",
     "set_element",
     "tree_flatten",
     "tree_map",

@@ -102,6 +102,7 @@ def install_debug_checks(model: nn.Module, tp_mesh: DeviceMesh):
     return model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+@torch.compiler.disable  # collectives and a data-dependent branch: run eagerly, before the graph
 def check_inputs(args: tuple, kwargs: dict, tp_mesh: DeviceMesh) -> None:
     """Raise on every rank if the tensor inputs of a forward differ across the TP group."""
     named = list(_tensors("args", args)) + list(_tensors("", kwargs))
@@ -122,6 +123,7 @@ def check_inputs(args: tuple, kwargs: dict, tp_mesh: DeviceMesh) -> None:
     _raise_first_difference("input", names, sigs, tp_mesh, _INPUT_FIX)
 
 
+@torch.compiler.disable
 def check_replicated_params(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Raise on every rank if a ``Replicate()`` DTensor parameter differs across the TP group."""
     named = [

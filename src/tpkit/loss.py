@@ -27,7 +27,7 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits, target, vocab_start, ignore_index, group):
         # logits: [N, V_local] float32; target: [N] global ids
         local_max = logits.max(dim=-1).values
-        all_reduce_(local_max, group, dist.ReduceOp.MAX)
+        local_max = all_reduce_(local_max, group, dist.ReduceOp.MAX)
         shifted = logits - local_max.unsqueeze(-1)
         v_local = logits.shape[-1]
         ignored = target == ignore_index
@@ -38,7 +38,7 @@ class _VocabParallelCE(torch.autograd.Function):
         exp = shifted.exp_()
         sum_exp = exp.sum(dim=-1)
         both = torch.stack([picked, sum_exp])  # one collective for both sums
-        all_reduce_(both, group)
+        both = all_reduce_(both, group)
         picked, sum_exp = both[0], both[1]
         loss = (sum_exp.log() - picked).masked_fill(ignored, 0.0)
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward

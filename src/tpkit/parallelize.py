@@ -31,6 +31,7 @@ from tpkit.plan.layout import tp_regions
 from tpkit.rng import install_region_rng
 from tpkit.save import install_save_pretrained
 from tpkit.sequence_parallel import SequenceParallel
+from tpkit.shm import prepare_shm
 from tpkit.sizes import ParallelDims, launch_hint
 
 __all__ = [
@@ -242,6 +243,8 @@ def split(
         _move(model, dims.device)
         if dims.tp > 1:
             sync_rng(tp_mesh)
+            if dims.device.type == "cpu":  # decided now, so a first call under torch.compile
+                prepare_shm(tp_mesh.get_group())  # also finds the shared-memory path (tpkit.shm)
             mixed = param_dtype if fsdp_later else None
             _split_tp(model, the_plan, tp_mesh, o.sequence_parallel, o.loss_parallel, mixed)
     model._tpkit = TPState(

@@ -22,7 +22,8 @@ Safety, in order:
   for the whole group, on every rank.
 - Every later choice depends only on what is the same on every rank of a TP group: the tensor's
   device, type, dtype, byte size and layout (TP ranks hold the same shapes), the op, and whether
-  torch.compile is tracing. `set_shm_enabled` must be called on every rank alike.
+  torch.compile is tracing (a traced graph calls `tpkit.comm`'s ``tpkit::`` ops, which decide
+  when they run, as here). `set_shm_enabled` must be called on every rank alike.
 - Calls happen in program order, as gloo's must: the same on every rank. Under autograd that
   holds too: the engine runs a CPU graph's backward on the thread that called ``backward()``, in
   an order fixed by the graph, which is the same on every TP rank (a rank whose graph differed
@@ -58,9 +59,11 @@ __all__ = [
     "shm_all_reduce",
     "shm_counts",
     "shm_enabled",
+    "shm_ready",
 ]
 
 _SHM_CHANNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> channel | None
+_READY: dict[str, bool] = {}  # group name -> its channel is up (read while torch.compile traces)
 _COUNTS = {"all_reduce": 0, "all_gather": 0}
 _OBSERVERS: list[Callable[[str, int], None]] = []
 _ENV_ON = os.environ.get("TPKIT_CPU_SHM_ALLREDUCE", "1") != "0"  # what each group votes
@@ -245,6 +248,7 @@ def _shm_channel(group: ProcessGroup | None) -> ShmChannel | None:
         except RuntimeError:  # raised on every rank alike: gloo everywhere
             channel = None
     _SHM_CHANNELS[key] = channel
+    _READY[key.group_name] = channel is not None
     return channel
 
 
@@ -301,6 +305,13 @@ def _channel_for(x: torch.Tensor, group: ProcessGroup | None, kind: str) -> ShmC
         return None
     _count(kind, nbytes)
     return ch
+
+
+def shm_ready(group_name: str) -> bool:
+    """Whether the group named ``group_name`` has agreed on shared memory and the path is on: no
+    collective, a dict lookup that torch.compile can trace (a compiled graph then calls the
+    ``tpkit::`` ops of `tpkit.comm`, which decide again, eagerly, on every call)."""
+    return _READY.get(group_name, False) and _STATE["on"]
 
 
 def shm_enabled() -> bool:

@@ -262,6 +262,39 @@ def test_a_wrapped_all_reduce_sees_every_collective(ranks2):
         assert r["step"] >= 2 * r["no grad"], r  # forward and backward
 
 
+def check_full_dev_shm_falls_back() -> dict:
+    """Rank 0 cannot reserve the buffer (a full /dev/shm: ENOSPC): the whole group uses gloo,
+    and nothing is left in /dev/shm."""
+    import errno
+
+    from tpkit import shm
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real = shm.os.posix_fallocate
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    group = dist.new_group(list(range(dist.get_world_size())))
+    if dist.get_rank() == 0:
+        shm.os.posix_fallocate = full
+    try:
+        fast = shm.prepare_shm(group)
+    finally:
+        shm.os.posix_fallocate = real
+    x = torch.ones(4)
+    out = {"fast": fast, "sum": shm.shm_all_reduce(x.clone(), group)}
+    dist.barrier()
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    out["left"] = sorted(n for n in after - before if n.startswith("tpkit-"))
+    dist.destroy_process_group(group)
+    return out
+
+
+def test_a_full_dev_shm_makes_the_group_fall_back(ranks2):
+    for r in ranks2.run(check_full_dev_shm_falls_back):
+        assert r == {"fast": False, "sum": None, "left": []}, r
+
+
 def check_env_off() -> dict:
     from tpkit import shm
 

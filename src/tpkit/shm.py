@@ -192,6 +192,9 @@ def _create(t: int, nbytes: int) -> tuple[str | None, bytes, str | None]:
         with open(base, "wb") as f:
             f.write(nonce)
             f.truncate(nbytes)
+            # every page reserved now: a full /dev/shm fails here (ENOSPC: gloo for the group)
+            # rather than with SIGBUS at the first write into a sparse page
+            os.posix_fallocate(f.fileno(), 0, nbytes)
         for i in range(t):
             os.mkfifo(f"{base}.{i}")
     except OSError as exc:

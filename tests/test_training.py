@@ -217,3 +217,18 @@ def test_sequence_parallel_rejects_encoder_decoder():
     )
     found = problems(model, derive_plan(model), 2, sequence_parallel=True)
     assert found and "decoder-only" in found[0]
+
+
+def test_sequence_parallel_rejects_gathered_pairs_inside_blocks():
+    """BitNet's MLP and attention are gathered pairs (a norm over the split features between the
+    layers): their code runs on whole activations, which a sequence chunk is not, so SP refuses
+    them by name instead of failing on a shape inside attention (or summing chunks silently)."""
+    from tests.tiny import build
+    from tpkit.plan import derive_plan, problems
+
+    model = build("bitnet", "BitNetForCausalLM")
+    plan = derive_plan(model, tp_size=2)
+    found = [p for p in problems(model, plan, 2, sequence_parallel=True) if "gathered" in p]
+    assert len(found) == 1, found
+    assert "model.layers.0." in found[0] and "sequence_parallel=False" in found[0], found
+    assert not [p for p in problems(model, plan, 2) if "gathered" in p]  # without SP: fine

@@ -20,7 +20,7 @@ Where the collectives go, and why there:
 - Only while training with grad enabled: in eval and ``generate`` (one token per step) the model
   runs exactly as without SP.
 
-What SP cannot run (encoder-decoders, MoE experts, post-norm blocks) is refused by
+What SP cannot run (encoder-decoders, MoE experts, post-norm blocks, gathered pairs) is refused by
 `tpkit.plan.validate` before anything is split.
 """
 

@@ -285,6 +285,9 @@ def _loss_parallel_problems(model: nn.Module, plan: Plan) -> list[str]:
     return []
 
 
+_GATHERED_PAIR_STYLES = ("colwise_gather_output", "rowwise_split_input")
+
+
 def _sequence_parallel_problems(model: nn.Module, plan: Plan) -> list[str]:
     """Why sequence parallelism cannot apply to this model (see `tpkit.sequence_parallel`)."""
     out = []
@@ -300,9 +303,25 @@ def _sequence_parallel_problems(model: nn.Module, plan: Plan) -> list[str]:
             f"sequence_parallel does not support tensor-parallel MoE experts ({moe[0]}); use "
             "sequence_parallel=False."
         )
-    if not repeated_blocks(model):
+    blocks = repeated_blocks(model)
+    if not blocks:
         out.append(f"sequence_parallel needs repeated blocks (an nn.ModuleList) in {name}.")
     styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
+    names = {id(m): n for n, m in model.named_modules()}
+    prefixes = tuple(names[id(b)] + "." for b in blocks)
+    gathered = [
+        n
+        for n, s in styles.items()
+        if n.startswith(prefixes) and style_spec(s).name in _GATHERED_PAIR_STYLES
+    ]
+    if gathered:
+        out.append(
+            f"sequence_parallel does not support gathered pairs inside blocks ({name}'s "
+            f"{gathered[0]} is {styles[gathered[0]]}: the code between its column and row layers "
+            "runs on whole activations, which a sequence chunk is not). Use "
+            "sequence_parallel=False, or plan the pair as colwise / rowwise if its code can run "
+            "split."
+        )
     regions = {n.rsplit(".", 1)[0] for n, s in styles.items() if style_spec(s).splits_output}
     apart = [
         n

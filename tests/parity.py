@@ -17,7 +17,11 @@ def _logits(out: Any) -> torch.Tensor:
 
 
 def tiny_parity(
-    model_type: str, class_name: str, overrides: dict | None = None, encoder_states: int = 0
+    model_type: str,
+    class_name: str,
+    overrides: dict | None = None,
+    encoder_states: int = 0,
+    plan: str = "auto",
 ) -> dict:
     """Run on every rank: max |diff| of the logits and of every parameter gradient (backward of
     a fixed random projection of the logits) between ``tensor_parallel`` and the unsharded
@@ -45,7 +49,7 @@ def tiny_parity(
         g = torch.Generator().manual_seed(4)
         shape = (x["input_ids"].shape[0], encoder_states, config.hidden_size)
         x["encoder_hidden_states"] = torch.randn(shape, generator=g)
-    model = tpkit.tensor_parallel(copy.deepcopy(ref))
+    model = tpkit.tensor_parallel(copy.deepcopy(ref), plan=plan)
     w = None
     for m in (ref, model):
         out = _logits(m(**x))

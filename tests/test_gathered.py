@@ -8,6 +8,7 @@ tp=2 and tp=4, generation gives the same tokens, and the full-size share reaches
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.parity import assert_parity, full_size_share, greedy_parity, tiny_parity
 from tests.tiny import build
@@ -77,6 +78,41 @@ def test_parity_tp4(ranks4):
     # divide them; the gather puts them back in order
     for model_type, cls in PARITY[:2]:
         assert_parity(ranks4.run(tiny_parity, model_type, cls, timeout=180))
+
+
+# head counts tp=4 does not divide, where inference's tp=2 dry run passed: gathered at tp=4
+HEADS_TP4 = (
+    ("qwen3", "Qwen3ForCausalLM", {"num_attention_heads": 6, "num_key_value_heads": 6}),
+    ("qwen3", "Qwen3ForCausalLM", {"num_attention_heads": 6, "num_key_value_heads": 2}),
+    ("gpt_neo", "GPTNeoForCausalLM", {"num_heads": 6, "hidden_size": 48}),
+)
+
+
+def test_head_counts_tp_does_not_divide_are_gathered():
+    """6 heads at tp=4 passed inference's tp=2 dry run; at tp=4 the attention keeps its weights
+    split, gathered, with the reason noted (before: a refusal, 'use tp_size 1, 2, 3 or 6')."""
+    from tests.tiny import tiny_config
+    from tpkit.plan import derive_plan, validate
+
+    for model_type, cls, overrides in HEADS_TP4:
+        import transformers
+
+        config = tiny_config(model_type, cls)
+        for k, v in overrides.items():
+            setattr(config, k, v)
+        with torch.device("meta"):
+            model = getattr(transformers, cls)(config)
+        plan = derive_plan(model, "infer", 4)
+        validate(model, plan, 4)
+        attn = next(n for n, _ in model.named_modules() if n.endswith("q_proj"))
+        assert plan.style_for(attn)[0] == "colwise_gather_output", (cls, overrides)
+        assert "does not divide" in plan.notes[plan.style_for(attn)[1]], plan.notes
+
+
+def test_head_counts_tp_does_not_divide_parity_tp4(ranks4):
+    for model_type, cls, overrides in HEADS_TP4:
+        results = ranks4.run(tiny_parity, model_type, cls, overrides, plan="infer", timeout=180)
+        assert_parity(results)
 
 
 def gathered_generate(model_type: str, class_name: str) -> dict:

@@ -20,11 +20,13 @@ from tpkit.plan.complete import (
     complete_with_inferred,
 )
 from tpkit.plan.dryrun import dry_run
+from tpkit.plan.gathered import gather_group
 from tpkit.plan.hf import hf_plan
 from tpkit.plan.infer import infer_plan
 from tpkit.plan.kvheads import replicate_kv_heads
-from tpkit.plan.spec import Plan
+from tpkit.plan.spec import WHOLE_STYLES, Plan, matches
 from tpkit.plan.trace import reuse_traces
+from tpkit.plan.validate import head_constraints
 
 __all__ = ["MODES", "PlanLike", "check_plan_arg", "derive_plan"]
 
@@ -91,7 +93,45 @@ def derive_plan(
         out = complete_grad_allreduce(model, complete_vocab_children(model, out), example_inputs)
     if tp_size is not None and tp_size > 1:
         replicate_kv_heads(model, out, tp_size)  # fewer KV heads than tp: not a refusal
-        out.settle_groups(tp_size)
+        _settle_groups(model, out, tp_size, example_inputs)
+    return out
+
+
+def _settle_groups(model: nn.Module, plan: Plan, tp: int, example) -> None:
+    """Each inferred group ``tp`` does not divide (3 heads at tp=2, 12 at tp=8) keeps its
+    weights split in the gathered form (`tpkit.plan.gathered`: columns gathered, the code
+    between on whole activations, so no count needs to divide) when a dry run at ``tp`` says
+    the model runs so; else it is replicated with the note (`Plan.settle_groups`)."""
+    for group, why in plan.undivided_groups(tp) + _undivided_head_groups(model, plan, tp):
+        trial = plan.copy()
+        if gather_group(model, trial, group, why) and dry_run(model, trial, example, tp) is None:
+            gather_group(model, plan, group, why)
+    plan.settle_groups(tp)
+    for group, why in _undivided_head_groups(model, plan, tp):  # not gathered: replicated
+        plan.replicate_group(group, why)
+
+
+def _undivided_head_groups(model: nn.Module, plan: Plan, tp: int) -> list[tuple[dict, str]]:
+    """(group, why) for each inferred, still split group whose column layers' owner has a head
+    count ``tp`` does not divide (6 heads at tp=4: the tp=2 dry run of inference passed)."""
+    bad: dict[str, str] = {}
+    for owner, label, count in head_constraints(model, plan):
+        if count % tp:
+            bad.setdefault(owner, f"tp_size={tp} does not divide {label} of {owner}")
+    if not bad:
+        return []
+    parents = [(n, n.rsplit(".", 1)[0]) for n, _ in model.named_modules() if "." in n]
+    out = []
+    for group in plan.groups:
+        live = [p for p in group["modules"] if p in plan and plan.source(p) == "inferred"]
+        if len(live) != len(group["modules"]) or all(plan[p] in WHOLE_STYLES for p in live):
+            continue  # overridden by the user, or already whole
+        why = next(
+            (bad[parent] for p in live for n, parent in parents if parent in bad and matches(p, n)),
+            None,
+        )
+        if why is not None:
+            out.append((group, why))
     return out
 
 

@@ -24,7 +24,10 @@ from torch import nn
 
 from tpkit.plan.catalogue import canonical_style, style_spec
 
-__all__ = ["Plan", "Target", "matches"]
+# members of a group that no count needs to divide: replicated, or the gathered pair's styles
+WHOLE_STYLES = frozenset({"replicate", "colwise_gather_output", "rowwise_split_input"})
+
+__all__ = ["WHOLE_STYLES", "Plan", "Target", "matches"]
 
 
 @lru_cache(maxsize=4096)
@@ -158,22 +161,31 @@ class Plan(Mapping[str, str]):
         """Replicate every inferred group ``tp_size`` does not divide (e.g. 3 heads at tp=2) so
         the rest of the model is still split; return the reasons written as notes. User and
         transformers entries are never changed: what they ask and tp does not divide is an
-        error for validation to report."""
+        error for validation to report. (`tpkit.plan.derive_plan` first tries each such group
+        gathered, which needs the model; what is left is replicated here.)"""
         written = []
+        for group, why in self.undivided_groups(tp_size):
+            self.replicate_group(group, why)
+            written.append(why)
+        return written
+
+    def undivided_groups(self, tp_size: int) -> list[tuple[dict, str]]:
+        """(group, why) for each inferred group still split by a count ``tp_size`` does not
+        divide; groups a user or transformers overrode, and whole ones (replicated or gathered),
+        are not."""
+        out = []
         for group in self.groups:
             live = [p for p in group["modules"] if p in self and self.source(p) == "inferred"]
-            if len(live) != len(group["modules"]) or all(self[p] == "replicate" for p in live):
-                continue  # overridden by the user, or already replicated
+            if len(live) != len(group["modules"]) or all(self[p] in WHOLE_STYLES for p in live):
+                continue  # overridden by the user, or already whole
             bad = [
                 f"{label} = {n}"
                 for label, n in group["counts"].items()
                 if n % tp_size and not self._uneven_width_ok(label)
             ]
             if bad:
-                why = f"tp_size={tp_size} does not divide " + ", ".join(bad)
-                self.replicate_group(group, why)
-                written.append(why)
-        return written
+                out.append((group, f"tp_size={tp_size} does not divide " + ", ".join(bad)))
+        return out
 
     def _uneven_width_ok(self, label: str) -> bool:
         """A group's width count (``output features of up_proj``) need not divide tp when its

@@ -25,7 +25,7 @@ from tpkit.plan.layout import param_layouts
 from tpkit.plan.spec import Plan
 from tpkit.plan.trace import repeated_blocks, trace
 
-__all__ = ["checkpoint_problems", "problems", "validate"]
+__all__ = ["checkpoint_problems", "head_constraints", "problems", "validate"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -140,12 +140,13 @@ def _constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:
             what = f"{what} per packed part ({layout.split_factor} parts)"
             size //= layout.split_factor
         out.append((f"{full} ({style})", f"the {what} ({size})", size))
-    out += _head_constraints(model, plan)
+    out += head_constraints(model, plan)
     return out
 
 
-def _head_constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:
-    """Head counts of every module whose projections the plan splits by output."""
+def head_constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:
+    """(owner, label, count): the head counts of every module whose projections the plan splits
+    by output, each of which tp must divide."""
     modules = dict(model.named_modules())
     owners: dict[str, nn.Module] = {}
     kv_whole: set[str] = set()  # attentions whose KV heads are replicated (plan.kvheads)

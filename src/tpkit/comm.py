@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from tpkit.compat import resolve_process_group
-from tpkit.shm import shm_all_gather, shm_all_reduce, shm_ready
+from tpkit.shm import OP_NAMES, shm_all_gather, shm_all_reduce, shm_ready
 
 __all__ = ["all_gather_parts", "all_reduce_", "copy_to_tp", "gather_from_tp", "reduce_from_tp"]
 
@@ -42,8 +42,7 @@ __all__ = ["all_gather_parts", "all_reduce_", "copy_to_tp", "gather_from_tp", "r
 _TORCH_ALL_REDUCE, _TORCH_ALL_GATHER = dist.all_reduce, dist.all_gather
 
 
-_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max"}
-_OPS = {v: k for k, v in _OP_NAMES.items()}
+_OPS = {name: op for op, name in OP_NAMES.items()}  # a custom op's argument back to the ReduceOp
 
 
 def all_reduce_(
@@ -55,8 +54,8 @@ def all_reduce_(
     wrapped. Use the returned tensor: while torch.compile traces, it is a new one (the graph calls
     the ``tpkit::all_reduce`` op, so a compiled model keeps the fast path)."""
     if torch.compiler.is_compiling():  # (no wrapper check: dynamo cannot trace `is` on them)
-        if op in _OP_NAMES and _compiled_fast(t, group):
-            return torch.ops.tpkit.all_reduce(t, group.group_name, _OP_NAMES[op])
+        if op in OP_NAMES and _compiled_fast(t, group):
+            return torch.ops.tpkit.all_reduce(t, group.group_name, OP_NAMES[op])
     elif dist.all_reduce is _TORCH_ALL_REDUCE and shm_all_reduce(t, group, op) is not None:
         return t
     dist.all_reduce(t, op=op, group=group)

@@ -51,6 +51,7 @@ from tpkit.compat import group_timeout
 from tpkit.timeouts import tpkit_timeout
 
 __all__ = [
+    "OP_NAMES",
     "ShmChannel",
     "observe_shm",
     "prepare_shm",
@@ -164,6 +165,8 @@ class ShmChannel:
         """Reduce contiguous ``x`` over the group in place (``op`` "sum" or "max", in rank order,
         so every rank gets the same bits) and return it. A tensor larger than a slot goes
         through in slot-sized pieces."""
+        if self.t == 1:
+            return x
         flat = x.view(-1)
         for start, n, slots in self._pieces(x):
             out = flat[start : start + n]
@@ -255,7 +258,8 @@ def _shm_channel(group: ProcessGroup | None) -> ShmChannel | None:
     return channel
 
 
-_DTYPES_OK = (torch.int32, torch.int64)  # besides floating point: what sums exactly in place
+# what torch.add / torch.maximum reduce in place on CPU (float8 types do not, bool would not sum)
+_DTYPES_OK = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 
 
 def _eligible(x: torch.Tensor, nbytes: int) -> bool:
@@ -263,7 +267,7 @@ def _eligible(x: torch.Tensor, nbytes: int) -> bool:
     return (
         type(x) is torch.Tensor
         and x.device.type == "cpu"
-        and (x.dtype.is_floating_point or x.dtype in _DTYPES_OK)
+        and x.dtype in _DTYPES_OK
         and nbytes > 0
         and x.is_contiguous()
         and not torch.compiler.is_compiling()
@@ -276,7 +280,7 @@ def _count(kind: str, nbytes: int) -> None:
         fn(kind, nbytes)
 
 
-_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max"}
+OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max"}  # the reductions it does
 
 
 def shm_all_reduce(
@@ -284,9 +288,9 @@ def shm_all_reduce(
 ) -> torch.Tensor | None:
     """Reduce (``op``: SUM or MAX) a contiguous CPU tensor over ``group`` in place through shared
     memory and return it, or None when the fast path does not apply (off, another op, not a plain
-    CPU tensor, too large, not one host, not gloo, compiling): the caller then uses the process
-    group."""
-    name = _OPS.get(op)
+    contiguous CPU tensor of a dtype it sums, not one host, not gloo, compiling): the caller then
+    uses the process group."""
+    name = OP_NAMES.get(op)
     ch = None if name is None else _channel_for(x, group, "all_reduce")
     return None if ch is None else ch.all_reduce(x, name)
 

@@ -143,3 +143,28 @@ def test_validation_passes_for_a_good_plan():
     for name in ("llama", "qwen3", "qwen3_moe", "llama_tied"):
         model = build(name)
         validate(model, derive_plan(model), 2)  # no exception
+
+
+def test_style_for_is_the_last_matching_entry_through_its_index():
+    """`Plan.style_for` tries only entries with the name's component count and last component
+    (or ``*``): the answer is still the last matching entry in plan order, after replacements
+    (which keep their position) and merges (which move an entry to the end)."""
+    plan = Plan(
+        {
+            "model.layers.*.mlp.up_proj": "colwise",
+            "model.layers.*.mlp.*": "replicate",
+            "model.layers.0.mlp.up_proj": "rowwise",
+        }
+    )
+    assert plan.style_for("model.layers.0.mlp.up_proj") == ("rowwise", "model.layers.0.mlp.up_proj")
+    assert plan.style_for("model.layers.1.mlp.up_proj") == ("replicate", "model.layers.*.mlp.*")
+    assert plan.style_for("model.layers.1.mlp") is None  # one component fewer
+    assert plan.style_for("model.layers.1.mlp.up_proj.x") is None
+    plan.set("model.layers.*.mlp.up_proj", "packed_colwise")  # replaced in place: still first
+    assert plan.style_for("model.layers.1.mlp.up_proj")[0] == "replicate"
+    moved = plan.merged({"model.layers.*.mlp.up_proj": "colwise"})  # now the last entry
+    assert moved.style_for("model.layers.0.mlp.up_proj") == (
+        "colwise",
+        "model.layers.*.mlp.up_proj",
+    )
+    assert plan.style_for("model.layers.0.mlp.up_proj")[0] == "rowwise"  # the original unchanged

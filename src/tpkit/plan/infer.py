@@ -129,10 +129,13 @@ def _collapse(entries: dict[str, Any], all_names: list[str]) -> dict[str, Any]:
     groups: dict[str, list[str]] = {}
     for n in entries:
         groups.setdefault(generic_name(n), []).append(n)
+    by_pattern: dict[str, list[str]] = {}  # every name per pattern, computed once
+    for n in all_names:
+        by_pattern.setdefault(generic_name(n), []).append(n)
     out: dict[str, Any] = {}
     for pattern, members in groups.items():
         values = [entries[m] for m in members]
-        everyone = [n for n in all_names if generic_name(n) == pattern]
+        everyone = by_pattern.get(pattern, [])
         if (
             pattern != members[0]
             and all(v == values[0] for v in values)

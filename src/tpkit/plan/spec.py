@@ -70,6 +70,7 @@ class Plan(Mapping[str, str]):
     def __init__(self, entries: Mapping[str, str] | None = None, source: str = "user"):
         self._styles: dict[str, str] = {}
         self._sources: dict[str, str] = {}
+        self._index: dict[tuple[int, str], list[tuple[int, str]]] | None = None  # style_for's
         self.args: dict[str, dict[str, Any]] = {}
         self.fixups: dict[str, dict[str, Any]] = {}
         self.notes: dict[str, str] = {}
@@ -96,6 +97,7 @@ class Plan(Mapping[str, str]):
         """Add or replace one entry; a replaced entry keeps its position in the order."""
         self._styles[pattern] = canonical_style(style)
         self._sources[pattern] = source
+        self._index = None
         if args:
             self.args[pattern] = dict(args)
         else:
@@ -109,6 +111,7 @@ class Plan(Mapping[str, str]):
         out = self.copy()
         for p, style in other.items():
             out._styles.pop(p, None)  # re-insert at the end: later entries win when matching
+            out._index = None
             if isinstance(other, Plan):
                 out.set(p, style, other.source(p), other.args.get(p))
             else:
@@ -198,12 +201,26 @@ class Plan(Mapping[str, str]):
 
     # -- resolution ------------------------------------------------------------------------
     def style_for(self, name: str) -> tuple[str, str] | None:
-        """(style, pattern) of the last entry matching ``name``, or None."""
-        found = None
-        for pattern, style in self._styles.items():
-            if matches(pattern, name):
-                found = (style, pattern)
-        return found
+        """(style, pattern) of the last entry matching ``name``, or None.
+
+        A pattern matches only names with as many components, ending in its last one (or any
+        last one, for ``*``), so only those entries are tried: a plan of 500 entries (NLLB-MoE's
+        128 experts per layer) resolves a model of 8,000 modules in linear time, not 4M matches."""
+        if self._index is None:
+            self._index = {}
+            for position, pattern in enumerate(self._styles):
+                parts = pattern.split(".")
+                self._index.setdefault((len(parts), parts[-1]), []).append((position, pattern))
+        parts = name.split(".")
+        best: tuple[int, str] | None = None
+        for key in ((len(parts), parts[-1]), (len(parts), "*")):
+            for position, pattern in reversed(self._index.get(key, ())):
+                if best is not None and position < best[0]:
+                    break
+                if matches(pattern, name):
+                    best = (position, pattern)
+                    break
+        return None if best is None else (self._styles[best[1]], best[1])
 
     def resolve(self, model: nn.Module) -> list[Target]:
         """Every module and parameter of ``model`` that some entry names, in model order."""

@@ -109,9 +109,38 @@ def test_head_counts_tp_does_not_divide_are_gathered():
         assert "does not divide" in plan.notes[plan.style_for(attn)[1]], plan.notes
 
 
+def test_auto_leaves_a_transformers_plan_whose_heads_tp_does_not_divide():
+    """Qwen2.5-0.5B's 14 heads at tp=4: transformers' plan cannot split them, and its entries
+    are never rewritten, so "auto" takes the inferred plan (attention gathered, MLP split) and
+    says why; at tp=2, where 14 divides, transformers' plan stays."""
+    import transformers
+
+    from tpkit.plan import derive_plan, validate
+
+    config = transformers.Qwen2Config(
+        hidden_size=14 * 8,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
+    with torch.device("meta"):
+        model = transformers.Qwen2ForCausalLM(config)
+    plan = derive_plan(model, "auto", 4)
+    validate(model, plan, 4)
+    q, up = "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj"
+    assert plan.style_for(q)[0] == "colwise_gather_output"
+    assert plan.style_for(up)[0] == "colwise" and plan.source(plan.style_for(up)[1]) == "inferred"
+    assert "num_attention_heads=14" in plan.notes["Qwen2ForCausalLM"]
+    at2 = derive_plan(model, "auto", 2)
+    assert at2.style_for(q)[0] == "colwise" and at2.source(at2.style_for(q)[1]) == "config"
+
+
 def test_head_counts_tp_does_not_divide_parity_tp4(ranks4):
-    for model_type, cls, overrides in HEADS_TP4:
-        results = ranks4.run(tiny_parity, model_type, cls, overrides, plan="infer", timeout=180)
+    cases = [(*case, "infer") for case in HEADS_TP4] + [(*HEADS_TP4[0], "auto")]
+    for model_type, cls, overrides, plan in cases:
+        results = ranks4.run(tiny_parity, model_type, cls, overrides, plan=plan, timeout=180)
         assert_parity(results)
 
 

@@ -68,3 +68,28 @@ def test_parity_tp4(ranks4):
         assert_parity(ranks4.run(tiny_parity, "llama", "LlamaForCausalLM", overrides))
     overrides = {"num_key_value_heads": 2}  # per-head k_norm on the replicated heads
     assert_parity(ranks4.run(tiny_parity, "qwen3", "Qwen3ForCausalLM", overrides))
+
+
+def test_an_mlp_as_wide_as_the_kv_heads_is_not_taken_for_them():
+    """An MLP whose width equals kv x head_dim (8 x 16 = 128) and whose down projection is as
+    wide as the queries (32 x 16 = 512) is no attention: at tp=16 (8 KV heads) only the real
+    K/V projections keep their heads whole; before, up_proj did too and the MLP failed its
+    dry run."""
+    from tpkit.plan import derive_plan, validate
+
+    config = transformers.Qwen2Config(
+        hidden_size=512,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=256,
+    )
+    with torch.device("meta"):
+        model = transformers.Qwen2ForCausalLM(config)
+    plan = derive_plan(model, "auto", 16)
+    validate(model, plan, 16)
+    layer = "model.layers.0"
+    assert plan.style_for(f"{layer}.self_attn.k_proj")[0] == "colwise_replicated_heads"
+    assert plan.style_for(f"{layer}.mlp.up_proj")[0] == "colwise"
+    assert plan.style_for(f"{layer}.mlp.gate_proj")[0] == "colwise"

@@ -93,8 +93,43 @@ def derive_plan(
         out = complete_grad_allreduce(model, complete_vocab_children(model, out), example_inputs)
     if tp_size is not None and tp_size > 1:
         replicate_kv_heads(model, out, tp_size)  # fewer KV heads than tp: not a refusal
+        if plan == "auto":
+            out = _config_plan_at(model, out, tp_size, example_inputs)
         _settle_groups(model, out, tp_size, example_inputs)
     return out
+
+
+def _config_plan_at(model: nn.Module, plan: Plan, tp: int, example) -> Plan:
+    """``plan`` (what "auto" chose), or the inferred plan when ``plan`` is transformers' and
+    splits heads ``tp`` does not divide (Qwen2.5-0.5B's 14 heads at tp=4): transformers' entries
+    are never rewritten, but the inferred plan's groups are, gathered where the heads do not
+    divide (`_settle_groups`), so "auto" still runs at that tp with the weights split."""
+    modules = dict(model.named_modules())
+    config_owners = {
+        t.name.rsplit(".", 1)[0]
+        for t in plan.resolve(model)
+        if t.kind == "module" and t.source == "config" and "." in t.name
+    }
+    bad = [
+        f"{label} of {owner}"
+        for owner, label, count in head_constraints(model, plan)
+        if count % tp and owner in config_owners and owner in modules
+    ]
+    if not bad:
+        return plan
+    try:
+        inferred = infer_plan(model, example)
+    except ValueError:
+        return plan  # validation names the problem
+    with reuse_traces():
+        inferred = complete_grad_allreduce(model, complete_vocab_children(model, inferred), example)
+    replicate_kv_heads(model, inferred, tp)
+    inferred.notes[type(model).__name__] = (
+        f"transformers' base_model_tp_plan is not used at tp_size={tp}: tp does not divide "
+        f"{bad[0]}; the inferred plan is, its groups tp does not divide gathered or whole (pass "
+        "plan='config' to force transformers' plan)"
+    )
+    return inferred
 
 
 def _settle_groups(model: nn.Module, plan: Plan, tp: int, example) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from tpkit.plan.layout import kind_of, out_width
+from tpkit.plan.layout import in_width, kind_of, out_width
 from tpkit.plan.spec import Plan, matches
 
 __all__ = ["KV_ATTRS", "Q_ATTRS", "head_counts", "replicate_kv_heads"]
@@ -92,8 +92,22 @@ def _replicated_heads(model, modules, targets, tp: int) -> int | None:
             return None
         if tp % kv or q % tp or out_width(mod, kind) != kv * head_dim or q == kv:
             return None
+        if not _is_attention(owner, q * head_dim, in_width(mod, kind)):
+            return None  # an MLP as wide as kv * head_dim, its head counts read off the config
         counts.add(kv)
     return counts.pop() if len(counts) == 1 else None
+
+
+def _is_attention(owner: nn.Module, q_width: int, kv_in: int) -> bool:
+    """Whether ``owner`` is an attention: it keeps head counts of its own, or holds a query
+    projection (a linear-like child ``q_width`` wide reading what the K/V projections read)."""
+    if any(
+        isinstance(owner.__dict__.get(a), int)
+        for a in (*Q_ATTRS, *KV_ATTRS, "num_key_value_groups")
+    ):
+        return True
+    linears = [(c, kind_of(c)) for c in owner.children() if kind_of(c) in ("linear", "conv1d")]
+    return any(out_width(c, k) == q_width and in_width(c, k) == kv_in for c, k in linears)
 
 
 def _owner_fixups(plan: Plan, owner: str, module: nn.Module, model: nn.Module, tp: int) -> None:

@@ -345,6 +345,15 @@ def checkpoints(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
     for name in ("llama", "gpt2", "t5"):
         build(name).save_pretrained(d / name)
+    # a user plan splitting the 4 attention heads by heads: never rewritten, so tp=3 is refused
+    (d / "heads.yaml").write_text(
+        "plan:\n"
+        + "".join(
+            f"  model.layers.*.self_attn.{n}: {s}\n"
+            for n, s in (("q_proj", "colwise"), ("k_proj", "colwise"), ("v_proj", "colwise"))
+        )
+        + "  model.layers.*.self_attn.o_proj: rowwise\n"
+    )
     return d
 
 
@@ -357,7 +366,9 @@ def test_cli_inputs_checked_before_any_rank(checkpoints):
         ("generate", llama, "1 2", "--tp", "0"): "--tp must be >= 1",
         ("generate", llama, "hello"): "has no tokenizer: give the prompt as token ids",
         ("generate", llama, "1 5000"): "0 <= id < vocab_size (101)",
-        ("generate", llama, "1 2", "--tp", "3"): "tp_size=3 does not divide",
+        ("plan", llama, "--tp", "3", "--plan", str(checkpoints / "heads.yaml")): (
+            "tp_size=3 does not divide num_attention_heads=4"
+        ),
     }
     for argv, expected in cases.items():
         proc = _tpkit(*argv)
@@ -369,7 +380,8 @@ def test_cli_inputs_checked_before_any_rank(checkpoints):
 
 
 def test_cli_plan_collapses_layers_and_says_tp1_splits_nothing(checkpoints):
-    proc = _tpkit("plan", str(checkpoints / "llama"), "--tp", "3")
+    heads = str(checkpoints / "heads.yaml")
+    proc = _tpkit("plan", str(checkpoints / "llama"), "--tp", "3", "--plan", heads)
     assert proc.returncode == 1
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("- ")]
     assert lines and all("layers.0." not in ln and "layers.1." not in ln for ln in lines), lines
@@ -377,6 +389,10 @@ def test_cli_plan_collapses_layers_and_says_tp1_splits_nothing(checkpoints):
     assert "global -> local" not in proc.stdout  # no table of shapes that cannot exist
     one = _tpkit("plan", str(checkpoints / "llama"), "--tp", "1")
     assert one.returncode == 0 and "nothing is split" in one.stdout, one.stdout
+    # without the user plan, tp=3 runs: the attention gathered, with the reason printed
+    three = _tpkit("plan", str(checkpoints / "llama"), "--tp", "3")
+    assert three.returncode == 0 and "tp_size=3: valid" in three.stdout, three.stdout
+    assert "does not divide num_attention_heads=4" in three.stdout, three.stdout
 
 
 def testcollapse_layers_counts_repeats():

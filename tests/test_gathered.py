@@ -113,11 +113,11 @@ def test_auto_leaves_a_transformers_plan_whose_heads_tp_does_not_divide():
     """Qwen2.5-0.5B's 14 heads at tp=4: transformers' plan cannot split them, and its entries
     are never rewritten, so "auto" takes the inferred plan (attention gathered, MLP split) and
     says why; at tp=2, where 14 divides, transformers' plan stays."""
-    import transformers
-
+    from tests.tiny import on_meta
     from tpkit.plan import derive_plan, validate
 
-    config = transformers.Qwen2Config(
+    model = on_meta(
+        "Qwen2ForCausalLM",
         hidden_size=14 * 8,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -125,8 +125,6 @@ def test_auto_leaves_a_transformers_plan_whose_heads_tp_does_not_divide():
         num_key_value_heads=2,
         vocab_size=256,
     )
-    with torch.device("meta"):
-        model = transformers.Qwen2ForCausalLM(config)
     plan = derive_plan(model, "auto", 4)
     validate(model, plan, 4)
     q, up = "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj"

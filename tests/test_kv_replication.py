@@ -75,9 +75,11 @@ def test_an_mlp_as_wide_as_the_kv_heads_is_not_taken_for_them():
     wide as the queries (32 x 16 = 512) is no attention: at tp=16 (8 KV heads) only the real
     K/V projections keep their heads whole; before, up_proj did too and the MLP failed its
     dry run."""
+    from tests.tiny import on_meta
     from tpkit.plan import derive_plan, validate
 
-    config = transformers.Qwen2Config(
+    model = on_meta(
+        "Qwen2ForCausalLM",
         hidden_size=512,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -85,8 +87,6 @@ def test_an_mlp_as_wide_as_the_kv_heads_is_not_taken_for_them():
         num_key_value_heads=8,
         vocab_size=256,
     )
-    with torch.device("meta"):
-        model = transformers.Qwen2ForCausalLM(config)
     plan = derive_plan(model, "auto", 16)
     validate(model, plan, 16)
     layer = "model.layers.0"

@@ -325,6 +325,17 @@ class NotText(Exception):
     """The architecture is not a text-only one."""
 
 
+def on_meta(class_name: str, **config):
+    """transformers' ``class_name`` built on the meta device from its config class with these
+    fields (no memory, for planning at any size)."""
+    import torch
+    import transformers
+
+    cls = getattr(transformers, class_name)
+    with torch.device("meta"):
+        return cls(cls.config_class(**config))
+
+
 def inputs(model, kind: str) -> dict:
     import torch
 

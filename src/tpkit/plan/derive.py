@@ -104,7 +104,6 @@ def _config_plan_at(model: nn.Module, plan: Plan, tp: int, example) -> Plan:
     splits heads ``tp`` does not divide (Qwen2.5-0.5B's 14 heads at tp=4): transformers' entries
     are never rewritten, but the inferred plan's groups are, gathered where the heads do not
     divide (`_settle_groups`), so "auto" still runs at that tp with the weights split."""
-    modules = dict(model.named_modules())
     config_owners = {
         t.name.rsplit(".", 1)[0]
         for t in plan.resolve(model)
@@ -113,7 +112,7 @@ def _config_plan_at(model: nn.Module, plan: Plan, tp: int, example) -> Plan:
     bad = [
         f"{label} of {owner}"
         for owner, label, count in head_constraints(model, plan)
-        if count % tp and owner in config_owners and owner in modules
+        if count % tp and owner in config_owners
     ]
     if not bad:
         return plan
@@ -137,7 +136,9 @@ def _settle_groups(model: nn.Module, plan: Plan, tp: int, example) -> None:
     weights split in the gathered form (`tpkit.plan.gathered`: columns gathered, the code
     between on whole activations, so no count needs to divide) when a dry run at ``tp`` says
     the model runs so; else it is replicated with the note (`Plan.settle_groups`)."""
-    for group, why in plan.undivided_groups(tp) + _undivided_head_groups(model, plan, tp):
+    undivided = plan.undivided_groups(tp) + _undivided_head_groups(model, plan, tp)
+    tried = {id(g): (g, why) for g, why in undivided}  # a group can fail both ways: try it once
+    for group, why in tried.values():
         trial = plan.copy()
         if gather_group(model, trial, group, why) and dry_run(model, trial, example, tp) is None:
             gather_group(model, plan, group, why)

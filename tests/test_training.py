@@ -232,3 +232,50 @@ def test_sequence_parallel_rejects_gathered_pairs_inside_blocks():
     assert len(found) == 1, found
     assert "model.layers.0." in found[0] and "sequence_parallel=False" in found[0], found
     assert not [p for p in problems(model, plan, 2) if "gathered" in p]  # without SP: fine
+
+
+def check_clip_arguments(name: str) -> dict:
+    """torch's clip_grad_norm_ arguments on a tp=2 model: every norm type (0 counts the gradients
+    with a nonzero entry, as torch does), ``foreach`` on and off, ``error_if_nonfinite``."""
+    import tpkit
+
+    ref = build(name).train()
+    model = tpkit.tensor_parallel(copy.deepcopy(ref), tp_size=2).train()
+    x = batch(ref.config.vocab_size, shape=(2, 8))
+    ref(input_ids=x, labels=x).loss.backward()
+    model(input_ids=x, labels=x).loss.backward()
+    next(ref.parameters()).grad.zero_()  # a gradient with no nonzero entry, for norm_type=0
+    first = next(model.parameters()).grad
+    (first.to_local() if hasattr(first, "to_local") else first).zero_()
+    rels = {}
+    for norm_type in (0, 1, 2, 3.5, float("inf")):
+        for foreach in (None, True, False):
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, norm_type=norm_type)
+            got = tpkit.clip_grad_norm_(
+                model.parameters(), 1e9, norm_type=norm_type, foreach=foreach
+            )
+            rels[f"{norm_type}/{foreach}"] = abs(got.item() - want.item()) / want.item()
+    clipped = tpkit.clip_grad_norm_(model.parameters(), 0.5, foreach=True)
+    after = tpkit.clip_grad_norm_(model.parameters(), 1e9)
+    grad = next(p for p in model.parameters() if p.grad is not None and p.grad.numel() > 1).grad
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    local.view(-1)[0] = float("nan")
+    try:
+        tpkit.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        nonfinite = "no error"
+    except RuntimeError as exc:
+        nonfinite = str(exc)
+    return {
+        "rels": rels,
+        "clipped": clipped.item(),
+        "after": after.item(),
+        "nonfinite": nonfinite,
+    }
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_clip_grad_norm_takes_torchs_arguments(ranks2, name):
+    for r in ranks2.run(check_clip_arguments, name):
+        assert max(r["rels"].values()) < 1e-5, r["rels"]
+        assert r["clipped"] > 0.5 and abs(r["after"] - 0.5) < 1e-4, r
+        assert "non-finite" in r["nonfinite"], r

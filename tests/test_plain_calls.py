@@ -223,7 +223,9 @@ def test_plain_trainer_on_cpu(ranks2, tmp_path):
 
 
 # ---- accelerate's loading flow ---------------------------------------------------------------------
-def check_accelerate_loading(ckpt: str) -> dict:
+def check_accelerate_loading(ckpt: str, **tp_kwargs) -> dict:
+    """accelerate's documented empty-model flow, with tensor_parallel outside or inside
+    ``init_empty_weights``; ``tp_kwargs`` also gives dp x tp (FSDP2's two-level shards)."""
     import accelerate
     from transformers import AutoModelForCausalLM
 
@@ -242,13 +244,15 @@ def check_accelerate_loading(ckpt: str) -> dict:
         # context, whose register_parameter makes a new parameter of every assignment)
         if where == "inside":  # tensor_parallel inside init_empty_weights
             with accelerate.init_empty_weights():
-                model = tpkit.tensor_parallel(AutoModelForCausalLM.from_config(ref.config))
+                model = tpkit.tensor_parallel(
+                    AutoModelForCausalLM.from_config(ref.config), **tp_kwargs
+                )
             model.tie_weights()
         else:
             with accelerate.init_empty_weights():
                 model = AutoModelForCausalLM.from_config(ref.config)
             model.tie_weights()
-            model = tpkit.tensor_parallel(model)
+            model = tpkit.tensor_parallel(model, **tp_kwargs)
         device_map = tpkit.infer_sharded_device_map(model)
         accelerate.load_checkpoint_in_model(model, ckpt, device_map=device_map)
         with torch.no_grad():
@@ -257,7 +261,7 @@ def check_accelerate_loading(ckpt: str) -> dict:
         out[where] = {
             "diff": _max(logits, expected),
             "tied": emb is head,
-            "sharded": emb.to_local().shape[0] < emb.shape[0],
+            "sharded": emb.to_local().shape[0] <= -(-emb.shape[0] // dist.get_world_size()),
             "no_meta": not any(p.is_meta or full(p).is_meta for p in model.parameters()),
         }
     return out
@@ -265,6 +269,15 @@ def check_accelerate_loading(ckpt: str) -> dict:
 
 def test_accelerate_load_checkpoint_in_model(ranks2, tmp_path):
     for r in ranks2.run(check_accelerate_loading, str(tmp_path / "ck")):
+        for where in ("outside", "inside"):
+            o = r[where]
+            assert o["diff"] <= TOL and o["tied"] and o["sharded"] and o["no_meta"], r
+
+
+def test_accelerate_load_checkpoint_in_model_dp2_tp2(ranks4, tmp_path):
+    """On dp x tp each rank keeps its FSDP2 part of its TP shard (before: the TP slice only, a
+    size mismatch at the first forward)."""
+    for r in ranks4.run(check_accelerate_loading, str(tmp_path / "ck"), tp_size=2, dp_size=2):
         for where in ("outside", "inside"):
             o = r[where]
             assert o["diff"] <= TOL and o["tied"] and o["sharded"] and o["no_meta"], r

@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
-from tpkit.shards import local_slice, param_owners, set_local, tp_coords
+from tpkit.compat import StridedShard
+from tpkit.shards import local_slice, param_owners, set_local
 
 __all__ = ["patch_accelerate", "set_dtensor"]
 
@@ -85,8 +86,7 @@ def set_dtensor(
             raise ValueError(f"{tensor_name} is on the meta device: a value is needed to load it.")
         value = local
     elif tuple(value.shape) == tuple(param.shape):
-        placement, tp, rank = tp_coords(param)
-        value = local_slice(value, placement, tp, rank)
+        value = _rank_slice(value, param)
     elif tuple(value.shape) != tuple(local.shape):
         raise ValueError(
             f"{tensor_name}: a tensor of shape {tuple(value.shape)} fits neither the full "
@@ -103,6 +103,22 @@ def set_dtensor(
     new = set_local(owner, name, value.contiguous())
     for module, pname, _ in param_owners(model).get(id(old), []):  # tied: one parameter
         module._parameters[pname] = new
+
+
+def _rank_slice(value: torch.Tensor, param: DTensor, dim: int = 0) -> torch.Tensor:
+    """This rank's shard of the full ``value`` under every mesh dim of ``param`` (dp x tp too).
+
+    DTensor placements nest left to right: mesh dim 0 cuts the full tensor, the next one cuts
+    that part. FSDP2's ``_StridedShard`` over dp means the reverse on its dim: the later (tp)
+    cut first, then dp's chunk of that rank's TP shard (exact for uneven sizes too)."""
+    if dim == param.device_mesh.ndim:
+        return value
+    mesh, placement = param.device_mesh, param.placements[dim]
+    size, rank = mesh.size(dim), mesh.get_local_rank(dim)
+    if isinstance(placement, StridedShard):
+        inner = _rank_slice(value, param, dim + 1)
+        return local_slice(inner, Shard(placement.dim), size, rank)
+    return _rank_slice(local_slice(value, placement, size, rank), param, dim + 1)
 
 
 def _device(device: Any) -> torch.device:

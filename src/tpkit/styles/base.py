@@ -21,6 +21,7 @@ per-call state its hooks keep. Nothing else is stored on the module.
 
 from __future__ import annotations
 
+import copy
 import types
 from typing import Any
 
@@ -136,6 +137,28 @@ def map_output(output: Any, fn) -> Any:
     return output
 
 
+_IMPL = "_experts_implementation_internal"
+
+
+def _grouped_mm_fallback(module: nn.Module) -> str:
+    """torch's CPU grouped_mm needs every row of its operands to be a multiple of 16 bytes; a
+    shard narrower than that (an intermediate width of 12 at tp=4 in float32: 3 values per rank),
+    or a whole expert weight as odd (transformers' Mixtral tester: 37 wide, which fails
+    unsharded too), makes it raise mid-forward. Such a module gets its own copy of its config
+    that says ``batched_mm`` (the same products, per expert): the fix in words, or ""."""
+    config = getattr(module, "config", None)
+    if config is None or config.__dict__.get(_IMPL) != "grouped_mm":
+        return ""
+    for p in module._parameters.values():
+        if p is not None and p.ndim == 3:
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            if any(n * local.element_size() % 16 for n in local.shape[-2:]):
+                module.config = copy.copy(config)
+                module.config.__dict__[_IMPL] = "batched_mm"
+                return "batched_mm (grouped_mm needs 16-byte rows)"
+    return ""
+
+
 class TPStyle(ParallelStyle):
     """Base: distribute the module's own parameters, run ``forward`` on their local shards.
 
@@ -158,6 +181,7 @@ class TPStyle(ParallelStyle):
         self._saved: list[dict[str, DTensor]] = []
         self._nested: list[tuple[nn.Module, str]] | None = None
         self._nested_saved: list[list[tuple[nn.Module, str, DTensor]]] = []
+        self.kernel_fallback = ""  # set at _apply: a kernel swapped for one that runs
 
     @property
     def spec(self) -> StyleSpec:
@@ -176,6 +200,7 @@ class TPStyle(ParallelStyle):
         # a replicated layer on a sequence chunk sees a partial gradient while SP is active
         self._sp_grads = self.spec.role == "replicate"
         self._setup(module)
+        self.kernel_fallback = _grouped_mm_fallback(module)
         module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
         module.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
         module.__dict__[RECORD] = self
@@ -197,6 +222,8 @@ class TPStyle(ParallelStyle):
             parts.append("sp")
         if self.compute_dtype is not None:
             parts.append(f"compute_dtype={self.compute_dtype}")
+        if self.kernel_fallback:
+            parts.append(self.kernel_fallback)
         return ", ".join(parts)
 
     def describe(self, module: nn.Module) -> str:

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -62,10 +61,6 @@ class MoeExpertsStyle(AllReduceStyle):
         w, b = module._parameters.get("down_proj"), module._parameters.get("down_proj_bias")
         sharded = isinstance(w, DTensor) and any(p.is_shard() for p in w.placements)
         self.scale_down_bias = sharded and isinstance(b, DTensor)
-        self.fallback = _grouped_mm_fallback(module)
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + (f", {self.fallback}" if self.fallback else "")
 
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         out = super()._pre_hook(module, args, kwargs)
@@ -75,27 +70,6 @@ class MoeExpertsStyle(AllReduceStyle):
                 b = copy_to_tp(b, self.group)
             module._parameters["down_proj_bias"] = b / self.tp
         return out
-
-
-_IMPL = "_experts_implementation_internal"
-
-
-def _grouped_mm_fallback(module: nn.Module) -> str:
-    """torch's grouped_mm needs every row of its operands to be a multiple of 16 bytes; a shard
-    narrower than that (an intermediate width of 12 at tp=4 in float32: 3 values per rank) makes
-    it raise mid-forward. Such a module gets its own copy of its config that says
-    ``batched_mm`` (the same products, per expert): the fix in words, or "" when none is needed."""
-    config = getattr(module, "config", None)
-    if config is None or config.__dict__.get(_IMPL) != "grouped_mm":
-        return ""
-    for p in module._parameters.values():
-        if isinstance(p, DTensor) and p.ndim == 3:
-            local = p._local_tensor
-            if any(n * local.element_size() % 16 for n in local.shape[-2:]):
-                module.config = copy.copy(config)
-                module.config.__dict__[_IMPL] = "batched_mm"
-                return "batched_mm (grouped_mm needs 16-byte rows)"
-    return ""
 
 
 class MoeIdentityExpertStyle(TPStyle):

@@ -10,13 +10,13 @@ NPROC ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tpkit-installed-$(TORCH_VERSION)$(if $(CONSTRAINTS),-pinned,-latest)
 
-.PHONY: install test demo lint format bench clean
+.PHONY: install test demo lint format bench docs clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip || true
 	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
-	$(BIN)/python -m pip install -q -e ".[test,quant]" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(BIN)/python -m pip install -q -e ".[test,quant,docs]" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -38,5 +38,10 @@ format: install
 bench: install
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
+# The manual (docs/ + the API reference from docstrings) into site/; --strict: a broken link or
+# an unreadable docstring fails (tests/test_docs.py builds it too, so `make test` checks it).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
+
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build dist site src/*.egg-info .pytest_cache

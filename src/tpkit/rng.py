@@ -16,12 +16,14 @@ it: two forward pre-hooks and one forward hook per region, CPU and CUDA generato
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-__all__ = ["install_region_rng", "rng_state"]
+__all__ = ["install_region_rng", "replicated_stream", "rng_state"]
 
 _OFFSET = 2718  # Megatron's model-parallel seed offset
 
@@ -35,12 +37,35 @@ class _RegionRNG:
     def enter(self) -> None:
         self.saved.append(rng_state())
         _set(self.cpu, self.cuda)
+        _ACTIVE.append(self)
 
     def leave(self) -> None:
         if not self.saved:
             return
         self.cpu, self.cuda = rng_state()
         _set(*self.saved.pop())
+        _ACTIVE.remove(self)
+
+
+_ACTIVE: list[_RegionRNG] = []  # the streams of the regions being run, innermost last
+
+
+@contextlib.contextmanager
+def replicated_stream() -> Iterator[None]:
+    """Draw from the default (TP-synced) stream even inside a region, and leave it advanced as
+    the unsharded model's would be: for dropout on a replicated activation there (a LoRA
+    adapter's input), which must draw the same mask on every rank."""
+    rng = _ACTIVE[-1] if _ACTIVE else None
+    if rng is None or not rng.saved:
+        yield
+        return
+    region = rng_state()
+    _set(*rng.saved[-1])
+    try:
+        yield
+    finally:
+        rng.saved[-1] = rng_state()
+        _set(*region)
 
 
 def rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -18,10 +18,18 @@ A LoRA adapter on a base layer follows the base's style (the catalogue's role):
 
 So a forward issues exactly the collectives of the base model; backward adds one all-reduce of
 r-wide activations per column-parallel adapter and one of ``lora_B``'s gradient per row-parallel
-adapter. LoRA dropout draws the same mask on every TP rank where the input is replicated and a
-per-rank mask where it is sharded. ``merge_and_unload`` adds each rank's local delta to its
-shard of the base weight (no communication). Adapters start as rank 0's (``distribute_tensor``
-from rank 0).
+adapter. A row base's ``lora_bias`` joins the partial sums on TP rank 0 only (added once).
+LoRA dropout draws the unsharded model's mask (`_TPDropout`). ``merge_and_unload`` adds each
+rank's local delta to its shard of the base weight (no communication). Adapters start as rank
+0's (``distribute_tensor`` from rank 0).
+
+DoRA (``use_dora``) scales each output feature by ``m / ||W + s B A||`` over its input
+features: on a column base each rank holds whole rows, so the norm is local and the magnitude
+``m`` is split like the outputs; on a row base each rank holds a slice of every row, so the
+squared norms are summed with one all-reduce of an out-wide vector per forward (and merge), and
+``m`` is replicated with its gradient summed. On gathered and vocab-parallel layers (whose
+weight is split but whose adapters act on whole activations) and on embeddings it is refused.
+Every option of a ``LoraConfig`` is either exact or refused up front (`check_lora_config`).
 """
 
 from __future__ import annotations
@@ -35,10 +43,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from tpkit.comm import all_reduce_, copy_to_tp
 from tpkit.fsdp import average_grads_over_dp, is_fsdp
 from tpkit.mesh import rank
 from tpkit.parallelize import tp_state
 from tpkit.plan import style_spec
+from tpkit.rng import replicated_stream
 from tpkit.styles import (
     ParentSwap,
     ReplicateGradAllReduceStyle,
@@ -50,13 +60,16 @@ from tpkit.styles import (
 
 __all__ = [
     "adapter_layout",
+    "check_lora_config",
     "check_peft_type",
+    "dora_whole_weight",
     "embedding_targeted",
     "global_in_out",
     "gathered_adapter_state_dict",
     "global_features",
     "hf_model",
     "lay_out_adapters",
+    "saved_copies",
     "tuner_layers",
 ]
 
@@ -96,13 +109,9 @@ def check_peft_type(model: nn.Module) -> None:
     bad = {
         n: str(c.peft_type) for n, c in configs.items() if str(c.peft_type) != str(PeftType.LORA)
     }
-    dora = [n for n, c in configs.items() if getattr(c, "use_dora", False)]
-    if dora:
-        raise ValueError(
-            f"tpkit.integrations.peft does not support DoRA (adapter {dora[0]!r} has "
-            "use_dora=True): DoRA rescales by the norm of each whole weight row or column, "
-            "which no rank holds. Use plain LoRA (use_dora=False) on a tensor-parallel model."
-        )
+    for n, c in configs.items():
+        if n not in bad:
+            check_lora_config(c, n)
     if not bad:
         bad_layers = [n for n, m in tuner_layers(model) if not _is_lora_layer(m)]
         if not bad_layers:
@@ -112,6 +121,60 @@ def check_peft_type(model: nn.Module) -> None:
         f"tpkit.integrations.peft supports LoRA adapters only; got {bad}. Other peft tuners would "
         "see sharded weights as if they were whole."
     )
+
+
+#: ``init_lora_weights`` values that read (and most of them rewrite) the whole base weight, or
+#: derive the adapters from whole-layer activations: on a split base each rank would see its shard
+_WHOLE_WEIGHT_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga", "eva")
+
+
+def check_lora_config(config, adapter: str = "default", base_split: bool = False) -> None:
+    """Refuse, before any collective and alike on every rank, a LoRA option tpkit cannot lay out
+    exactly on tensor-parallel layers, naming the option, the adapter and what to do.
+
+    Supported (parity with unsharded peft): plain LoRA, DoRA (``use_dora``), ``lora_bias``,
+    ``use_rslora``, ``init_lora_weights`` True / False / "gaussian" / "orthogonal",
+    ``rank_pattern`` / ``alpha_pattern``, ``layers_to_transform``, ``fan_in_fan_out``,
+    ``modules_to_save``, dropout, ``use_qalora`` (peft applies it to GPTQ layers only, which tpkit
+    does not split). Refused: the other LoRA variants (each changes the adapter's math in a way
+    no rule here splits). ``base_split``: the
+    adapters are about to be created on an already split base, where the initialisations that
+    read the whole base weight (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA, EVA) would see one shard;
+    on the unsharded model they are exact, so the fix is the other order."""
+    import dataclasses
+
+    where = f"tpkit.integrations.peft: adapter {adapter!r}"
+    if base_split and getattr(config, "modules_to_save", None):
+        raise ValueError(
+            f"{where} sets modules_to_save={config.modules_to_save!r}: peft copies each of those "
+            "modules, and a module already split across ranks cannot be copied. Add the adapter "
+            "before splitting: tpkit.tensor_parallel(peft.get_peft_model(model, config)), which "
+            "keeps each trainable copy whole on every rank."
+        )
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name, None)
+        if f.metadata.get("is_lora_variant") and f.name != "use_dora" and value:
+            raise ValueError(
+                f"{where} sets {f.name}={value!r}, a LoRA variant tpkit does not split across "
+                "tensor-parallel ranks. Use plain LoRA or DoRA (use_dora=True), or apply the "
+                "adapter to an unsharded model."
+            )
+        init = config.init_lora_weights
+        if f.name == "init_lora_weights" and isinstance(init, str):
+            if init.lower() in f.metadata.get("lora_variants", ()):
+                raise ValueError(
+                    f"{where} sets init_lora_weights={init!r}, a LoRA variant tpkit does not "
+                    "split across tensor-parallel ranks. Use init_lora_weights=True, False, "
+                    "'gaussian' or 'orthogonal'."
+                )
+            if base_split and init.lower().startswith(_WHOLE_WEIGHT_INITS):
+                raise ValueError(
+                    f"{where} sets init_lora_weights={init!r}, which reads the whole base weight "
+                    "(and rewrites it), but the base is already split across ranks. Add the "
+                    "adapter before splitting: tpkit.tensor_parallel(peft.get_peft_model(model, "
+                    "config)). To load a saved adapter, set init_lora_weights=True in its "
+                    "adapter_config.json (the saved tensors replace the initial ones)."
+                )
 
 
 def _is_lora_layer(m: nn.Module) -> bool:
@@ -129,6 +192,7 @@ def global_features() -> Iterator[None]:
     ``out_features`` global, and that is what the adapters must have.
     """
     from peft.tuners import tuners_utils
+    from peft.tuners.lora import dora
     from peft.tuners.lora import layer as lora_layer
 
     original = tuners_utils._get_in_out_features
@@ -136,11 +200,36 @@ def global_features() -> Iterator[None]:
     owners = [m for m in (tuners_utils, lora_layer) if m.__dict__.get("_get_in_out_features")]
     for m in owners:
         m._get_in_out_features = patched
+    dora_init = dora.DoraLinearLayer.__dict__["update_layer"]
+    dora.DoraLinearLayer.update_layer = dora_whole_weight(dora_init)
     try:
         yield
     finally:
         for m in owners:
             m._get_in_out_features = original
+        dora.DoraLinearLayer.update_layer = dora_init
+
+
+def dora_whole_weight(original):
+    """peft's ``DoraLinearLayer.update_layer`` (DoRA's initial magnitude, the norm of each row of
+    the whole weight) given the whole weight of a split base: gathered for the call (every
+    rank, in the same module order), then dropped. The magnitude is laid out afterwards."""
+    if getattr(original, "_tpkit_patch", False):
+        return original
+
+    @functools.wraps(original)
+    def update_layer(self, *, base_layer: nn.Module, **kwargs):
+        weight = base_layer._parameters.get("weight")
+        if not isinstance(weight, DTensor):
+            return original(self, base_layer=base_layer, **kwargs)
+        base_layer._parameters["weight"] = weight.full_tensor().detach()
+        try:
+            return original(self, base_layer=base_layer, **kwargs)
+        finally:
+            base_layer._parameters["weight"] = weight
+
+    update_layer._tpkit_patch = True
+    return update_layer
 
 
 def global_in_out(original):
@@ -169,22 +258,44 @@ class _RowShardLocal(TPStyle):
         return "rowwise"
 
 
-class _TPDropout(nn.Module):
-    """LoRA dropout with its own generator: seeded alike on the TP group for a replicated input
-    (every rank must drop the same features), per rank for a sharded one. The default and
-    per-region streams of `tpkit.rng` are left untouched."""
+class _RowLoraB(ReplicateGradAllReduceStyle):
+    """``lora_B`` of a row-parallel base: replicated, acting on the partial sums of the rank's
+    input features (its gradient all-reduced). Its bias (``lora_bias=True``) joins the sum on TP
+    rank 0 only, so the reduction adds it once; elsewhere it is multiplied by zero, so its
+    gradient (zero there) still takes part in the all-reduce."""
 
-    def __init__(self, p: float, seed: int):
+    def _swap_in(self, module: nn.Module) -> None:
+        super()._swap_in(module)
+        bias = module._parameters.get("bias")
+        if bias is not None and self.rank != 0:
+            module._parameters["bias"] = bias * 0
+
+
+class _TPDropout(nn.Module):
+    """LoRA dropout that draws exactly the unsharded model's mask: from the default stream, which
+    tpkit keeps identical across the TP group (`tpkit.rng.replicated_stream`, also inside a
+    tensor-parallel region, whose own per-rank stream is left alone), in the same order as the
+    unsharded model draws it. On a sharded input (a row-parallel base: this rank's slice of the
+    input features) the whole mask is drawn and this rank's slice kept, so every rank advances
+    the stream alike and the mask is the unsharded one. Drawn as ``nn.functional.dropout`` does
+    (``bernoulli_(1 - p)`` on a tensor of the input's shape, divided by ``1 - p``)."""
+
+    def __init__(self, p: float, in_features: int = 0, start: int = 0):
         super().__init__()
-        self.p, self.seed, self._gen = p, seed, None
+        self.p, self.in_features, self.start = p, in_features, start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        if self._gen is None or self._gen.device != x.device:
-            self._gen = torch.Generator(device=x.device).manual_seed(self.seed)
-        keep = torch.empty_like(x).bernoulli_(1 - self.p, generator=self._gen)
-        return x * keep / (1 - self.p)
+        whole = self.in_features or x.shape[-1]
+        with replicated_stream():
+            if self.p == 1:
+                return x * 0
+            noise = torch.empty((*x.shape[:-1], whole), dtype=x.dtype, device=x.device)
+            noise.bernoulli_(1 - self.p).div_(1 - self.p)
+        if whole != x.shape[-1]:
+            noise = noise.narrow(-1, self.start, x.shape[-1])
+        return x * noise
 
 
 def _lay_out(module: nn.Module, style: TPStyle, mesh) -> None:
@@ -195,11 +306,14 @@ def _lay_out(module: nn.Module, style: TPStyle, mesh) -> None:
 
 def _check_layer(name: str, layer: nn.Module, style: TPStyle) -> str:
     """The adapter layout for ``layer`` (see `adapter_layout`), or a ValueError saying why not."""
-    if getattr(layer, "lora_variant", None):
-        raise ValueError(
-            f"{name}: LoRA variants (adapters {sorted(layer.lora_variant)}: DoRA and the like) are "
-            "not supported on tensor-parallel bases; use plain LoRA."
-        )
+    from peft.tuners.lora.variants import DoraLinearVariant
+
+    for adapter, variant in getattr(layer, "lora_variant", {}).items():
+        if not isinstance(variant, DoraLinearVariant):
+            raise ValueError(
+                f"{name}: adapter {adapter!r} is a {type(variant).__name__} LoRA variant, which "
+                "tpkit does not split across tensor-parallel ranks; use plain LoRA or DoRA."
+            )
     if style.sp is not None:
         raise ValueError(f"{name}: LoRA with sequence_parallel=True is not supported yet.")
     if getattr(style, "loss_parallel", False):
@@ -212,10 +326,18 @@ def _check_layer(name: str, layer: nn.Module, style: TPStyle) -> str:
             f"{name}: LoRA on a '{style.name}' tensor-parallel layer is not supported (column, "
             "row, vocabulary and replicated layers are). Leave it out of target_modules."
         )
+    if getattr(layer, "lora_variant", None) and (
+        layout == "replicated" and _is_sharded(layer.get_base_layer().weight)
+    ):
+        raise ValueError(
+            f"{name}: DoRA (use_dora=True) on a '{style.name}' tensor-parallel layer is not "
+            "supported (column, row and replicated layers are): its weight norm would need the "
+            "whole weight. Leave this module out of target_modules, or use plain LoRA."
+        )
     return layout
 
 
-def _shard_layer(name: str, layer: nn.Module, mesh, seeds: dict[str, int]) -> None:
+def _shard_layer(name: str, layer: nn.Module, mesh) -> None:
     from peft.tuners.lora import layer as lora_layer
 
     style = style_of(layer.get_base_layer())
@@ -225,7 +347,7 @@ def _shard_layer(name: str, layer: nn.Module, mesh, seeds: dict[str, int]) -> No
     if isinstance(layer, lora_layer.Embedding):
         _shard_embedding_layer(name, layer, style, mesh)
     elif isinstance(layer, lora_layer.Linear):
-        _shard_linear_layer(name, layer, style, layout, mesh, seeds)
+        _shard_linear_layer(name, layer, style, layout, mesh)
     else:
         raise ValueError(f"{name}: {type(layer).__name__} adapters are not supported by tpkit.")
 
@@ -247,7 +369,7 @@ def _shard_embedding_layer(name: str, layer: nn.Module, style: TPStyle, mesh) ->
     layer.get_delta_weight = types.MethodType(_embedding_delta_weight, layer)
 
 
-def _shard_linear_layer(name, layer, style: TPStyle, layout: str, mesh, seeds) -> None:
+def _shard_linear_layer(name, layer, style: TPStyle, layout: str, mesh) -> None:
     for adapter in list(layer.lora_A):
         A, B = layer.lora_A[adapter], layer.lora_B[adapter]
         if isinstance(A.weight, DTensor):
@@ -256,29 +378,154 @@ def _shard_linear_layer(name, layer, style: TPStyle, layout: str, mesh, seeds) -
             _lay_out(A, ReplicateStyle(), mesh)
             _lay_out(B, make_style(style.name), mesh)  # split like the base weight; f on input
         elif layout == "row":
-            if B.bias is not None:
-                raise ValueError(
-                    f"{name}: lora_bias=True on a row-parallel layer would add the bias on every "
-                    "rank before the reduction; use lora_bias=False."
-                )
             _lay_out(A, _RowShardLocal(), mesh)
-            _lay_out(B, ReplicateGradAllReduceStyle(), mesh)  # acts on partial sums: grad summed
+            _lay_out(B, _RowLoraB(), mesh)  # acts on partial sums: grad summed, bias added once
         else:
             _lay_out(A, ReplicateStyle(), mesh)
             _lay_out(B, ReplicateStyle(), mesh)
+        if adapter in getattr(layer, "lora_magnitude_vector", {}):
+            _lay_out_dora(layer.lora_magnitude_vector[adapter], B, layout, mesh)
+            layer.lora_variant[adapter] = _dora_variant(layout, mesh.get_group())
         drop = layer.lora_dropout[adapter]
         if isinstance(drop, nn.Dropout) and drop.p > 0:
-            # the same on every rank of the group (torchrun ranks seed alike: tpkit's rule),
-            # distinct per layer, and per rank where the input is sharded
-            index = seeds.setdefault(name, len(seeds) + 1)
-            rank_part = mesh.get_local_rank() + 1 if layout == "row" else 0
-            seed = (torch.initial_seed() + 7919 * index + 104729 * rank_part) % 2**62
-            layer.lora_dropout[adapter] = _TPDropout(drop.p, seed)
+            if layout == "row":  # this rank's input features: the columns of its lora_A shard
+                start = -(-A.weight.shape[1] // mesh.size()) * mesh.get_local_rank()
+                layer.lora_dropout[adapter] = _TPDropout(drop.p, A.weight.shape[1], start)
+            else:
+                layer.lora_dropout[adapter] = _TPDropout(drop.p)
     if layout == "row" and "_tpkit_row" not in layer.__dict__:
         layer.register_forward_pre_hook(lambda *_: style.defer())
         layer.register_forward_hook(functools.partial(_finish_row, style), always_call=True)
         layer.__dict__["_tpkit_row"] = True
     layer.get_delta_weight = types.MethodType(_local_delta_weight, layer)
+
+
+def _lay_out_dora(dora: nn.Module, lora_b: nn.Module, layout: str, mesh) -> None:
+    """DoRA's magnitude (one entry per output feature) laid out like the outputs: split like
+    ``lora_B``'s rows on a column base, whole on a row or replicated one; its forward replaced
+    by `_dora_forward`, which works on this rank's shards."""
+    m = dora.weight
+    if not isinstance(m, DTensor):
+        placements = lora_b.weight.placements if layout == "column" else [Replicate()]
+        dt = distribute_tensor(m.detach(), mesh, placements, src_data_rank=0)
+        dora.register_parameter("weight", nn.Parameter(dt, requires_grad=m.requires_grad))
+    group = mesh.get_group() if layout in ("column", "row") else None
+    dora.forward = types.MethodType(functools.partial(_dora_forward, layout, group), dora)
+
+
+def _dora_variant(layout: str, group):
+    """peft's DoRA variant with merge and unmerge on this rank's shards: the merged weight is
+    ``m / ||W + dW|| * (W + dW)`` per output feature, the norm local on a column base and summed
+    over the ranks (one all-reduce of squared norms) on a row one."""
+    from peft.tuners.lora.variants import DoraLinearVariant
+    from peft.utils.other import transpose
+
+    def factor(module, adapter: str, weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        fan_in_fan_out = module.fan_in_fan_out
+        combined = transpose(weight + delta, fan_in_fan_out)
+        if layout == "row":
+            squares = combined.pow(2).sum(dim=1).contiguous()
+            norm = all_reduce_(squares, group).sqrt()
+        else:
+            norm = torch.linalg.norm(combined, dim=1)
+        module._cache_store(f"{adapter}-weight_norm", norm)
+        magnitude = _local(module.lora_magnitude_vector[adapter].weight).detach()
+        return transpose((magnitude / norm).view(-1, 1), fan_in_fan_out)
+
+    def merged(module, adapter: str, orig_weight: torch.Tensor) -> torch.Tensor:
+        weight = _local(orig_weight).detach()
+        delta = _local(module.get_delta_weight(adapter)).detach().to(weight.dtype)
+        return (factor(module, adapter, weight, delta) * (weight + delta)).to(weight.dtype)
+
+    class TPDora(DoraLinearVariant):
+        @staticmethod
+        def merge_safe(module, active_adapter: str, orig_weight: torch.Tensor) -> torch.Tensor:
+            return _like(orig_weight, merged(module, active_adapter, orig_weight))
+
+        @staticmethod
+        def merge_unsafe(module, active_adapter: str, orig_weight: torch.Tensor) -> None:
+            new = merged(module, active_adapter, orig_weight)
+            with torch.no_grad():
+                _local(orig_weight).copy_(new)
+
+        @staticmethod
+        def unmerge(module, active_adapter: str, orig_weight: torch.Tensor) -> torch.Tensor:
+            weight = _local(orig_weight).detach()
+            delta = _local(module.get_delta_weight(active_adapter)).detach().to(weight.dtype)
+            norm = module._cache_pop(f"{active_adapter}-weight_norm")
+            magnitude = _local(module.lora_magnitude_vector[active_adapter].weight).detach()
+            scale = transpose((magnitude / norm).view(-1, 1), module.fan_in_fan_out)
+            return _like(orig_weight, (weight / scale - delta).to(weight.dtype))
+
+    return TPDora()
+
+
+def _like(weight: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor laid out like ``weight`` (or itself, for a plain weight)."""
+    if not isinstance(weight, DTensor):
+        return local
+    return DTensor.from_local(
+        local,
+        weight.device_mesh,
+        weight.placements,
+        run_check=False,
+        shape=weight.shape,
+        stride=weight.stride(),
+    )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _dora_forward(
+    layout: str,
+    group,
+    self: nn.Module,
+    x: torch.Tensor,
+    *,
+    lora_A: nn.Module,
+    lora_B: nn.Module,
+    scaling: float,
+    base_layer: nn.Module,
+    base_result: torch.Tensor | None = None,
+    adapter_name: str = "default",
+) -> torch.Tensor:
+    """peft's ``DoraLinearLayer.forward`` on this rank's shards, exactly.
+
+    DoRA scales output feature o by ``m[o] / ||W[o, :] + s (B A)[o, :]||`` (the norm detached).
+    On a column base this rank holds whole rows of W and of B A: its norms are local. On a row
+    base it holds a slice of every row: the squared norms of the slices are summed with one
+    all-reduce of an out-wide vector. The scaled outputs are this rank's output features
+    (column) or partial sums that the base's single all-reduce then adds (row: scaling each
+    output feature commutes with that sum), so no other collective is needed."""
+    from peft.utils.other import transpose
+
+    a, b = _local(lora_A.weight).detach(), _local(lora_B.weight).detach()
+    lora_weight = b @ a
+    if lora_B.bias is not None:  # peft forms B A as lora_B(lora_A(eye)).T: the bias in each column
+        lora_weight = lora_weight + _local(lora_B.bias).detach()[:, None]
+    weight = transpose(_local(base_layer.weight).detach().to(x.dtype), self.fan_in_fan_out)
+    combined = weight + scaling * lora_weight.to(x.dtype)
+    if layout == "row":
+        squares = combined.pow(2).sum(dim=1).contiguous()
+        weight_norm = all_reduce_(squares, group).sqrt()
+    else:
+        weight_norm = torch.linalg.norm(combined, dim=1)
+    magnitude = _local(self.weight)
+    if layout == "row":  # acts on partial sums: its gradient is summed over the ranks
+        magnitude = copy_to_tp(magnitude, group)
+    mag_norm_scale = (magnitude / weight_norm.to(weight.dtype).detach()).view(1, -1)
+    lora_result = lora_B(lora_A(x))
+    if base_result is not None:
+        bias = base_layer.bias
+        if bias is not None and layout != "row":  # a row base's partial sums have no bias yet
+            base_result = base_result - _local(bias)
+    else:  # dropout: the base output on the dropped input
+        if layout == "column":  # whole input, this rank's outputs: its gradient is summed
+            x = copy_to_tp(x, group)
+        base_result = nn.functional.linear(x, weight)
+    return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * scaling
 
 
 def _finish_row(style, module: nn.Module, args: tuple, output):
@@ -361,6 +608,26 @@ def _as_base_shard(layer: nn.Module, delta: torch.Tensor, replicated: bool) -> t
     )
 
 
+def saved_copies(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """peft's ``modules_to_save`` wrappers (the original module and its trainable copies)."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)]
+
+
+def _check_saved_copy(name: str, wrapper: nn.Module) -> None:
+    """A ``modules_to_save`` copy is kept whole on every rank, which is exact where the original
+    maps a whole input to a whole output (replicated, gathered, vocab-parallel layers)."""
+    style = style_of(wrapper.original_module)
+    if style is None or adapter_layout(style.layout_style) != "replicated":
+        what = f"a '{style.name}' tensor-parallel layer" if style else "a module holding split ones"
+        raise ValueError(
+            f"{name}: modules_to_save on {what} is not supported (its trainable copy is kept "
+            "whole, and this module sees or makes one rank's shard). List only whole-output "
+            "modules (norms, the output head, embeddings, classifier heads) in modules_to_save."
+        )
+
+
 def lay_out_adapters(model: nn.Module) -> nn.Module:
     """Lay out every LoRA adapter of a PEFT model on a tpkit base that is not laid out yet
     (after ``add_adapter`` / ``load_adapter``). Run on every rank; idempotent."""
@@ -368,9 +635,23 @@ def lay_out_adapters(model: nn.Module) -> nn.Module:
     if state is None or state.tp_size <= 1 and state.dp_size <= 1:
         return model
     check_peft_type(model)
-    seeds = model.__dict__.setdefault("_tpkit_lora_seeds", {})
-    for name, layer in tuner_layers(model):
-        _shard_layer(name, layer, state.tp_mesh, seeds)
+    layers = tuner_layers(model)
+    for name, layer in layers:  # every refusal before the first collective, alike on every rank
+        style = style_of(layer.get_base_layer())
+        if style is not None:
+            _check_layer(name, layer, style)
+    copies = saved_copies(model)
+    for name, wrapper in copies:
+        _check_saved_copy(name, wrapper)
+    for name, layer in layers:
+        _shard_layer(name, layer, state.tp_mesh)
+    for _, wrapper in copies:
+        for copy in wrapper.modules_to_save.values():
+            for m in copy.modules():
+                if style_of(m) is None and any(
+                    p is not None and not isinstance(p, DTensor) for p in m._parameters.values()
+                ):
+                    _lay_out(m, ReplicateStyle(), state.tp_mesh)
     # whatever adapter parameter is still a plain tensor (modules_to_save copies, ...) is replicated
     for module in model.modules():
         if any(

@@ -32,10 +32,20 @@ such files into a sharded model. FSDP2 (dp x tp): adapters added before FSDP2 (`
 on the PEFT model, or a tpkit model built with ``sharded=False``) are FSDP-sharded with the base;
 adapters added to a model FSDP2 already shards stay replicated over dp, their gradients averaged.
 
-Not supported (clear errors): LoRA variants (DoRA, ...), ``lora_bias`` on row-parallel bases,
-row styles that split a replicated input (``rowwise_split_input``, ``packed_rowwise``), MoE expert
-parameters, ``sequence_parallel`` and ``loss_parallel`` on adapted layers, and peft tuners other
-than LoRA.
+Exact (parity with unsharded peft): plain LoRA, DoRA, ``lora_bias``, ``use_rslora``,
+``rank_pattern`` / ``alpha_pattern``, ``layers_to_transform``, dropout (the unsharded masks),
+``init_lora_weights`` True / False / "gaussian" / "orthogonal" in either order; when the adapter
+is added before the split, also the initialisations that read the whole base weight (PiSSA,
+OLoRA, CorDA, LoftQ, LoRA-GA, EVA: they run on the unsharded model; tested for PiSSA and OLoRA)
+and ``modules_to_save`` of whole-output modules (norms, heads, embeddings: the trainable copy is
+kept whole on every rank).
+
+Not supported (one clear error on every rank, naming the option): the other LoRA variants
+(MiCA, aLoRA, Arrow, BD-LoRA, VeLoRA, MonteCLoRA, KaSA), whole-weight initialisations and
+``modules_to_save`` on an already split base, ``modules_to_save`` of a module that sees or makes
+one rank's shard, DoRA on gathered / vocab-parallel layers and embeddings, packed row styles
+(``packed_rowwise``), MoE expert parameters, ``sequence_parallel`` and ``loss_parallel`` on
+adapted layers, and peft tuners other than LoRA.
 """
 
 from __future__ import annotations
@@ -48,13 +58,16 @@ from torch import nn
 
 from tpkit.fsdp import apply_fsdp, is_fsdp, strided_1d
 from tpkit.integrations.lora import (
+    check_lora_config,
     check_peft_type,
+    dora_whole_weight,
     embedding_targeted,
     gathered_adapter_state_dict,
     global_features,
     global_in_out,
     hf_model,
     lay_out_adapters,
+    saved_copies,
     tuner_layers,
 )
 from tpkit.mesh import barrier, rank
@@ -83,6 +96,7 @@ def get_peft_model(model: nn.Module, peft_config, *args, fsdp: bool | None = Non
     state = getattr(model, "_tpkit", None)
     if state is None:
         return peft.get_peft_model(model, peft_config, *args, **kwargs)
+    check_lora_config(peft_config, kwargs.get("adapter_name", "default"), base_split=True)
     with global_features():
         peft_model = peft.get_peft_model(model, peft_config, *args, **kwargs)
     shard_adapters(peft_model)
@@ -130,11 +144,12 @@ def split_peft_model(model: nn.Module, device_ids, options: TPOptions) -> nn.Mod
     # the base model as tpkit's plan knows it: each peft wrapper swapped back for its base layer
     modules = dict(hf.named_modules())
     swaps = []
-    for name, layer in tuner_layers(hf):
+    for name, layer in tuner_layers(hf) + saved_copies(hf):
         parent, _, attr = name.rpartition(".")
         swaps.append((modules[parent], attr, layer))
-    for parent, attr, layer in swaps:
-        parent._modules[attr] = layer.get_base_layer()
+    for parent, attr, layer in swaps:  # a modules_to_save wrapper: its original, for the plan
+        saved = hasattr(layer, "modules_to_save")
+        parent._modules[attr] = layer.original_module if saved else layer.get_base_layer()
     try:
         split(hf, device_ids, options)  # FSDP2, when asked, waits for the adapters
     finally:
@@ -234,6 +249,9 @@ def patch_peft() -> None:
     for owner in (tuners_utils, lora_layer):
         if "_get_in_out_features" in owner.__dict__:
             _set(owner, "_get_in_out_features", global_in_out(owner._get_in_out_features))
+    from peft.tuners.lora import dora
+
+    _set(dora.DoraLinearLayer, "update_layer", dora_whole_weight(dora.DoraLinearLayer.update_layer))
     _set(tuners_utils.BaseTuner, "inject_adapter", _inject_adapter(tuners_utils.BaseTuner))
     _set(PeftModel, "load_adapter", _for_tpkit(PeftModel.load_adapter, _load_adapter))
     from_pretrained_ = PeftModel.__dict__["from_pretrained"].__func__
@@ -269,9 +287,13 @@ def _inject_adapter(base_tuner):
     inject = base_tuner.inject_adapter
 
     @functools.wraps(inject)
-    def inject_adapter(self, model, *args, **kwargs):
+    def inject_adapter(self, model, adapter_name, *args, **kwargs):
         tpkit_model = tp_state(model) is not None
-        out = inject(self, model, *args, **kwargs)
+        if tpkit_model:  # before peft creates (and initialises) anything on the split base
+            config = self.peft_config.get(adapter_name)
+            if config is not None and str(config.peft_type) == "LORA":
+                check_lora_config(config, adapter_name, base_split=True)
+        out = inject(self, model, adapter_name, *args, **kwargs)
         if tpkit_model and not _deferred.get():
             shard_adapters(model)
         return out

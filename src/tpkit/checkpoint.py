@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,30 @@ from tpkit.dcp_io import (
 )
 from tpkit.mesh import barrier, rank
 
-__all__ = ["export_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "DCP_CHECKPOINT",
+    "export_checkpoint",
+    "load_checkpoint",
+    "run_on_rank0",
+    "save_checkpoint",
+]
 
 MODEL_KEY, OPTIM_KEY = "model", "optim"
 EXTRA_FILE, CONFIG_DIR = "tpkit_extra.json", "hf_config"
+
+#: What `save_checkpoint` writes: DCP's data files and metadata (and their temporaries), tpkit's
+#: extra state and the saved config. Any other file in the directory is the user's and is kept.
+DCP_CHECKPOINT = atomic.DirKind(
+    name="tpkit/DCP checkpoint",
+    patterns=(
+        r".*\.distcp",
+        r"(__\d+_?)?\.metadata(\.tmp)?",
+        re.escape(EXTRA_FILE),
+        re.escape(CONFIG_DIR) + r"/[^/]+\.json",
+    ),
+    legacy_file=METADATA_FILE,
+    untagged_siblings=True,  # checkpoints and partial writes from before tags existed
+)
 
 
 # ---- DCP ---------------------------------------------------------------------------------------
@@ -56,13 +77,16 @@ def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[s
     return {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
 
 
-def _on_rank0(fn: Callable[[], Any], what: str) -> None:
-    """Run ``fn`` on rank 0 only (file-system work); if it fails there, every rank raises, so no
-    rank is left waiting at the next collective for one that has given up."""
+def run_on_rank0(fn: Callable[[], Any], what: str) -> Any:
+    """Run ``fn`` on rank 0 only (file-system work) and return its result there (None on the
+    other ranks); if it fails there, every rank raises, so no rank is left waiting at the next
+    collective for one that has given up. Every rank must call it: it ends in one broadcast,
+    which also keeps the other ranks from going on before rank 0 has finished."""
     error: Exception | None = None
+    out = None
     if rank() == 0:
         try:
-            fn()
+            out = fn()
         except Exception as exc:
             error = exc
     report = None
@@ -76,6 +100,7 @@ def _on_rank0(fn: Callable[[], Any], what: str) -> None:
         name, message = report
         cls = ValueError if name == "ValueError" else RuntimeError
         raise cls(f"{what} failed on rank 0: {name}: {message}")
+    return out
 
 
 def _run_dcp(what: str, directory: Path, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
@@ -99,7 +124,7 @@ def _not_a_checkpoint(directory: Path) -> str:
 
 
 def _prepare_save(directory: Path) -> None:
-    atomic.recover(directory, legacy_file=METADATA_FILE)
+    atomic.recover(directory, kind=DCP_CHECKPOINT)
     if directory.is_dir() and not atomic.is_complete(directory, legacy_file=METADATA_FILE):
         held = sorted(p.name for p in directory.iterdir())
         if held:
@@ -107,7 +132,7 @@ def _prepare_save(directory: Path) -> None:
                 f"{directory} exists, is not empty and is not a complete checkpoint (it holds "
                 f"{_some(held)}); refusing to replace it. Move it away or save somewhere else."
             )
-    atomic.prepare_tmp(directory, legacy_file=METADATA_FILE)
+    atomic.prepare_tmp(directory, kind=DCP_CHECKPOINT)
 
 
 def _finish_save(directory: Path, model: nn.Module, extra_json: str) -> None:
@@ -118,7 +143,7 @@ def _finish_save(directory: Path, model: nn.Module, extra_json: str) -> None:
         config.architectures = [type(model).__name__]  # as save_pretrained records it
         config.save_pretrained(str(tmp / CONFIG_DIR))
     atomic.mark_complete(tmp)  # fsyncs every file first; the marker is the last thing written
-    atomic.swap_in(directory, legacy_file=METADATA_FILE)
+    atomic.swap_in(directory, kind=DCP_CHECKPOINT)
 
 
 def save_checkpoint(
@@ -134,26 +159,28 @@ def save_checkpoint(
     swapped into place by rank 0 once every rank has finished (`tpkit.atomic`): a crash at any
     point leaves a complete copy that `load_checkpoint` finds, and the next save first restores
     it as ``directory``. Packed (strided) shards such as GPT-2's ``c_attn`` are written in their
-    global layout (`tpkit.dcp_io`).
+    global layout (`tpkit.dcp_io`). Files in ``directory`` that are not the checkpoint's (notes,
+    a Trainer's files) are kept; a symlinked ``directory`` is replaced where it points.
     """
-    directory = Path(directory)
+    given = directory
+    directory = Path(os.path.realpath(directory))  # the same path on every rank: its .tmp too
     extra_json = json.dumps(extra_state)  # fails here, on every rank, before any collective
     states = _states(model, optimizer)
     # Rank 0's first act may move the copy a load just read (an interrupted swap's .tmp back to
     # directory): no rank may still be reading it, and nothing in a load waits for the slowest.
     barrier()
-    _on_rank0(lambda: _prepare_save(directory), f"preparing to save {directory}")
+    run_on_rank0(lambda: _prepare_save(directory), f"preparing to save {directory}")
     tmp = atomic.tmp_sibling(directory)
     _run_dcp(
         "saving",
-        directory,
+        Path(given),
         dcp.save,
         states,
         storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
         planner=StridedSavePlanner(),
     )
-    _on_rank0(lambda: _finish_save(directory, model, extra_json), f"finishing {directory}")
-    return directory
+    run_on_rank0(lambda: _finish_save(directory, model, extra_json), f"finishing {directory}")
+    return Path(given)
 
 
 def _some(items: list[str], limit: int = 10) -> str:
@@ -274,7 +301,34 @@ def load_checkpoint(
     return extra_state
 
 
-_HF_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", atomic.COMPLETE_MARKER)
+def _relation(a: Path, b: Path) -> str | None:
+    """How path ``a`` stands to path ``b`` (both resolved): "is", "is inside", "contains", or None."""
+    if a == b:
+        return "is"
+    if b in a.parents:
+        return "is inside"
+    if a in b.parents:
+        return "contains"
+    return None
+
+
+def _check_export_overlap(checkpoint_dir: Path, out_dir: Path) -> None:
+    """Refuse an output that is the checkpoint being read, lies inside it or contains it (symlinks
+    resolved, the interrupted-save copies ``.tmp`` / ``.old`` of either included): the swap
+    would replace or delete the very files the export reads."""
+    reads = [checkpoint_dir, atomic.tmp_sibling(checkpoint_dir), atomic.old_sibling(checkpoint_dir)]
+    writes = [out_dir, atomic.tmp_sibling(out_dir), atomic.old_sibling(out_dir)]
+    for w in writes:
+        for r in reads:
+            how = _relation(Path(os.path.realpath(w)), Path(os.path.realpath(r)))
+            if how is not None:
+                suggestion = checkpoint_dir.with_name(checkpoint_dir.name + "-hf")
+                raise ValueError(
+                    f"export: the output {out_dir} (writing {w}) {how} the checkpoint {r} it "
+                    f"reads from {checkpoint_dir} (symlinks resolved): the export would replace "
+                    f"or delete the training checkpoint. Give an output directory outside it, "
+                    f"e.g. {suggestion}."
+                )
 
 
 def _check_export_target(out_dir: Path) -> None:
@@ -285,8 +339,13 @@ def _check_export_target(out_dir: Path) -> None:
         )
     if not out_dir.is_dir():
         return
+    if (out_dir / METADATA_FILE).exists():
+        raise ValueError(
+            f"{out_dir} holds a tpkit/DCP training checkpoint ({METADATA_FILE}); refusing to write "
+            "an export into it. Give a new or empty directory, or an earlier export."
+        )
     held = sorted(p.name for p in out_dir.iterdir())
-    if held and not any(any(out_dir.glob(pattern)) for pattern in _HF_FILES):
+    if held and not any(atomic.HF_CHECKPOINT.owns(name) for name in held):
         raise ValueError(
             f"{out_dir} is not empty and does not hold a Hugging Face checkpoint (it holds "
             f"{_some(held)}); refusing to replace it. Give an empty or new directory."
@@ -300,12 +359,17 @@ def export_checkpoint(
 
     Loads the full tensors in this one process, so it needs the model's size in memory once. Reads
     nothing but plain data from the checkpoint (`tpkit.dcp_io`). ``out_dir`` must be new, empty
-    or an HF checkpoint: it is written as ``<out_dir>.tmp`` and swapped in whole (`tpkit.atomic`),
-    so no file of a previous export (a stale ``model.safetensors.index.json``) survives.
+    or an HF checkpoint, and apart from the checkpoint read (not it, not inside it, not around
+    it: a ValueError before anything is written). It is written as ``<out_dir>.tmp`` and swapped
+    in (`tpkit.atomic`, `tpkit.atomic.HF_CHECKPOINT`): the checkpoint files of a previous export
+    are replaced (a stale ``model.safetensors.index.json`` or shard does not survive), every
+    other file in ``out_dir`` (a README, tokenizer files) is kept, and a crash at any point
+    leaves ``out_dir`` loading as the previous export or the new one.
     """
     import transformers
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    _check_export_overlap(checkpoint_dir, out_dir)
     _check_export_target(out_dir)
     source = _find_source(checkpoint_dir)
     if not (source / CONFIG_DIR).exists():
@@ -339,8 +403,7 @@ def export_checkpoint(
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if missing:
         raise ValueError(f"The checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}.")
-    tmp = atomic.prepare_tmp(out_dir, legacy_file="config.json")
-    model.save_pretrained(str(tmp))
-    atomic.mark_complete(tmp)
-    atomic.swap_in(out_dir, legacy_file="config.json")
+    atomic.replace_dir(
+        out_dir, lambda tmp: model.save_pretrained(str(tmp)), kind=atomic.HF_CHECKPOINT
+    )
     return out_dir

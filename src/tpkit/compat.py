@@ -40,6 +40,23 @@ def group_timeout(group) -> float | None:
         return None
 
 
+def dtensor_op_handlers() -> dict:
+    """The DTensor dispatcher's table of per-op handlers (``aten op -> fn(op, args, kwargs)``),
+    consulted before sharding propagation: torch has no public way to give an op on DTensors
+    other semantics (its own loss and context parallelism write to the same table). Used by
+    `tpkit.random_init`."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def root_mesh(mesh):
+    """The mesh ``mesh`` was sliced or flattened from (itself for a root mesh): sub-meshes and
+    the meshes FSDP2 derives share it. torch keeps it behind a private method."""
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    return get_root() if get_root is not None else mesh
+
+
 def resolve_process_group(group_name: str):
     """The live process group named ``group_name`` (``ProcessGroup.group_name``): what a custom op
     receives in place of a group, which torch.library cannot pass. torch's functional collectives
@@ -55,9 +72,11 @@ __all__ = [
     "FakeTensorMode",
     "StorageInfo",
     "StridedShard",
+    "dtensor_op_handlers",
     "flatten_state_dict",
     "group_timeout",
     "resolve_process_group",
+    "root_mesh",
     "set_element",
     "tree_flatten",
     "tree_map",

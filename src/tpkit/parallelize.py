@@ -28,6 +28,7 @@ from tpkit.loss import enable_loss_parallel
 from tpkit.mesh import build_mesh, init_distributed, sync_rng, tp_submesh
 from tpkit.plan import Plan, PlanLike, check_plan_arg, derive_plan, validate
 from tpkit.plan.layout import tp_regions
+from tpkit.random_init import install_random_init
 from tpkit.rng import install_region_rng
 from tpkit.save import install_save_pretrained
 from tpkit.sequence_parallel import SequenceParallel
@@ -238,6 +239,7 @@ def split(
         init_distributed(device_type=dims.device_type)
         mesh = build_mesh(dims.tp, dims.dp, dims.device_type)
     tp_mesh = tp_submesh(mesh)
+    install_random_init(mesh)  # init after the split draws the unsharded values
     fsdp_later = sharded and dims.dp > 1
     with torch_registration():
         _move(model, dims.device)

@@ -20,7 +20,7 @@ from tpkit.plan.complete import (
     complete_with_inferred,
 )
 from tpkit.plan.dryrun import dry_run
-from tpkit.plan.gathered import gather_group
+from tpkit.plan.gathered import gather_group, gather_reduced_pairs
 from tpkit.plan.hf import hf_plan
 from tpkit.plan.infer import infer_plan
 from tpkit.plan.kvheads import replicate_kv_heads
@@ -90,6 +90,7 @@ def derive_plan(
             out = _source_plan(model, plan, example_inputs)
         else:
             out = _base_plan(model, example_inputs).merged(_user_plan(plan))
+        gather_reduced_pairs(model, out, example_inputs)  # reductions over split features
         out = complete_grad_allreduce(model, complete_vocab_children(model, out), example_inputs)
     if tp_size is not None and tp_size > 1:
         replicate_kv_heads(model, out, tp_size)  # fewer KV heads than tp: not a refusal

@@ -6,7 +6,9 @@ and the row linears runs on whole activations exactly as in the unsharded model,
 linear takes its slice of that whole input, multiplies and all-reduces (``rowwise_split_input``).
 transformers' plans do this by hand where a layer reads the full width (OLMo-2's ``colwise_rep``
 / ``rowwise_rep`` around a q_norm over all heads); here a group falls back to it whenever its
-split cannot run: a norm over the split features (BitNet's ``ffn_sub_norm``), an unequal packed
+split cannot run or would not be exact: a norm over the split features (BitNet's
+``ffn_sub_norm``), any reduction or selection over them (a mean and std, softmax, top-k, a
+cumulative sum, a ``.tolist()``: `tpkit.plan.reductions.REDUCTIONS`; Gemma-3n's sparse MLP), an unequal packed
 split (Mamba-2's ``in_proj`` -> z | x | B | C | dt), heads cut into groups (Falcon's multi-query
 ``query_key_value``), features indexed one by one (Moshi's ``fc1``), a global head count read where
 no fix-up reaches (a dry run's error).
@@ -17,6 +19,11 @@ slice's backward all-reduces). Cost: one all-gather per column output, and the w
 the layers done on every rank; the weights' memory and the matmuls stay split. A group with
 packed parts, per-head tables or per-head parameters (split by heads, not gatherable), or a
 linear whose weight is read outside its forward stays replicated, as before.
+
+Inference removes a pair whose columns are reduced over their features before pairing
+(`gathered_pairs`); `gather_reduced_pairs` does the same to a plan from elsewhere
+(transformers' ``base_model_tp_plan`` splits Gemma-3n's MLP, whose code keeps the top of each
+token's gate activations by a mean and a std over all the intermediate features).
 """
 
 from __future__ import annotations
@@ -30,9 +37,9 @@ from torch import nn
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.layout import kind_of
 from tpkit.plan.spec import Plan, matches
-from tpkit.plan.trace import STREAM, Node
+from tpkit.plan.trace import STREAM, Node, generic, trace
 
-__all__ = ["GATHERED", "gather_group", "gathered_pairs"]
+__all__ = ["GATHERED", "gather_group", "gather_reduced_pairs", "gathered_pairs"]
 
 #: what a group's split styles become when it is gathered
 GATHERED = {"colwise": "colwise_gather_output", "rowwise": "rowwise_split_input"}
@@ -136,3 +143,80 @@ def gather_group(model: nn.Module, plan: Plan, group: Mapping[str, Any], why: st
         for key in plan.owner_fixups(owner):
             plan.fixups.pop(key)
     return True
+
+
+def gather_reduced_pairs(model: nn.Module, plan: Plan, example: Any = None) -> list[str]:
+    """Gather (in place) every column/row pair of ``plan`` whose column output the model's code
+    reduces over its split features (`tpkit.plan.trace.Node.reduced`): on a rank's part a mean,
+    a norm or a top-k is a wrong number with no error. Plain ``colwise`` / ``rowwise`` members
+    become ``colwise_gather_output`` / ``rowwise_split_input`` (exact, weights still split);
+    a pair with any other split style is replicated. Per layer: a model that reduces in some
+    layers only (Gemma-3n's first 10 of 35) keeps the others split. The user's own entries are
+    left as they are. Returns the modules changed; each gets a note saying which op, where.
+    Inference needs none of this (its pairing already leaves such pairs out); this is for
+    transformers' plans, which are written per layer kind, not per layer."""
+    try:
+        nodes = trace(model, example)["nodes"]
+    except Exception:  # noqa: BLE001 - model code may do anything on meta
+        return []
+    targets = {t.name: t for t in plan.resolve(model) if t.kind == "module"}
+
+    def split(name: str, role: str) -> bool:
+        t = targets.get(name)
+        return t is not None and style_spec(t.style).role == role
+
+    changed: list[str] = []
+    done: set[str] = set()
+    for name in sorted(nodes):
+        if not nodes[name].reduced or name in done or not split(name, "column"):
+            continue
+        cols, rows = _component(nodes, name, split)
+        members = cols | rows
+        done |= members
+        if any(targets[m].source == "user" for m in members):
+            continue  # the user asked for this split: validation's concern, not ours
+        reason = generic(nodes[name].reduced)
+        plain = all(_plain(model, nodes, m) for m in members)
+        gatherable = plain and all(targets[m].style in GATHERED for m in members)
+        for m in sorted(members):
+            style = GATHERED[targets[m].style] if gatherable else "replicate"
+            plan.set(m, style, targets[m].source)
+            plan.notes[m] = _note(m in rows, reason) if gatherable else f"replicated: {reason}"
+        for c in sorted(cols):  # a per-head norm between them now sees whole activations
+            for user in sorted(nodes[c].per_head_consumers):
+                hit = plan.style_for(user)
+                if hit is not None and hit[0] == "replicated_with_grad_allreduce":
+                    plan.set(user, "replicate", plan.source(hit[1]))
+        _drop_fixups(model, plan, {m.rsplit(".", 1)[0] for m in members if "." in m})
+        changed.extend(sorted(members))
+    return changed
+
+
+def _drop_fixups(model: nn.Module, plan: Plan, owners: set[str]) -> None:
+    """No fix-ups for ``owners`` (their code sees whole activations now); a pattern that also
+    covers other modules keeps them, as concrete entries."""
+    names = [n for n, _ in model.named_modules()]
+    for key in list(plan.fixups):
+        hit = [n for n in names if matches(key, n)]
+        if not owners.intersection(hit):
+            continue
+        fix = plan.fixups.pop(key)
+        for n in hit:
+            if n not in owners:
+                plan.fixups.setdefault(n, dict(fix))
+
+
+def _component(nodes: Mapping[str, Node], start: str, split) -> tuple[set[str], set[str]]:
+    """The split columns and rows connected to column ``start``: the rows that read it, the
+    other columns those rows read, and so on."""
+    cols, rows, todo = {start}, set(), [start]
+    while todo:
+        for r in nodes[todo.pop()].consumers:
+            if r in rows or not split(r, "row"):
+                continue
+            rows.add(r)
+            for s in nodes[r].src:
+                if s in nodes and s not in cols and split(s, "column"):
+                    cols.add(s)
+                    todo.append(s)
+    return cols, rows

@@ -35,12 +35,14 @@ from tpkit.plan.fake import (
     trace_one_row,
 )
 from tpkit.plan.layout import kind_of, out_width
+from tpkit.plan.reductions import reduced_dims
 from tpkit.plan.shadow import ShadowValues, needs_values
 
 __all__ = [
     "STREAM",
     "Node",
     "blocks",
+    "generic",
     "has_mixed_blocks",
     "repeated_blocks",
     "reuse_traces",
@@ -67,6 +69,7 @@ class Node:
     cuts: list[int] = field(default_factory=list)  # sizes of the first uneven cut of its features
     ids_first: bool = False  # an embedding that looks up exactly its first input (its ids)
     read_outside: bool = False  # its weight is computed with outside its own forward
+    reduced: str = ""  # an op that reads across its split features ("" = none; see `tpkit.plan.reductions.REDUCTIONS`)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -109,6 +112,13 @@ class _Tracer(TorchFunctionMode):
         self.weights: dict[int, str] = {}  # id of a linear-like module's parameter -> module
         self.first_input: dict[str, torch.Tensor] = {}  # module -> the first tensor it was given
         self.head_tables: set[str] = set()  # embeddings broadcast over a linear's heads
+        self.where: list[str] = []  # the modules whose forward is running, innermost last
+        # tensor -> as `origin`, for pieces of a linear's output cut along other dims (one
+        # token's row): followed only to find reductions over the features (`_reduction`)
+        self.seen: dict[int, tuple[str, int, bool]] = {}
+        # tensors whose features dim is one head's (a [.., 1, head_dim] view of a single KV
+        # head): reductions over it stay within the head, which plan/kvheads.py keeps whole
+        self.one_head: set[int] = set()
 
     def tag(self, t: torch.Tensor) -> frozenset[str]:
         return self.tags.get(id(t), frozenset())
@@ -157,9 +167,64 @@ class _Tracer(TorchFunctionMode):
         outs = _tensors(out)
         for t in outs:
             self.set_tag(t, tags)
-        if args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.origin:
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        followed = src is not None and (id(src) in self.origin or id(src) in self.seen)
+        if followed and not self._reduction(name, args, kwargs, outs):
             self._follow_features(name, args, kwargs, out, outs)
         return out
+
+    def _features(self, t: torch.Tensor) -> tuple[tuple[str, int, bool], dict]:
+        """Where ``t``'s features are, and the table that says so (`origin` or `seen`)."""
+        if id(t) in self.origin:
+            return self.origin[id(t)], self.origin
+        return self.seen[id(t)], self.seen
+
+    def _see(self, t: torch.Tensor, where: tuple[str, int, bool]) -> None:
+        if id(t) not in self.origin:
+            self.keep.append(t)
+            self.seen[id(t)] = where
+
+    def _reads_across(self, lin: str, what: str) -> None:
+        """``lin``'s output is read across its features (a reduction, a selection): the whole
+        output is needed, and `Node.reduced` says which op, where."""
+        node = self.nodes[lin]
+        where = f" in {generic(self.where[-1])}" if self.where and self.where[-1] else ""
+        node.reduced = node.reduced or f"{what}{where}"
+        node.needs_whole = node.needs_whole or node.reduced
+
+    def _reduction(self, name: str, args: tuple, kwargs: Mapping, outs: list) -> bool:
+        """A reduction or selection (`tpkit.plan.reductions.REDUCTIONS`) of a linear's output: over its features it
+        reads across ranks once they are split, so the linear's output is needed whole (the
+        pair is gathered: `tpkit.plan.gathered`); over other dims (a mean over the sequence)
+        the features' dim is followed into the result. Within a head (a softmax over keys, a
+        per-head norm over ``head_dim`` after the reshape to heads) it is exact when whole heads
+        live on one rank: only the dim holding the heads counts as the features' then. True
+        when ``name`` is such an op. The stream (an embedding's output once a block reads it)
+        is whole on every rank: its norms are not counted."""
+        src = args[0]
+        dims = reduced_dims(name, args, kwargs, src.ndim)
+        if dims is None:
+            return False
+        (lin, j, heads), table = self._features(src)
+        first = next((t for t in outs if t.is_floating_point()), None)
+        whole = id(src) in self.one_head or STREAM in self.tag(src)  # the stream is never split
+        if j in dims and not whole:
+            self._reads_across(lin, f"{name}() reads across its split features")
+            same = first is not None and tuple(first.shape) == tuple(src.shape)
+            if same and table is self.origin:
+                self.origin[id(first)] = (lin, j, heads)  # followed on, as before
+            return True
+        if first is None:
+            return True
+        if id(src) in self.one_head:
+            self.one_head.add(id(first))
+        j_new = j if first.ndim == src.ndim else j - sum(1 for d in dims if d < j)
+        if 0 <= j_new < first.ndim and first.shape[j_new] == src.shape[j]:
+            if tuple(first.shape) == tuple(src.shape) and table is self.origin:
+                self.origin[id(first)] = (lin, j_new, heads)  # as any elementwise op
+            else:
+                self._see(first, (lin, j_new, heads))
+        return True
 
     def _per_head_tables(self, feats: list[torch.Tensor]) -> None:
         """An embedding's output broadcast over the heads of a split linear's output (RoFormer's
@@ -183,13 +248,26 @@ class _Tracer(TorchFunctionMode):
 
     # -- where the features of a linear's output go: reshapes, splits, slices ----------------
     def _follow_features(self, name, args, kwargs, out, outs) -> None:
+        """Where the features of a linear's output go. `origin` follows them through reshapes,
+        transposes and elementwise ops, and records how they are cut (packed parts, uneven
+        slices, heads); `seen` follows them, for `_reduction` only, also into the pieces of
+        other dims (a token's row, a batch's slice: ``tolist`` on fake tensors unbinds row by
+        row), where a cut of the features is a read of them one by one."""
         src = args[0]
-        lin, j, heads = self.origin[id(src)]
+        (lin, j, heads), table = self._features(src)
         node = self.nodes[lin]
+        main = table is self.origin
         if name in _DIM_ARG:
             pos = _DIM_ARG[name]
             dim = kwargs.get("dim", args[pos] if len(args) > pos else 0)
-            if _norm_dim(int(dim), src.ndim) != j:
+            d = _norm_dim(int(dim), src.ndim)
+            if d != j:
+                shift = 1 if name == "unbind" and d < j else 0
+                for t in outs:
+                    self._see(t, (lin, j - shift, heads))
+                return
+            if not main:
+                self._reads_across(lin, f"{name}() reads its split features one by one")
                 return
             sizes = {t.shape[j] for t in outs} if name != "narrow" else {-1}
             if heads and name != "unbind":
@@ -205,8 +283,14 @@ class _Tracer(TorchFunctionMode):
                     node.cuts = [int(t.shape[j]) for t in outs]
             return
         if name == "__getitem__":
-            if self._index_touches(args[1], src.ndim, j):
+            if not self._index_touches(args[1], src.ndim, j):
+                j_new = _dim_after_index(args[1], src.ndim, j)
+                if j_new is not None and len(outs) == 1:
+                    self._see(outs[0], (lin, j_new, heads))
+            elif main:
                 node.uneven = node.uneven or "its output is indexed along its features"
+            else:
+                self._reads_across(lin, "an index reads its split features one by one")
             return
         if len(outs) != 1:
             return
@@ -228,8 +312,13 @@ class _Tracer(TorchFunctionMode):
             j_new = j  # elementwise
         else:
             j_new = None
-        if j_new is not None:
+        if j_new is not None and main:
             self.origin[id(new)] = (lin, j_new, heads)
+        elif j_new is not None:
+            self._see(new, (lin, j_new, heads))
+        one = name in ("view", "reshape", "unflatten") and _one_head(src.shape, j, new.shape)
+        if j_new is not None and (id(src) in self.one_head or one):
+            self.one_head.add(id(new))
 
     @staticmethod
     def _index_touches(index: Any, ndim: int, j: int) -> bool:
@@ -248,6 +337,54 @@ class _Tracer(TorchFunctionMode):
                 return not (isinstance(item, slice) and item == slice(None))
             dim += 1
         return False
+
+
+def _one_head(old: tuple, j: int, new: tuple) -> bool:
+    """``new`` views the features dim ``j`` of ``old`` as [1, ..., features]: one head."""
+    prefix, acc = math.prod(old[:j]), 1
+    for i, size in enumerate(new):
+        if acc == prefix and size == 1:
+            rest = new[i:]
+            k = next((n for n, x in enumerate(rest) if x != 1), None)
+            return (
+                k is not None
+                and rest[k] == old[j]
+                and math.prod(rest) == old[j] * (math.prod(old[j + 1 :]))
+            )
+        acc *= size
+        if acc > prefix:
+            return False
+    return False
+
+
+def _dim_after_index(index: Any, ndim: int, j: int) -> int | None:
+    """Where dim ``j`` lands in ``tensor[index]`` when ``index`` keeps it whole (ints drop a
+    dim, ``None`` adds one); None for advanced indexing (tensors, lists)."""
+    items = index if isinstance(index, tuple) else (index,)
+    consuming = sum(1 for i in items if i is not None and i is not Ellipsis)
+    dim = out = 0
+    for item in items:
+        if item is Ellipsis:
+            n = ndim - consuming
+            if dim <= j < dim + n:
+                return out + j - dim
+            dim, out = dim + n, out + n
+        elif item is None:
+            out += 1
+        elif isinstance(item, slice):
+            if dim == j:
+                return out
+            dim, out = dim + 1, out + 1
+        elif isinstance(item, int) and not isinstance(item, bool):
+            dim += 1
+        else:
+            return None
+    return out + j - dim if j >= dim else None
+
+
+def generic(name: str) -> str:
+    """``model.layers.3.mlp`` -> ``model.layers.*.mlp``: one reason for every layer."""
+    return ".".join("*" if p.isdigit() else p for p in name.split("."))
 
 
 def _same_stream(t: torch.Tensor, like: torch.Tensor) -> bool:
@@ -455,6 +592,7 @@ class _TraceHooks:
 
     def pre(self, mod, args, kwargs):
         tracer, nodes, name = self.tracer, self.nodes, self.names[id(mod)]
+        tracer.where.append(name)
         if mod is self.model:  # parameters are (fake) tensors of the trace by now
             tracer.weights = {
                 id(p): n for n in nodes for p in self.modules[n].parameters(recurse=False)
@@ -498,6 +636,8 @@ class _TraceHooks:
 
     def post(self, mod, args, kwargs, output):
         tracer, name = self.tracer, self.names[id(mod)]
+        if tracer.where:
+            tracer.where.pop()
         if name in self.nodes:
             tracer.active.pop()
             for t in _tensors(output)[:1]:

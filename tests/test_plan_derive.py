@@ -178,13 +178,13 @@ def test_fused_moe_experts_trace_on_meta_in_float32():
     assert torch.get_default_dtype() == torch.float32
 
 
-def test_parameters_inside_a_vocab_parallel_embedding_get_their_gradient_summed():
-    """Inkling normalises inside its embedding's forward, before tpkit masks other ranks' tokens:
-    each rank's embed_norm gradient covers its own tokens only."""
+def test_parameters_inside_a_vocab_parallel_embedding_stay_plainly_replicated():
+    """Inkling normalises inside its embedding's forward: the style looks the rows up whole
+    before that code runs, so embed_norm sees every token on every rank and its gradient is
+    whole (summing it would multiply it by tp)."""
     plan = derive_plan(build_tiny("inkling_text", "InklingForCausalLM", device="meta"))
     assert plan.style_for("model.embed_tokens")[0] == "vocab_parallel"
-    style = plan.style_for("model.embed_tokens.embed_norm")[0]
-    assert style == "replicated_with_grad_allreduce"
+    assert plan.style_for("model.embed_tokens.embed_norm") is None
 
 
 def test_musicgen_traces_with_its_codebooks_stacked_in_the_batch():

@@ -196,7 +196,7 @@ CASES = {
     "foreign_dtensor": "already has DTensor parameters (e.g. model.layers.0.mlp.up_proj.weight)",
     "device_ids_short": "device_ids has 1 entries but this node runs 2 ranks",
     "tp_size_str": "TypeError: tp_size must be an int",
-    "meta_never_loaded": "still has parameters on the meta device",
+    "meta_never_loaded": "on the meta device (e.g.",
     "int8_weights": "model.layers.0.mlp.up_proj.weight (colwise) holds torch.int8",
     "conflicting_pair": "down_proj is colwise but its input comes from model.layers.0.mlp.gate_",
     "sp_encoder": "sequence_parallel needs every row-parallel layer in the same module",

@@ -15,15 +15,22 @@ the same ``RuntimeError`` naming the first input or parameter that differs, so n
 Without TPKIT_DEBUG the inputs of the first `FIRST_FORWARDS` forwards are checked (one small
 all-gather each, then the hook removes itself), which catches the common mistakes (ranks seeded
 differently, each loading its own batch, sequence lengths that differ: gloo would abort the
-process inside its all-reduce) at no cost to a training or decode loop. The first forward also
-refuses parameters still on the meta device (a model built empty and never loaded).
+process inside its all-reduce) at no cost to a training or decode loop.
+
+A model built on meta and never loaded (``tensor_parallel`` of a meta model is legitimate: it is
+then filled by ``to_empty`` and an init, or by a load) is refused where a meta tensor would reach
+a forward, before any collective of that forward, on every rank alike (each rank built the same
+model): the first forward's hook (registered first among the model's pre-hooks), every forward
+under TPKIT_DEBUG, and `check_inputs` itself, which ``generate``'s guard calls after moving the
+inputs to the parameters' device (meta for such a model) and which otherwise would all-gather
+before failing on a meta tensor with torch's "Cannot copy out of meta tensor".
 """
 
 from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -37,11 +44,14 @@ from tpkit.log import get_logger
 __all__ = [
     "FIRST_FORWARDS",
     "check_inputs",
+    "check_outputs",
     "check_replicated_params",
     "debug_enabled",
     "install_debug_checks",
     "install_first_forward_checks",
     "install_input_checks",
+    "install_output_checks",
+    "refuse_meta",
 ]
 
 log = get_logger(__name__)
@@ -58,8 +68,10 @@ FIRST_FORWARDS = 2
 
 
 def install_input_checks(model: nn.Module, tp_mesh: DeviceMesh):
-    """The checks tensor_parallel installs: every forward under TPKIT_DEBUG=1 (inputs and
-    replicated parameters), else the inputs of the first `FIRST_FORWARDS` forwards."""
+    """The checks tensor_parallel installs: every forward under TPKIT_DEBUG=1 (inputs,
+    replicated parameters and outputs), else the inputs and outputs of the first
+    `FIRST_FORWARDS` forwards."""
+    install_output_checks(model, tp_mesh, None if debug_enabled() else FIRST_FORWARDS)
     if debug_enabled():
         return install_debug_checks(model, tp_mesh)
     return install_first_forward_checks(model, tp_mesh)
@@ -69,25 +81,34 @@ def install_first_forward_checks(
     model: nn.Module, tp_mesh: DeviceMesh, count: int = FIRST_FORWARDS
 ):
     """Check the inputs of the first ``count`` forwards of ``model`` across the TP group, and at
-    the first one that no parameter is left on the meta device; then remove the hook."""
+    the first one that no parameter is left on the meta device; then remove the hook. The hook
+    goes first among the model's pre-hooks, so the meta check precedes every collective."""
     calls = [0]
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if calls[0] == 0:
-            meta = next((n for n, p in module.named_parameters() if p.device.type == "meta"), None)
-            if meta is not None:  # local: every rank of a model built alike sees the same
-                raise RuntimeError(
-                    f"{type(module).__name__} still has parameters on the meta device (e.g. "
-                    f"{meta}): it was built empty and never loaded. Load weights with "
-                    "tpkit.from_pretrained(path) or tpkit.load_local_state_dict(model, shards)."
-                )
+            refuse_meta(module)
         calls[0] += 1
         if calls[0] >= count:
             handle.remove()
         check_inputs(args, kwargs, tp_mesh)
 
-    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
     return handle
+
+
+def refuse_meta(model: nn.Module) -> None:
+    """Raise if a parameter of ``model`` is still on the meta device (built empty and never
+    loaded or materialised). Local: every rank of a model built alike raises the same."""
+    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if meta:
+        raise RuntimeError(
+            f"{type(model).__name__} still has {len(meta)} parameter(s) on the meta "
+            f"device (e.g. {', '.join(meta[:3])}): it was built empty and never loaded. Load "
+            "weights with tpkit.from_pretrained(path) or tpkit.load_local_state_dict(model, "
+            "shards), or materialise it for training from scratch with model.to_empty(device=...) "
+            "and then its init (model.init_weights())."
+        )
 
 
 def install_debug_checks(model: nn.Module, tp_mesh: DeviceMesh):
@@ -95,18 +116,28 @@ def install_debug_checks(model: nn.Module, tp_mesh: DeviceMesh):
     `check_replicated_params` over ``tp_mesh`` before every forward. Returns the hook handle."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        refuse_meta(module)
         check_inputs(args, kwargs, tp_mesh)
         check_replicated_params(module, tp_mesh)
 
     log.info("TPKIT_DEBUG: checking inputs and replicated parameters at every forward")
-    return model.register_forward_pre_hook(hook, with_kwargs=True)
+    return model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
 
 
 @torch.compiler.disable  # collectives and a data-dependent branch: run eagerly, before the graph
 def check_inputs(args: tuple, kwargs: dict, tp_mesh: DeviceMesh) -> None:
-    """Raise on every rank if the tensor inputs of a forward differ across the TP group."""
+    """Raise on every rank if the tensor inputs of a forward differ across the TP group (or,
+    before any collective, if one is on the meta device)."""
     named = list(_tensors("args", args)) + list(_tensors("", kwargs))
     names = [n for n, _ in named]
+    meta = [n for n, t in named if t.device.type == "meta"]
+    if meta:  # _signature cannot read them: refuse here, on every rank, not after a gather
+        raise RuntimeError(
+            f"tpkit: input(s) {meta[:3]} are on the meta device. generate() moves its inputs to "
+            "the model's device, so this is a model built on meta and never loaded: load "
+            "weights with tpkit.from_pretrained(path) or tpkit.load_local_state_dict(model, "
+            "shards), or call model.to_empty(device=...) and its init first."
+        )
     header = torch.tensor([len(named), zlib.crc32("\0".join(names).encode())], dtype=torch.float64)
     headers = _gather(header, tp_mesh)
     if any(not torch.equal(h, headers[0]) for h in headers):
@@ -137,6 +168,120 @@ def check_replicated_params(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     _raise_first_difference(
         "replicated parameter", [n for n, _ in named], sigs, tp_mesh, _PARAM_FIX
     )
+
+
+def install_output_checks(model: nn.Module, tp_mesh: DeviceMesh, count: int | None = None):
+    """Check the outputs of ``model`` across the TP group after each of its first ``count``
+    forwards (None: every forward), then remove the hook. The inputs of those forwards are
+    checked before them, so outputs that differ mean the split itself computes something
+    different per rank: the silent kind of bug (an output head whose weight is split but whose
+    output is never gathered gave rank 0 the right logits and rank 1 others). Forwards that
+    torch.compile traces skip it (a second graph break, besides the input check's)."""
+    calls = [0]
+    name = type(model).__name__
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # eager forwards only: in a graph it would add a break of its own
+        calls[0] += 1
+        if count is not None and calls[0] >= count:
+            handle.remove()
+        check_outputs(output, tp_mesh, name)
+
+    handle = model.register_forward_hook(hook)
+    return handle
+
+
+#: output entries whose values legitimately differ per rank (per-head attention weights, KV
+#: caches of the rank's heads, intermediate hidden states that sequence parallelism chunks)
+_PER_RANK_OUTPUTS = ("attentions", "hidden_states", "past_key_values", "cache")
+#: at most this many output tensors are compared (one collective of a fixed size)
+_MAX_OUTPUTS = 8
+#: relative tolerance of the output checksums (of the sum of absolute values): exact kernels
+#: give equal outputs on every rank, nondeterministic GPU ones (atomics) differ by rounding
+OUTPUT_RTOL = 1e-3
+
+
+@torch.compiler.disable
+def check_outputs(output: Any, tp_mesh: DeviceMesh, model_name: str = "the model") -> None:
+    """Raise on every rank if a forward's outputs differ across the TP group: the loss, the
+    logits and the other whole outputs (plain tensors; DTensors such as loss-parallel logits and
+    per-rank entries, `_PER_RANK_OUTPUTS`, are skipped). One all-gather of a few float64
+    numbers per output (count, shape, and `_output_sums`)."""
+    named = list(_outputs(output))[:_MAX_OUTPUTS]
+    width = 1 + _MAX_DIMS + 4  # ndim, shape, then `_output_sums`
+    table = torch.zeros(1 + _MAX_OUTPUTS, width, dtype=torch.float64)
+    table[0, 0] = len(named)
+    table[0, 1] = zlib.crc32("\0".join(n for n, _ in named).encode())
+    for i, (_, t) in enumerate(named):
+        table[1 + i, : 1 + _MAX_DIMS] = _signature(t)[: 1 + _MAX_DIMS]
+        table[1 + i, 1 + _MAX_DIMS :] = _output_sums(t)
+    tables = _gather(table, tp_mesh)
+    ranks = dist.get_process_group_ranks(tp_mesh.get_group())
+    if any(not torch.equal(t[0], tables[0][0]) for t in tables):
+        raise RuntimeError(
+            f"tpkit: {model_name} returned different outputs across the TP group although their "
+            f"inputs agree: output counts per rank {ranks}: {[int(t[0, 0]) for t in tables]} "
+            f"(this rank: {[n for n, _ in named]}). {_OUTPUT_FIX}"
+        )
+    for i, (out_name, _) in enumerate(named):
+        rows = [t[1 + i] for t in tables]
+        if _outputs_agree(rows):
+            continue
+        per_rank = "; ".join(f"rank {r}: {_describe(row[:-2])}" for r, row in zip(ranks, rows))
+        raise RuntimeError(
+            f"tpkit: {model_name}'s output '{out_name}' differs across the TP group although "
+            f"the inputs agree ({per_rank}). {_OUTPUT_FIX}"
+        )
+
+
+_OUTPUT_FIX = (
+    "The split computes something different on each rank: a module whose weight is split "
+    "but whose output is not gathered or reduced, or code that reads a rank's shard as if it "
+    "were whole. Print the plan (tpkit plan MODEL, or model._tpkit.plan), keep the suspect "
+    "module whole with plan={'<module>': 'replicate'}, and please report it."
+)
+
+
+def _outputs(output: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for the whole outputs of a forward: a tensor; a mapping's (a ModelOutput's)
+    plain tensors other than `_PER_RANK_OUTPUTS`; a tuple's first tensor (``return_dict=False``:
+    what follows may be a cache)."""
+    if isinstance(output, DTensor):
+        return
+    if isinstance(output, torch.Tensor):
+        yield "output", output
+    elif isinstance(output, Mapping):
+        for k, v in output.items():
+            per_rank = any(p in str(k) for p in _PER_RANK_OUTPUTS)
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and not per_rank:
+                yield str(k), v
+    elif isinstance(output, (tuple, list)) and output:
+        first = output[0]
+        if isinstance(first, torch.Tensor) and not isinstance(first, DTensor):
+            yield "output[0]", first
+
+
+def _output_sums(t: torch.Tensor) -> torch.Tensor:
+    """[sum, position-weighted sum, sum of |x|, position-weighted sum of |x|] in float64: the
+    sums of |x| catch differences whose signs cancel in the plain sums, the weighted ones
+    values moved to other positions."""
+    flat = t.detach().reshape(-1).to(torch.float64)
+    weights = 1.0 + torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) % 1021
+    a = flat.abs()
+    return torch.stack([flat.sum(), (flat * weights).sum(), a.sum(), (a * weights).sum()]).cpu()
+
+
+def _outputs_agree(rows: list[torch.Tensor]) -> bool:
+    """Same shape on every rank, and each sum equal or within `OUTPUT_RTOL` of the largest sum
+    of |x| (weighted alike)."""
+    head = slice(0, 1 + _MAX_DIMS)
+    if any(not torch.equal(r[head], rows[0][head]) for r in rows):
+        return False
+    sums = torch.stack([r[1 + _MAX_DIMS :] for r in rows])  # [ranks, 4]
+    scale = sums[:, 2:].abs().amax(dim=0).repeat(2) * OUTPUT_RTOL  # |x| sums for both kinds
+    close = (sums - sums[0]).abs() <= scale
+    return bool((_same(sums, sums[0]) | close).all())
 
 
 _INPUT_FIX = (

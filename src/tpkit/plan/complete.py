@@ -5,7 +5,11 @@
 - `complete_grad_allreduce`: modules with their own parameters acting on a column-parallel
   output that no entry names get ``replicated_with_grad_allreduce`` (their gradient on each
   rank covers only its shard), and such an entry whose columns a user replicated is dropped.
-- `complete_vocab_children`: parameters inside a vocab-parallel embedding likewise.
+- `complete_tied_layers`: a linear or embedding that computes with a weight tied to a split
+  table takes the table's split in its compute (ShieldGemma-2's inner ``lm_head``).
+
+Parameters inside a vocab-parallel embedding (Inkling's ``embed_norm``) need nothing: the style
+looks the rows up whole before the embedding's own code runs (`tpkit.styles.embedding`).
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ from torch import nn
 
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.dryrun import dry_run
+from tpkit.plan.layout import kind_of, param_layout, param_styles
 from tpkit.plan.spec import Plan, matches
 from tpkit.plan.trace import trace
 
-__all__ = ["complete_grad_allreduce", "complete_vocab_children", "complete_with_inferred"]
+__all__ = ["complete_grad_allreduce", "complete_tied_layers", "complete_with_inferred"]
 
 
 def complete_with_inferred(
@@ -107,17 +112,50 @@ def complete_grad_allreduce(model: nn.Module, plan: Plan, example=None) -> Plan:
     return plan
 
 
-def complete_vocab_children(model: nn.Module, plan: Plan) -> Plan:
-    """Give submodules of a vocab-parallel embedding (Inkling's ``embed_norm``, applied to the
-    lookup inside the embedding's forward) their gradient all-reduce: the style masks the
-    tokens this rank does not own after the whole forward, so each rank's gradient for those
-    replicated parameters covers only its own tokens, and their sum is the true one."""
+#: the style a whole (unnamed or replicated) module takes to compute with a split tied weight,
+#: by module kind: each is exact whatever the module's inputs, and gathers or reduces its output
+TIED_STYLES = {"linear": "colwise_gather_output", "embedding": "vocab_parallel"}
+
+
+def complete_tied_layers(model: nn.Module, plan: Plan) -> Plan:
+    """Give each linear or embedding left whole whose weight is tied to a parameter the plan
+    splits the style that computes with that split (`TIED_STYLES`), when its layout of the
+    weight is the same. Applying a plan re-ties the weights to the split one, so such a module
+    would otherwise compute with this rank's shard as if it were the whole weight: ShieldGemma-2
+    wraps Gemma-3, its ``get_output_embeddings`` names no head, and its ``lm_head`` tied to the
+    vocab-parallel embedding returned each rank a different half of the vocabulary's logits
+    (rank 0 right, rank 1 wrong, no error). User entries are left as they are."""
+    styles = param_styles(model, plan)
     modules = dict(model.named_modules())
-    for t in plan.resolve(model):
-        if t.kind != "module" or t.style != "vocab_parallel":
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for name, module in modules.items():
+        for pname, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((name, pname))
+    for tied in owners.values():
+        if len(tied) < 2:
             continue
-        for name, child in modules[t.name].named_modules(prefix=t.name):
-            own = any(True for _ in child.parameters(recurse=False))
-            if name != t.name and own and plan.style_for(name) is None:
-                plan.set(name, "replicated_with_grad_allreduce", t.source)
+        split = None  # (full name, layout, source) of the first owner that splits the weight
+        for name, pname in tied:
+            full = f"{name}.{pname}" if name else pname
+            style, source = styles[full]
+            p = modules[name]._parameters[pname]
+            layout = param_layout(style, pname, p.ndim, modules[name])
+            if layout.sharded:
+                split = (full, layout, source)
+                break
+        if split is None:
+            continue
+        for name, pname in tied:
+            module, hit = modules[name], plan.style_for(name) if name else None
+            if hit is not None and (hit[0] != "replicate" or plan.source(hit[1]) == "user"):
+                continue  # computes with the split itself, or a user's choice
+            style = TIED_STYLES.get(kind_of(module) or "")
+            p = module._parameters[pname]
+            if style is None or pname != "weight":
+                continue
+            if param_layout(style, pname, p.ndim, module) != split[1]:
+                continue
+            plan.set(name, style, split[2] if split[2] != "-" else "inferred")
+            plan.notes[name] = f"{style}: its weight is tied to {split[0]}, which is split"
     return plan

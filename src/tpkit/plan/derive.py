@@ -16,7 +16,7 @@ from torch import nn
 
 from tpkit.plan.complete import (
     complete_grad_allreduce,
-    complete_vocab_children,
+    complete_tied_layers,
     complete_with_inferred,
 )
 from tpkit.plan.dryrun import dry_run
@@ -77,9 +77,10 @@ def derive_plan(
       entry by entry (a user entry wins where both name the same module).
 
     Whatever the source, modules with their own parameters that act on a column-parallel
-    output and that no entry names (Apertus's xIELU activation, a vocab-parallel embedding's
-    inner norm) get ``replicated_with_grad_allreduce``. With ``tp_size``, inferred groups it
-    does not divide are left replicated with a note. ``example_inputs`` (a positional tuple or
+    output and that no entry names (Apertus's xIELU activation) get
+    ``replicated_with_grad_allreduce``, and a linear or embedding left whole whose weight is
+    tied to a split one computes with the split (`complete_tied_layers`). With ``tp_size``,
+    inferred groups it does not divide are left replicated with a note. ``example_inputs`` (a positional tuple or
     a kwargs dict) replaces the default trace inputs, for a module whose forward needs more
     than ``input_ids`` (a bare transformer block).
     """
@@ -91,7 +92,7 @@ def derive_plan(
         else:
             out = _base_plan(model, example_inputs).merged(_user_plan(plan))
         gather_reduced_pairs(model, out, example_inputs)  # reductions over split features
-        out = complete_grad_allreduce(model, complete_vocab_children(model, out), example_inputs)
+        out = complete_grad_allreduce(model, complete_tied_layers(model, out), example_inputs)
     if tp_size is not None and tp_size > 1:
         replicate_kv_heads(model, out, tp_size)  # fewer KV heads than tp: not a refusal
         if plan == "auto":
@@ -122,7 +123,7 @@ def _config_plan_at(model: nn.Module, plan: Plan, tp: int, example) -> Plan:
     except ValueError:
         return plan  # validation names the problem
     with reuse_traces():
-        inferred = complete_grad_allreduce(model, complete_vocab_children(model, inferred), example)
+        inferred = complete_grad_allreduce(model, complete_tied_layers(model, inferred), example)
     replicate_kv_heads(model, inferred, tp)
     inferred.notes[type(model).__name__] = (
         f"transformers' base_model_tp_plan is not used at tp_size={tp}: tp does not divide "

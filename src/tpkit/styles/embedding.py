@@ -2,6 +2,12 @@
 
 - `VocabParallelStyle`: E[x] = sum_i E_i[x - off_i], each rank looking up only the ids in its
   rows (the others masked to 0), the partial lookups all-reduced (g). Uneven splits are exact.
+  A plain ``nn.Embedding`` gets local ids in and its output masked and reduced. Any other
+  module (a subclass with its own ``forward``) keeps its ids and gets whole rows back from the
+  lookup itself (`_VocabLookup`): T5Gemma-2's embedding writes ``eoi_embedding`` where
+  ``input_ids == eoi_token_index`` after the lookup, which on shifted, masked ids matched
+  nothing (logits off by 0.4-1.2, no error). Its code after the lookup then runs on the same
+  whole rows on every rank, so its own parameters and children need no gradient all-reduce.
 - `ColwiseEmbeddingStyle`: E_i = E[:, cols_i], a table with one column per head (T5's relative
   attention bias); its output stays sharded like a column linear's, its integer input needs no f.
 - `GatherColumnsEmbeddingStyle`: E_i = E[:, cols_i] for an ``nn.EmbeddingBag`` (a recommender's
@@ -17,7 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from tpkit.comm import copy_to_tp, reduce_from_tp
 from tpkit.plan.layout import chunk_offset, chunk_sizes
@@ -35,6 +43,7 @@ class VocabParallelStyle(TPStyle):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self._masks: list[torch.Tensor] = []
+        self._lookups: list[_VocabLookup] = []
 
     def _setup(self, module: nn.Module) -> None:
         vocab = module._parameters["weight"].shape[0]
@@ -44,22 +53,116 @@ class VocabParallelStyle(TPStyle):
         self.global_padding_idx = pad
         if pad is not None:
             module.padding_idx = pad - self.start if self.start <= pad < self.end else None
+        self.local_padding_idx = getattr(module, "padding_idx", None)
+        # nn.Embedding.forward is the lookup alone; any other forward may read its ids or
+        # change the rows after the lookup, so the lookup itself is made vocab-parallel
+        self.intercept = type(module).forward is not nn.Embedding.forward
 
     def _prepare_input(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self.intercept:
+            lookup = _VocabLookup(self, module)
+            self._lookups.append(lookup)
+            lookup.__enter__()
+            return args, kwargs
+
         def local_ids(ids: torch.Tensor) -> torch.Tensor:
-            outside = (ids < self.start) | (ids >= self.end)
-            self._masks.append(outside)
-            return (ids - self.start).masked_fill(outside, 0)
+            self._masks.append(self._outside(ids))
+            return (ids - self.start).masked_fill(self._masks[-1], 0)
 
         return replace_first_tensor(args, kwargs, local_ids)
 
     def _prepare_output(self, module: nn.Module, output: Any) -> Any:
+        if self.intercept:
+            lookup = self._lookups.pop()
+            lookup.__exit__(None, None, None)
+            if not lookup.calls and not lookup.refused and output is not None:
+                raise self.refusal(module, "never called F.embedding on its weight")
+            return output
         outside = self._masks.pop()
 
         def reduce(y: torch.Tensor) -> torch.Tensor:
             return reduce_from_tp(y.masked_fill(outside.unsqueeze(-1), 0), self.group)
 
         return map_output(output, reduce)
+
+    def refusal(self, module: nn.Module | None, what: str) -> RuntimeError:
+        """The error for a forward whose use of the weight the split cannot follow: raised on
+        every rank alike, since every rank runs the same code on the same ids."""
+        name = self.module_name or type(module).__name__
+        return RuntimeError(
+            f"tpkit: {name} ({type(module).__name__}) is split by vocabulary ('vocab_parallel') "
+            f"but its forward {what}: each rank holds {self.end - self.start} of its rows, and "
+            "only an F.embedding lookup of the weight is made to see them all. Keep it whole "
+            f"with plan={{'{name}': 'replicate'}}."
+        )
+
+    def _outside(self, ids: torch.Tensor) -> torch.Tensor:
+        return (ids < self.start) | (ids >= self.end)
+
+    def lookup(
+        self, ids: torch.Tensor, weight: torch.Tensor, max_norm, norm_type, scale_grad, sparse
+    ) -> torch.Tensor:
+        """The whole rows of the global ``ids``: this rank's rows looked up in its local
+        ``weight`` (the others masked to 0), summed over the group (g)."""
+        outside = self._outside(ids)
+        local = (ids - self.start).masked_fill(outside, 0)
+        pad = self.local_padding_idx
+        rows = F.embedding(local, weight, pad, max_norm, norm_type, scale_grad, sparse)
+        return reduce_from_tp(rows.masked_fill(outside.unsqueeze(-1), 0), self.group)
+
+
+class _VocabLookup(TorchFunctionMode):
+    """Active for the span of a vocab-parallel module's own ``forward``: its
+    ``F.embedding(ids, weight, ...)`` on this rank's local ``weight`` becomes the group's
+    lookup of the global ids (`VocabParallelStyle.lookup`); any other op on the local weight
+    (indexing it, ``weight.size(0)``, scaling it before the lookup) would read the rank's rows
+    as the whole table and is refused; reading its dtype or device is fine."""
+
+    def __init__(self, style: VocabParallelStyle, module: nn.Module) -> None:
+        super().__init__()
+        self.style, self.module, self.calls, self.refused = style, module, 0, False
+        self.weight = module._parameters["weight"]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding:
+            bound = _bind_embedding(args, kwargs)
+            if bound["weight"] is self.weight:
+                self.calls += 1
+                return self.style.lookup(
+                    bound["input"],
+                    bound["weight"],
+                    bound["max_norm"],
+                    bound["norm_type"],
+                    bound["scale_grad_by_freq"],
+                    bound["sparse"],
+                )
+        elif getattr(func, "__name__", "") != "__get__" and any(
+            a is self.weight for a in (*args, *kwargs.values())
+        ):
+            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
+            self.refused = True
+            raise self.style.refusal(self.module, f"calls {name} on its weight")
+        return func(*args, **kwargs)
+
+
+_EMBEDDING_ARGS = (
+    ("input", None),
+    ("weight", None),
+    ("padding_idx", None),
+    ("max_norm", None),
+    ("norm_type", 2.0),
+    ("scale_grad_by_freq", False),
+    ("sparse", False),
+)
+
+
+def _bind_embedding(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``F.embedding``'s arguments by name (positional or keyword, defaults filled)."""
+    out = dict(_EMBEDDING_ARGS)
+    out.update(zip((n for n, _ in _EMBEDDING_ARGS), args))
+    out.update(kwargs)
+    return out
 
 
 class ColwiseEmbeddingStyle(ColwiseStyle):

@@ -16,7 +16,9 @@ from tpkit.load import from_pretrained
 from tpkit.mesh import build_mesh, dist_env, init_distributed
 from tpkit.parallelize import TPState, tensor_parallel
 from tpkit.parallelize import register_split_extension as _register  # noqa: E402
-from tpkit.plan import Plan, StyleSpec, derive_plan, explain, validate
+from tpkit.plan import Plan, StyleSpec, derive_plan, validate
+from tpkit.pool import ModelHandle, PoolError, optim
+from tpkit.pool.entry import explain
 from tpkit.save import save_tensor_parallel
 from tpkit.shards import convert_state_dict, infer_sharded_device_map, load_local_state_dict
 from tpkit.sizes import ParallelDims
@@ -27,8 +29,10 @@ _register(_Integrations())
 __version__ = "0.1.0"
 
 __all__ = [
+    "ModelHandle",
     "ParallelDims",
     "Plan",
+    "PoolError",
     "StyleSpec",
     "TPState",
     "TPStyle",
@@ -46,6 +50,7 @@ __all__ = [
     "launch",
     "load_checkpoint",
     "load_local_state_dict",
+    "optim",
     "register_style",
     "save_checkpoint",
     "save_tensor_parallel",

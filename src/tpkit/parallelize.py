@@ -156,7 +156,8 @@ def tensor_parallel(
 
     A model tpkit already split is returned as it is (or refused when asked for another layout).
     Outside torchrun (world size 1) the model is returned unchanged (moved to ``device_ids[0]``
-    when given).
+    when given), unless the call names 2+ devices or ``tp_size`` x ``dp_size`` >= 2: then one
+    worker process per device holds the shards and a `tpkit.pool.ModelHandle` is returned.
     """
     options = TPOptions(
         tp_size=tp_size,
@@ -169,6 +170,10 @@ def tensor_parallel(
         param_dtype=param_dtype,
         example_inputs=example_inputs,
     )
+    from tpkit.pool.entry import pool_tensor_parallel  # lazy: for a process that is not a rank
+
+    if (handle := pool_tensor_parallel(model, device_ids, options)) is not None:
+        return handle  # outside torchrun, 2+ devices: a live model on worker processes
     return apply_pending_fsdp(split(model, device_ids, options))
 
 

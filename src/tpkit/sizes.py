@@ -24,7 +24,8 @@ def launch_hint(n: int) -> str:
     return (
         f"Tensor parallelism runs one process per rank. Launch {n} ranks with\n"
         f"    torchrun --nproc-per-node {n} your_script.py\n"
-        f"or from Python / a notebook: tpkit.launch(fn, nproc={n})."
+        f"or from Python / a notebook: tpkit.launch(fn, nproc={n}), or\n"
+        f"tensor_parallel(model, tp_size={n}) for a live model on worker processes."
     )
 
 

@@ -5,10 +5,10 @@
 - splits a PEFT model handed to ``tpkit.tensor_parallel`` itself (`tpkit.integrations.peft`:
   the base with the base model's plan, then the adapters laid out);
 - after every split, makes ``peft.get_peft_model`` / ``PeftModel.from_pretrained`` /
-  ``save_pretrained`` and ``transformers.Trainer`` right on tpkit models (`patch_peft`,
-  `patch_trainer`): at once when those libraries are imported already, else the moment they
-  are (a post-import hook), so that neither costs an import nobody asked for. Models tpkit did
-  not split go through every patched call untouched.
+  ``save_pretrained`` / ``get_peft_model_state_dict`` and ``transformers.Trainer`` right on
+  tpkit models (`patch_peft`, `patch_trainer`): at once when those libraries are imported
+  already, else the moment they are (a post-import hook), so that neither costs an import
+  nobody asked for. Models tpkit did not split go through every patched call untouched.
 - the same for accelerate's ``set_module_tensor_to_device``, which ``load_checkpoint_in_model``
   uses (`tpkit.integrations.accelerate_loading`): DTensor targets get this rank's slice.
 """

@@ -10,13 +10,18 @@ A LoRA adapter on a base layer follows the base's style (the catalogue's role):
   gradient all-reduced), and the adapter output added to the base layer's *partial* sums before
   its single all-reduce (`tpkit.styles.RowwiseStyle.defer` holds the base's reduction back while
   the peft wrapper runs, and a hook on the wrapper finishes it).
-- output head (``colwise_gather_output``), vocab-parallel embedding and replicated layers: the
-  adapters are replicated (r x vocab is small), act after the base's collective, no new one.
-  So are they on a gathered pair (`tpkit.plan.gathered`): the column layer's adapter adds to
+- vocab-parallel embedding: peft's own layout (as on transformers' ``embedding_rowwise``):
+  ``lora_embedding_A`` ([r, vocab]) split by vocabulary like the base's rows, each rank looking
+  up its own tokens, the r-wide lookup all-reduced (one all-reduce of r values per token);
+  ``lora_embedding_B`` replicated, acting on that whole lookup.
+- output head (``colwise_gather_output``) and replicated layers: the adapters are replicated
+  (r x vocab is small), act after the base's collective, no new one. So are they on a gathered
+  pair (`tpkit.plan.gathered`): the column layer's adapter adds to
   its gathered output, and the ``rowwise_split_input`` layer's reads the same whole input its
   base slices, so its gradient is whole on every rank.
 
-So a forward issues exactly the collectives of the base model; backward adds one all-reduce of
+So a forward issues exactly the collectives of the base model (plus the r-wide one of a LoRA'd
+vocab-parallel embedding); backward adds one all-reduce of
 r-wide activations per column-parallel adapter and one of ``lora_B``'s gradient per row-parallel
 adapter. A row base's ``lora_bias`` joins the partial sums on TP rank 0 only (added once).
 LoRA dropout draws the unsharded model's mask (`_TPDropout`). ``merge_and_unload`` adds each
@@ -38,14 +43,14 @@ import contextlib
 import functools
 import types
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tpkit.comm import all_reduce_, copy_to_tp
 from tpkit.fsdp import average_grads_over_dp, is_fsdp
-from tpkit.mesh import rank
 from tpkit.parallelize import tp_state
 from tpkit.plan import style_spec
 from tpkit.rng import replicated_stream
@@ -63,10 +68,9 @@ __all__ = [
     "check_lora_config",
     "check_peft_type",
     "dora_whole_weight",
-    "embedding_targeted",
-    "global_in_out",
-    "gathered_adapter_state_dict",
+    "full_tensors",
     "global_features",
+    "global_in_out",
     "hf_model",
     "lay_out_adapters",
     "saved_copies",
@@ -353,16 +357,35 @@ def _shard_layer(name: str, layer: nn.Module, mesh) -> None:
 
 
 def _shard_embedding_layer(name: str, layer: nn.Module, style: TPStyle, mesh) -> None:
+    """peft's layout for LoRA on an embedding. On a vocab-parallel base ``lora_embedding_A``
+    ([r, vocab]) is split by vocabulary like the base's rows (``Shard(1)``), so each rank looks
+    up its own tokens' columns and the r-wide lookup is all-reduced (`_embed_vocab_parallel`,
+    exact: every token is found on exactly one rank); ``lora_embedding_B`` ([h, r]) acts on that
+    whole lookup, so it is replicated with a whole gradient. This is what peft itself does on
+    transformers' ``embedding_rowwise`` (its checkpoint loading compares the tables to the base's
+    vocabulary), at one all-reduce of r values per token. On a replicated base both are whole."""
     if style.name not in ("vocab_parallel", "replicate"):
         raise ValueError(f"{name}: LoRA on a '{style.name}' embedding is not supported.")
+    split = style.name == "vocab_parallel"
+    if split:
+        rows = style.end - style.start
+        for adapter, a in list(layer.lora_embedding_A.items()):
+            if isinstance(a, DTensor):
+                continue  # already laid out
+            dt = distribute_tensor(a.detach(), mesh, [Shard(1)], src_data_rank=0)
+            if dt.to_local().shape[1] != rows:  # the same chunks as the base; a guard
+                raise ValueError(
+                    f"{name}: lora_embedding_A[{adapter!r}] would hold "
+                    f"{dt.to_local().shape[1]} of {a.shape[1]} vocabulary columns on this rank, "
+                    f"its base {rows} rows: the split is not the base's."
+                )
+            layer.lora_embedding_A[adapter] = nn.Parameter(dt, requires_grad=a.requires_grad)
     for dict_name in ("lora_embedding_A", "lora_embedding_B"):
-        pdict = getattr(layer, dict_name)
-        if any(not isinstance(p, DTensor) for p in pdict.parameters()):
+        pdict = getattr(layer, dict_name)  # its record lets ParentSwap hand peft local tables
+        if style_of(pdict) is None or any(not isinstance(p, DTensor) for p in pdict.parameters()):
             _lay_out(pdict, ReplicateStyle(), mesh)
-    if style.name == "vocab_parallel":
-        # the base's padding_idx is now this rank's local row (or None): peft's lookup of the
-        # whole A table needs the global one
-        layer._embed = types.MethodType(functools.partial(_embed_global_pad, style), layer)
+    if split:
+        layer._embed = types.MethodType(functools.partial(_embed_vocab_parallel, style), layer)
     if style_of(layer) is None:
         # peft's embedding reads the tables directly: swap in local tensors around its forward
         ParentSwap()._apply(layer, mesh)
@@ -536,21 +559,18 @@ def _finish_row(style, module: nn.Module, args: tuple, output):
     return style.finish_deferred(output)
 
 
-def _embed_global_pad(
+def _embed_vocab_parallel(
     style, self, input: torch.Tensor, weight: torch.Tensor, input_fn=None, output_fn=None
 ):
-    """peft's ``lora.Embedding._embed`` with the unsharded base's padding_idx."""
+    """peft's ``lora.Embedding._embed`` of this rank's columns of ``lora_embedding_A`` (as
+    ``weight``, [vocab shard, r]) for the global ids: the base style's vocab-parallel lookup
+    (ids outside the shard masked, the base's local padding row, one all-reduce of the r-wide
+    rows), so every rank gets the whole ``after_A`` of the unsharded model."""
     base = self.get_base_layer()
     if input_fn is not None:
         input = input_fn((input,))
-    out = nn.functional.embedding(
-        input,
-        weight,
-        padding_idx=style.global_padding_idx,
-        max_norm=base.max_norm,
-        norm_type=base.norm_type,
-        scale_grad_by_freq=base.scale_grad_by_freq,
-        sparse=base.sparse,
+    out = style.lookup(
+        input, weight, base.max_norm, base.norm_type, base.scale_grad_by_freq, base.sparse
     )
     return output_fn(out) if output_fn is not None else out
 
@@ -569,13 +589,14 @@ def _local_delta_weight(self, adapter: str) -> torch.Tensor:
 
 
 def _embedding_delta_weight(self, adapter: str) -> torch.Tensor:
-    """peft's embedding delta ``(B @ A).T * scaling`` from the replicated tables, cut to the
-    base's vocab shard."""
+    """peft's embedding delta ``(B @ A).T * scaling``: with A split by vocabulary, this rank's
+    columns of A give exactly its rows of the delta (the base's shard); with whole tables, the
+    whole delta cut to the base's layout."""
     A, B = self.lora_embedding_A[adapter], self.lora_embedding_B[adapter]
     local_a = A.to_local() if isinstance(A, DTensor) else A
     local_b = B.to_local() if isinstance(B, DTensor) else B
     delta = (local_b @ local_a).T * self.scaling[adapter]
-    return _as_base_shard(self, delta, replicated=True)
+    return _as_base_shard(self, delta, replicated=not _is_sharded(A))
 
 
 def _is_sharded(t: torch.Tensor) -> bool:
@@ -682,46 +703,17 @@ def _tp_only_params(model: nn.Module, tp_mesh) -> list[torch.Tensor]:
     ]
 
 
-# ---- saving ------------------------------------------------------------------------------------
-def _adapter_prefixes(model: nn.Module) -> list[str]:
-    out = []
-    for name, layer in tuner_layers(model):
-        for attr in tuple(layer.adapter_layer_names) + tuple(layer.other_param_names):
-            if isinstance(getattr(layer, attr, None), nn.Module):
-                out.append(f"{name}.{attr}.")
-    return out
-
-
-def _embedding_prefixes(model: nn.Module) -> list[str]:
-    """The input / output embedding modules, which peft may save with the adapter."""
-    if not hasattr(model, "get_input_embeddings"):
-        return []
-    wanted = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
-    return [f"{n}." for n, m in model.named_modules() if id(m) in wanted]
-
-
-def embedding_targeted(model: nn.Module) -> bool:
-    """peft's ``save_embedding_layers="auto"``: save them when an adapter sits on one (its other
-    trigger, a resized vocabulary, is not detected here: pass ``save_embedding_layers=True``)."""
-    if not hasattr(model, "get_input_embeddings"):
-        return False
-    layers = {id(m) for _, m in tuner_layers(model)}
-    return bool(layers & {id(model.get_input_embeddings()), id(model.get_output_embeddings())})
-
-
-def gathered_adapter_state_dict(
-    model: nn.Module, embeddings: bool = False
-) -> dict[str, torch.Tensor]:
-    """Full (unsharded) adapter tensors under the model's state-dict keys, on rank 0; every rank
-    must call it (each DTensor is gathered with a collective, in the same order everywhere).
-    ``embeddings``: the input / output embedding layers too, for peft's
-    ``save_embedding_layers`` to choose from."""
-    prefixes = tuple(_adapter_prefixes(model) + (_embedding_prefixes(model) if embeddings else []))
+# ---- state dicts ------------------------------------------------------------------------------
+def full_tensors(state_dict: dict[str, Any], keep: bool = True) -> dict[str, Any]:
+    """The DTensor values of ``state_dict`` as whole plain tensors (on their device, as the
+    unsharded model's own state dict has them); other values as they are. Every rank must call
+    it with the same keys in the same order: each DTensor is gathered with a collective.
+    ``keep=False``: take part in the gathers but keep nothing (a meta tensor of the whole shape
+    in its place), for ranks that will not write the file."""
     out = {}
-    for key, value in model.state_dict().items():
-        if not key.startswith(prefixes) and "modules_to_save" not in key:
-            continue
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        if rank() == 0:
-            out[key] = full.detach().cpu()
+    for key, value in state_dict.items():
+        if isinstance(value, DTensor):
+            whole = value.full_tensor().detach()
+            value = whole if keep else torch.empty_like(whole, device="meta")
+        out[key] = value
     return out

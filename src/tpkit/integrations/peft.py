@@ -26,9 +26,12 @@ peft's wrapped names. These functions size adapters from the global shapes and t
 as the base layer's style says (`tpkit.integrations.lora`): a forward issues exactly the base
 model's collectives.
 
-``save_pretrained`` gathers only the adapter tensors (every rank takes part, rank 0 writes), so the
-files are exactly what peft writes for the unsharded model; `from_pretrained` / `load_adapter` load
-such files into a sharded model. FSDP2 (dp x tp): adapters added before FSDP2 (`tensor_parallel`
+``peft.get_peft_model_state_dict(model)`` returns what it returns for the unsharded model (same
+keys, whole plain tensors) on every rank, which must all call it: only the tensors it selects are
+gathered (`patch_peft`). ``save_pretrained`` is peft's own on every rank through that same gather
+(rank 0 writes), so the files are exactly what peft writes for the unsharded model;
+``set_peft_model_state_dict`` with whole tensors (peft reshards them to each DTensor's layout) and
+`from_pretrained` / `load_adapter` load them into a sharded model. FSDP2 (dp x tp): adapters added before FSDP2 (`tensor_parallel`
 on the PEFT model, or a tpkit model built with ``sharded=False``) are FSDP-sharded with the base;
 adapters added to a model FSDP2 already shards stay replicated over dp, their gradients averaged.
 
@@ -61,8 +64,7 @@ from tpkit.integrations.lora import (
     check_lora_config,
     check_peft_type,
     dora_whole_weight,
-    embedding_targeted,
-    gathered_adapter_state_dict,
+    full_tensors,
     global_features,
     global_in_out,
     hf_model,
@@ -207,7 +209,8 @@ def _install_save(model: nn.Module) -> None:
 
 
 def _save_gathered(original, model, save_directory, *args: Any, **kwargs: Any) -> None:
-    """Every rank: gather the adapter tensors; rank 0 writes normal, unsharded peft files.
+    """Every rank: peft's own ``save_pretrained``, whose ``get_peft_model_state_dict`` gathers
+    the tensors it selects (`patch_peft`); rank 0 writes normal, unsharded peft files.
 
     With a ``state_dict`` the caller has gathered already (Trainer's ``save_model`` through
     `tpkit.integrations.trainer`, on the main process only): a plain peft save, no collective."""
@@ -215,18 +218,22 @@ def _save_gathered(original, model, save_directory, *args: Any, **kwargs: Any) -
     if kwargs.get("state_dict") is not None:
         return bound(save_directory, *args, **kwargs)
     kwargs.pop("is_main_process", None)
-    flag = kwargs.get("save_embedding_layers", "auto")
-    embeddings = flag is True or (flag == "auto" and embedding_targeted(model))
-    kwargs.pop("state_dict", None)
-    state_dict = gathered_adapter_state_dict(model, embeddings)
-    if rank() == 0:
-        bound(save_directory, *args, state_dict=state_dict, is_main_process=True, **kwargs)
+    main = rank() == 0
+    token = _rank0_only.set(True)  # the other ranks take part in the gathers, keep nothing
+    try:
+        bound(save_directory, *args, is_main_process=main, **kwargs)
+    finally:
+        _rank0_only.reset(token)
     barrier()
 
 
 # ---- plain peft calls on tpkit models ----------------------------------------------------------
 _originals: dict[tuple[Any, str], Any] = {}
 _deferred = contextvars.ContextVar("tpkit_peft_deferred", default=False)
+#: set by the tuner's selection inside ``get_peft_model_state_dict``: the model is tpkit's
+_gather = contextvars.ContextVar("tpkit_peft_gather", default=False)
+#: set around `_save_gathered`: ranks other than 0 drop what they gather
+_rank0_only = contextvars.ContextVar("tpkit_peft_rank0_only", default=False)
 
 
 def _set(owner: Any, name: str, value: Any) -> None:
@@ -258,6 +265,43 @@ def patch_peft() -> None:
     wrapped = _for_tpkit(from_pretrained_, _from_pretrained, model_at=1)
     _set(PeftModel, "from_pretrained", classmethod(wrapped))
     _set(PeftModel, "save_pretrained", _for_tpkit(PeftModel.save_pretrained, _save_gathered))
+    _patch_state_dict()
+
+
+def _patch_state_dict() -> None:
+    """``peft.get_peft_model_state_dict(tpkit_model)`` returns full plain tensors on every rank.
+
+    Users bind the function by name (``from peft import get_peft_model_state_dict``) before
+    tpkit patches anything, so the function itself cannot be replaced (and replacing it would
+    make the result depend on import order). Two names it looks up at call time are hooked
+    instead: the tuner's ``_get_adapter_state_dict`` (which receives the model: is it tpkit's?)
+    and ``_validate_lora_adapter_state_dict`` (which receives the finished dict: adapter tensors,
+    ``modules_to_save`` copies, embedding layers). peft's own gather for transformers' TP
+    (keyed on ``model._tp_size``) gathers the whole model's state dict, base weights included,
+    before selecting; this gathers only what is returned. On a peft without those names the
+    values stay DTensors (``full_tensor()`` them)."""
+    from peft.tuners.lora import LoraModel
+    from peft.utils import save_and_load
+
+    select = LoraModel.__dict__.get("_get_adapter_state_dict")
+    validate = save_and_load.__dict__.get("_validate_lora_adapter_state_dict")
+    if not isinstance(select, classmethod) or validate is None:
+        return
+
+    @functools.wraps(select.__func__)
+    def get_adapter_state_dict(cls, model, *args, **kwargs):
+        _gather.set(tp_state(model) is not None)
+        return select.__func__(cls, model, *args, **kwargs)
+
+    @functools.wraps(validate)
+    def validate_state_dict(state_dict, *args, **kwargs):
+        if _gather.get():
+            _gather.set(False)
+            state_dict.update(full_tensors(state_dict, keep=not _rank0_only.get() or rank() == 0))
+        return validate(state_dict, *args, **kwargs)
+
+    _set(LoraModel, "_get_adapter_state_dict", classmethod(get_adapter_state_dict))
+    _set(save_and_load, "_validate_lora_adapter_state_dict", validate_state_dict)
 
 
 def _for_tpkit(original, handle, model_at: int = 0):

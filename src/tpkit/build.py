@@ -18,7 +18,8 @@ __all__ = ["build_on_meta", "instantiate", "model_class"]
 
 def model_class(config, model_cls: type | str | None = None):
     """``model_cls`` (a class or a transformers class name), else the config's first known
-    ``architectures`` entry, else ``AutoModelForCausalLM``."""
+    ``architectures`` entry, else ``AutoModelForCausalLM`` (which also builds a hub
+    repository's own code, named in the config's ``auto_map``, when that code is trusted)."""
     import transformers
 
     if model_cls is not None:
@@ -29,11 +30,17 @@ def model_class(config, model_cls: type | str | None = None):
     return transformers.AutoModelForCausalLM
 
 
-def instantiate(cls, config, dtype: torch.dtype | None = None) -> nn.Module:
-    """A model of ``cls`` (a concrete class or an Auto class) from ``config``, no weights read."""
-    kwargs = {"dtype": dtype} if dtype is not None else {}
+def instantiate(
+    cls, config, dtype: torch.dtype | None = None, trust_remote_code: bool | None = None
+) -> nn.Module:
+    """A model of ``cls`` (a concrete class or an Auto class) from ``config``, no weights read.
+    ``trust_remote_code`` goes to an Auto class, which then builds a hub repository's own
+    model code (``auto_map``) as transformers' ``from_pretrained`` would."""
+    kwargs: dict = {"dtype": dtype} if dtype is not None else {}
     if hasattr(cls, "_from_config"):
         return cls._from_config(config, **kwargs)
+    if trust_remote_code is not None:
+        kwargs["trust_remote_code"] = trust_remote_code
     return cls.from_config(config, **kwargs)
 
 

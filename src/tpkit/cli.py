@@ -19,15 +19,43 @@ class UsageError(Exception):
 
 
 def _checkpoint_dir(path: str, need_weights: bool) -> Path:
+    """The local directory ``path`` means: itself (or a config.json's folder), or for a hub id
+    its snapshot in the hub cache, fetched if needed and allowed (`tpkit.hub`, transformers' own
+    resolution: HF_HOME, HF_HUB_OFFLINE, a token)."""
     p = Path(path)
     folder = p.parent if p.is_file() and p.name == "config.json" else p
     if not folder.exists():
-        raise UsageError(f"{path} does not exist (give a checkpoint directory or its config.json).")
+        return _hub_dir(path, need_weights)
     if not (folder / "config.json").is_file():
         raise UsageError(f"{path} has no config.json: not a transformers checkpoint directory.")
-    if need_weights and not any(folder.glob("*.safetensors")):
-        raise UsageError(f"{path} holds no *.safetensors weights (save with save_pretrained).")
+    if need_weights:
+        from tpkit.hub import resolve_checkpoint
+
+        try:
+            resolve_checkpoint(folder)
+        except FileNotFoundError:
+            raise UsageError(
+                f"{path} holds no *.safetensors or pytorch_model*.bin weights "
+                "(save with save_pretrained)."
+            ) from None
     return folder
+
+
+def _hub_dir(path: str, need_weights: bool) -> Path:
+    """A hub id's snapshot directory (its weights fetched too when ``need_weights``)."""
+    from tpkit.hub import resolve_checkpoint, resolve_folder
+
+    try:
+        if need_weights:
+            return resolve_checkpoint(path).folder
+        return resolve_folder(path)
+    except (OSError, ValueError) as exc:  # huggingface_hub's errors are OSError / ValueError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(
+            f"{path} is not a local directory, and as a hub id it could not be had: {first} "
+            "(give a checkpoint directory or config.json, or a hub id in the hub cache / "
+            "reachable online)."
+        ) from None
 
 
 def _check_tp(tp: int) -> None:
@@ -65,8 +93,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tpkit.plan import explain
 
     _check_tp(args.tp)
-    _checkpoint_dir(args.model, need_weights=False)
-    model, plan, error = _planned(args.model, args.model_cls, args.plan, args.tp)
+    folder = _checkpoint_dir(args.model, need_weights=False)
+    model, plan, error = _planned(str(folder), args.model_cls, args.plan, args.tp)
     if error is not None:  # the table would only list shapes that cannot exist
         print(collapse_layers(str(error)), file=sys.stderr)
         return 1
@@ -136,7 +164,7 @@ def _prompt_ids(model_dir: str, prompt: str):
 def _check_generate(args: argparse.Namespace) -> None:
     """Every input of ``tpkit generate`` checked in this process, before any rank starts."""
     _check_tp(args.tp)
-    _checkpoint_dir(args.model, need_weights=True)
+    args.model = str(_checkpoint_dir(args.model, need_weights=True))
     _prompt_ids(args.model, args.prompt)
     for name in ("max_new_tokens", "num_beams"):
         if getattr(args, name) < 1:
@@ -156,6 +184,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _check_generate(args)
         if args.tp > 1:  # launches itself: the same command on args.tp ranks under torchrun
             return run_script(["tpkit.cli", *args.raw_argv], args.tp, module=True)
+    else:  # a hub id: each rank finds the same snapshot in the cache
+        args.model = str(_checkpoint_dir(args.model, need_weights=True))
 
     import tpkit
 
@@ -203,7 +233,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="explain the TP plan of a model (meta device, seconds)")
-    p.add_argument("model", help="checkpoint directory or config.json")
+    p.add_argument("model", help="checkpoint directory, its config.json, or a hub id")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size to explain")
     p.add_argument("--plan", help="a YAML plan merged over the automatic one")
     p.add_argument("--model-cls", help="transformers class name, e.g. LlamaForCausalLM")
@@ -232,7 +262,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Loads MODEL_DIR straight into shards on --tp ranks (started for you with "
         "torchrun) and prints rank 0's text and tokens/s.",
     )
-    p.add_argument("model", help="checkpoint directory (safetensors)")
+    p.add_argument("model", help="checkpoint directory (safetensors or .bin), or a hub id")
     p.add_argument("prompt", help="the prompt (token ids like '1 15 27' if there is no tokenizer)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
     p.add_argument("--max-new-tokens", type=int, default=32)

@@ -3,13 +3,16 @@
 The model is built on the meta device, the plan is derived, validated and applied there (every
 parameter a DTensor with a meta local tensor), and only then is each rank's slice read from the
 safetensors files (`tpkit.safetensors_io`, which reads just the slice's bytes) into a freshly
-allocated local shard. No rank ever holds the whole model. Every stored tensor is checked
-against the model's global shape first, on every rank, before any collective.
+allocated local shard. No rank ever holds the whole model. The checkpoint's names and shapes are
+checked against the model's first (`tpkit.loading_info`: missing, unexpected and mismatched
+weights are an error unless opted in), on every rank, before any collective.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -20,13 +23,16 @@ import torch
 from torch import nn
 
 from tpkit.build import instantiate, model_class
+from tpkit.hub import resolve_checkpoint
+from tpkit.load_kwargs import check_unused, sort_kwargs
+from tpkit.loading_info import LoadingInfo, LoadingPolicy, fresh_weights, loading_info
 from tpkit.mesh import dist_env
 from tpkit.parallelize import TPOptions, apply_pending_fsdp, split
 from tpkit.plan.validate import checkpoint_problems
 from tpkit.quant import QuantizedLoad
 from tpkit.safetensors_io import CheckpointIndex
-from tpkit.shards import param_owners, rank_device
-from tpkit.stream import move_buffers, stream_params
+from tpkit.shards import rank_device
+from tpkit.stream import move_buffers, stream_buffers, stream_params
 
 __all__ = ["from_pretrained"]
 
@@ -38,16 +44,6 @@ def _resolve_dtype(dtype, config) -> torch.dtype:
     return dtype or torch.float32
 
 
-def _checkpoint_key(full: str, index: CheckpointIndex, prefix: str) -> str | None:
-    if full in index:
-        return full
-    if prefix and full.startswith(prefix + ".") and full[len(prefix) + 1 :] in index:
-        return full[len(prefix) + 1 :]
-    if prefix and f"{prefix}.{full}" in index:
-        return f"{prefix}.{full}"
-    return None
-
-
 def from_pretrained(
     path: str | os.PathLike,
     *,
@@ -56,66 +52,187 @@ def from_pretrained(
     device_ids: Sequence | None = None,
     config_kwargs: Mapping[str, Any] | None = None,
     quantization_config: Any = None,
-    **tp_options: Any,
-) -> nn.Module:
+    allow_missing_keys: bool | Sequence[str] = False,
+    allow_unexpected_keys: bool | Sequence[str] = False,
+    ignore_mismatched_sizes: bool = False,
+    output_loading_info: bool = False,
+    **kwargs: Any,
+) -> nn.Module | tuple[nn.Module, dict[str, Any]]:
     """Build ``model_cls`` from ``path``'s config on meta, shard it, then read each rank's slices.
 
     Peak memory per rank is its shards plus one read block (8 MiB), whatever the model size.
     ``dtype`` defaults to the config's dtype (else float32); every slice is converted as it is
     read. Checkpoints whose keys transformers renames or fuses at load time (e.g. per-expert MoE
     weights) fall back to transformers' loader for the whole model, with a warning.
-    ``tp_options`` are `tensor_parallel`'s (``tp_size``, ``dp_size``, ``plan``, ``sharded``, ...);
-    FSDP2 (``sharded``, default on when dp_size > 1) is applied after the weights are in.
-    ``config_kwargs`` go to ``AutoConfig.from_pretrained`` (``revision``, ``trust_remote_code``).
+    ``path`` is a checkpoint directory or a hub id, resolved as transformers resolves it
+    (`tpkit.hub`: ``cache_dir``, ``revision``, ``subfolder``, ``variant``, ``token``,
+    ``local_files_only``, ``HF_HUB_OFFLINE``); safetensors are preferred, ``pytorch_model*.bin``
+    is read without running code (`tpkit.bin_io`). ``kwargs`` are `tensor_parallel`'s options
+    (``tp_size``, ``dp_size``, ``plan``, ``sharded``, ...) and transformers' ``from_pretrained``
+    keywords, meaning what they mean there (`tpkit.load_kwargs`: ``torch_dtype``,
+    ``attn_implementation``, ``trust_remote_code``, ``distributed_config``, config overrides
+    such as ``num_hidden_layers=1``); ``device_map`` and unknown keywords are refused, before any
+    collective. FSDP2 (``sharded``, default on when dp_size > 1) is applied after the weights
+    are in. ``config_kwargs``: more keywords, taken as if passed directly.
     ``quantization_config`` (a ``BitsAndBytesConfig``): each rank quantizes its own slices of the
     linears as they are read (`tpkit.quant`).
+
+    Weights the model has and the checkpoint lacks, tensors the checkpoint holds and the model
+    does not use, and weights of another shape are one ValueError on every rank, before any
+    collective (transformers would warn and leave them random). Opt in to new weights with
+    ``allow_missing_keys`` (True or regexes, e.g. ``["score"]`` for a fresh classification
+    head: initialised by the model's ``_init_weights``, the same on every rank),
+    ``allow_unexpected_keys`` (skip them) and ``ignore_mismatched_sizes`` (transformers'
+    keyword: re-initialise them); see `tpkit.loading_info`. ``output_loading_info=True`` returns
+    ``(model, info)`` with transformers' ``missing_keys`` / ``unexpected_keys`` /
+    ``mismatched_keys`` / ``error_msgs``.
     """
     import transformers
     from accelerate import init_empty_weights
 
-    options = TPOptions.of(tp_options)
-    kwargs = dict(config_kwargs or {})
-    path = Path(path)
-    config = transformers.AutoConfig.from_pretrained(str(path), **kwargs)
+    tp_fields = [f.name for f in dataclasses.fields(TPOptions)]
+    call = sort_kwargs({**(config_kwargs or {}), **kwargs}, tp_fields, dtype)
+    options = TPOptions.of(call.tp_options)
+    tp_options = call.tp_options
+    load = {k: v for k, v in kwargs.items() if k not in tp_options and k != "distributed_config"}
+    from tpkit.pool.entry import pool_from_pretrained  # lazy: for a process that is not a rank
+
+    pooled = pool_from_pretrained(  # outside torchrun, 2+ devices: a live model on workers
+        path, device_ids, tp_options, dtype=dtype, model_cls=model_cls,
+        config_kwargs=config_kwargs, quantization_config=quantization_config,
+        allow_missing_keys=allow_missing_keys, allow_unexpected_keys=allow_unexpected_keys,
+        ignore_mismatched_sizes=ignore_mismatched_sizes, output_loading_info=output_loading_info,
+        **load,
+    )  # fmt: skip
+    if pooled is not None:
+        return pooled
+    policy = LoadingPolicy(allow_missing_keys, allow_unexpected_keys, ignore_mismatched_sizes)
+    source = str(path)
+    ckpt = resolve_checkpoint(source, call.variant, call.use_safetensors, **call.download)
+    download = ckpt.download  # the revision resolved to its commit: config and weights agree
+    config = _load_config(transformers, source, call, download, tp_fields)
     cls = model_class(config, model_cls)
-    dtype = _resolve_dtype(dtype, config)
-    index = CheckpointIndex(path)
+    dtype = _resolve_dtype(call.dtype, config)
+    index = ckpt.open()  # headers checked / .bin unpickled without code, before any collective
+    path = ckpt.folder
     with init_empty_weights(include_buffers=False):
-        model = instantiate(cls, config, dtype)
+        model = instantiate(cls, config, dtype, call.trust_remote_code)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # on meta too: tied parameters must be one object before sharding
-    keys = _checkpoint_keys(model, index)
-    _check_against_model(model, index, keys, path)  # every rank, before any collective
-    unmapped = [n for n, k in keys.items() if k is None]
-    if unmapped:
-        _warn_full_load(unmapped, path)
+    # every check on every rank, before any collective: names, counts, shapes, dtypes
+    info = loading_info(model, index)
+    if call.overrides and info.unexpected:
+        info = _skip_overridden(info, call, source, download, cls, index, path)
+    fresh_names = policy.check(info, model, path)
+    keys = {n: (None if n in fresh_names else k) for n, k in info.keys.items()}
+    _check_against_model(model, index, keys, path)
+    if info.renamed:
+        _warn_full_load(info.renamed, path)
+        extra: dict[str, Any] = dict(download)
         if quantization_config is not None:
-            kwargs["quantization_config"] = quantization_config  # sliced by tpkit.quant
-        model = split(cls.from_pretrained(str(path), dtype=dtype, **kwargs), device_ids, options)
+            extra["quantization_config"] = quantization_config  # sliced by tpkit.quant
+        if call.trust_remote_code is not None:
+            extra["trust_remote_code"] = call.trust_remote_code
+        loaded, report = cls.from_pretrained(
+            source,
+            config=config,
+            dtype=dtype,
+            output_loading_info=True,
+            ignore_mismatched_sizes=ignore_mismatched_sizes,
+            variant=call.variant,
+            use_safetensors=ckpt.format == "safetensors",
+            **extra,
+        )
+        fresh_names = _check_transformers_report(report, loaded, path, policy, fresh_names)
+        _put_fresh(loaded, fresh_weights(model, fresh_names))
+        model = split(loaded, device_ids, options)
         how = "transformers"
     else:
-        model = _split_and_stream(model, index, keys, quantization_config, options, device_ids)
-        how = "slices"
+        fresh = fresh_weights(model, fresh_names)
+        model = _split_and_stream(
+            model, index, keys, fresh, quantization_config, options, device_ids
+        )
+        how, report = "slices", info.to_dict()
     if getattr(model, "_tpkit", None) is not None:
         model._tpkit.loaded_from = how
     apply_pending_fsdp(model)  # FSDP2 after the weights are in
-    _load_generation_config(model, path)
-    return model.eval()
+    _load_generation_config(model, source, download, call.generation_config)
+    model.eval()
+    return (model, report) if output_loading_info else model
 
 
-def _split_and_stream(model, index, keys, quantization_config, options, device_ids) -> nn.Module:
+def _split_and_stream(
+    model, index, keys, fresh, quantization_config, options, device_ids
+) -> nn.Module:
     """Split the model on meta, then read each rank's slices into its shards (quantizing the
-    linears' slices as they are read when asked; its refusals come before any collective)."""
+    linears' slices as they are read when asked; its refusals come before any collective).
+    Weights in ``fresh`` (full values of new weights) take their slices from there instead."""
     quant = None
     if quantization_config is not None:
         quant = QuantizedLoad(model, quantization_config, options, device_ids)
     model = split(model, device_ids, options)
     device = rank_device(model)
     move_buffers(model, device)
+    stream_buffers(model, index, keys, fresh, device)
     if quant is not None:
-        quant.stream(model, index, keys, device)
-    stream_params(model, index, keys, device)
+        quant.stream(model, index, keys, device, fresh)
+    stream_params(model, index, keys, device, fresh)
     return model
+
+
+def _skip_overridden(info, call, source, download, cls, index, path) -> LoadingInfo:
+    """Checkpoint tensors the model built from the checkpoint's own config uses but the config
+    overrides leave out (``num_hidden_layers=1``: the later layers) are the caller's choice, as
+    in transformers: skipped with a warning, not refused. Weights the overrides add stay
+    missing (an error): they would be random."""
+    import transformers
+    from accelerate import init_empty_weights
+
+    kwargs = dict(download)
+    if call.trust_remote_code is not None:
+        kwargs["trust_remote_code"] = call.trust_remote_code
+    base_config = transformers.AutoConfig.from_pretrained(source, **kwargs)
+    with init_empty_weights(include_buffers=True):
+        base = instantiate(cls, base_config, None, call.trust_remote_code)
+    used = {k for k in loading_info(base, index).keys.values() if k is not None}
+    skipped = [k for k in info.unexpected if k in used]
+    if skipped and dist_env().rank == 0:
+        logging.getLogger("tpkit").warning(
+            f"from_pretrained({path}): {len(skipped)} checkpoint tensor(s) the overrides "
+            f"{sorted(call.overrides)} leave unused were skipped, e.g. {skipped[0]}."
+        )
+    return dataclasses.replace(info, unexpected=[k for k in info.unexpected if k not in used])
+
+
+def _check_transformers_report(
+    report: dict[str, Any], model: nn.Module, path: Path, policy: LoadingPolicy, fresh: list[str]
+) -> list[str]:
+    """transformers' own report of a load it did, held to the same policy (the names it
+    renamed are its own to judge); returns the weights to initialise afresh, the same on every
+    rank (transformers drew them from each rank's own RNG)."""
+    mine = LoadingInfo(
+        keys={},
+        missing=sorted(report.get("missing_keys", ())),
+        unexpected=sorted(report.get("unexpected_keys", ())),
+        mismatched=sorted(report.get("mismatched_keys", ())),
+    )
+    again = policy.check(mine, model, path, quiet=True)
+    return fresh + [n for n in again if n not in fresh]
+
+
+def _put_fresh(model: nn.Module, fresh: Mapping[str, torch.Tensor]) -> None:
+    """Fresh values into a model transformers loaded (real, unsplit) before it is split."""
+    with torch.no_grad():
+        for name, value in fresh.items():
+            target = _tensor(model, name)
+            target.copy_(value.to(target.device, target.dtype))
+
+
+def _tensor(model: nn.Module, name: str) -> torch.Tensor:
+    mod_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(mod_name)
+    t = module._parameters.get(leaf)
+    return t if t is not None else module._buffers[leaf]
 
 
 def _warn_full_load(unmapped: list[str], path: Path) -> None:
@@ -126,34 +243,59 @@ def _warn_full_load(unmapped: list[str], path: Path) -> None:
         )
 
 
-def _load_generation_config(model: nn.Module, path: Path) -> None:
+def _load_generation_config(
+    model: nn.Module, source: str, download: Mapping[str, Any], given: Any = None
+) -> None:
+    """The checkpoint's generation_config.json (or the one the caller passed), as transformers'
+    ``from_pretrained`` sets it."""
     import transformers
 
     if getattr(model, "generation_config", None) is not None and model.can_generate():
+        if given is not None:
+            model.generation_config = given
+            return
         with contextlib.suppress(OSError):
-            model.generation_config = transformers.GenerationConfig.from_pretrained(str(path))
+            model.generation_config = transformers.GenerationConfig.from_pretrained(
+                source, **download
+            )
 
 
-def _checkpoint_keys(model: nn.Module, index: CheckpointIndex) -> dict[str, str | None]:
-    """First name of each (possibly tied) parameter -> the key it is stored under, or None."""
-    prefix = getattr(model, "base_model_prefix", "")
-    keys = {}
-    for group in param_owners(model).values():
-        key = next((k for _, _, full in group if (k := _checkpoint_key(full, index, prefix))), None)
-        keys[group[0][2]] = key
-    return keys
+def _load_config(transformers, source: str, call, download: Mapping[str, Any], tp_fields):
+    """The config as transformers' ``from_pretrained`` builds it: the checkpoint's (or the
+    ``config`` passed, copied), the keyword overrides applied (unknown ones refused by name),
+    ``attn_implementation`` / ``experts_implementation`` set on it."""
+    if isinstance(call.config, transformers.PretrainedConfig):
+        if call.overrides:
+            check_unused(call.overrides, call.config, tp_fields)
+        config = copy.deepcopy(call.config)
+    else:
+        kwargs = {**download, **call.overrides}
+        if call.trust_remote_code is not None:
+            kwargs["trust_remote_code"] = call.trust_remote_code
+        config, unused = transformers.AutoConfig.from_pretrained(
+            str(call.config) if call.config is not None else source,
+            return_unused_kwargs=True,
+            **kwargs,
+        )
+        check_unused(unused, config, tp_fields)
+    for name, value in call.implementations.items():
+        setattr(config, f"_{name}", value)  # what transformers' from_pretrained does
+    return config
 
 
 def _check_against_model(
     model: nn.Module, index: CheckpointIndex, keys: dict[str, str | None], path: Path
 ) -> None:
-    params = dict(model.named_parameters(remove_duplicate=False))
+    """Every tensor that will be read holds a dtype the model's converts from (shapes are
+    `loading_info`'s)."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
     stored = {
         name: (index.entries[key].file, index.entries[key].dtype, index.entries[key].shape)
         for name, key in keys.items()
         if key is not None
     }
-    problems = checkpoint_problems(params, stored)
+    problems = checkpoint_problems(tensors, stored)
     if problems:
         more = f"\n- ... and {len(problems) - 10} more" if len(problems) > 10 else ""
         raise ValueError(

@@ -27,6 +27,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointIndex",
     "Entry",
+    "read_weight_map",
 ]
 
 BLOCK_BYTES = 8 << 20
@@ -150,29 +151,33 @@ def _is_count(value: object) -> bool:
 
 class CheckpointIndex:
     """Every tensor of a checkpoint: a directory with ``model.safetensors`` or a sharded set with
-    ``model.safetensors.index.json``, or a single ``.safetensors`` file."""
+    ``model.safetensors.index.json``, or a single ``.safetensors`` file. ``files`` (with the
+    ``index`` file that maps their tensors, if sharded) names the files instead of a directory's
+    glob: what `tpkit.hub` resolved for a hub id, a variant or a subfolder."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        files: list[Path] | None = None,
+        index: Path | None = None,
+    ):
         path = Path(path)
         weight_map: dict[str, str] = {}
-        if path.is_file():
-            files = [path]
-        else:
-            index = sorted(path.glob("*.safetensors.index.json"))
-            if index:
-                weight_map = _weight_map(index[0])
-                files = sorted({path / f for f in weight_map.values()})
-                absent = [str(f) for f in files if not f.is_file()]
-                if absent:
-                    raise CheckpointError(
-                        f"{index[0]} names {len(absent)} file(s) that do not exist, e.g. "
-                        f"{absent[0]}; the checkpoint is incomplete."
-                    )
-            else:
-                files = sorted(path.glob("*.safetensors"))
+        if files is None:
+            files, index = _files_of(path)
+        if index is not None:
+            weight_map = read_weight_map(index)
+            absent = [str(index.parent / f) for f in sorted(set(weight_map.values()))]
+            absent = [f for f in absent if not Path(f).is_file()]
+            if absent:
+                raise CheckpointError(
+                    f"{index} names {len(absent)} file(s) that do not exist, e.g. "
+                    f"{absent[0]}; the checkpoint is incomplete."
+                )
         if not files:
             raise FileNotFoundError(
-                f"No safetensors checkpoint in {path} (tpkit loads safetensors only, never pickle)."
+                f"No safetensors checkpoint in {path} (tpkit loads safetensors, or "
+                "pytorch_model*.bin read without running code: see tpkit.hub)."
             )
         self.entries: dict[str, Entry] = {}
         # one reusable read buffer, grown to at most BLOCK_BYTES: allocating and freeing a block
@@ -304,12 +309,25 @@ class _Reader:
             dst[i : i + n].copy_(block.view(self.e.dtype))
 
 
-def _weight_map(index: Path) -> dict[str, str]:
+def _files_of(path: Path) -> tuple[list[Path], Path | None]:
+    """(files, index file or None) of a safetensors checkpoint directory or file."""
+    if path.is_file():
+        return [path], None
+    index = sorted(path.glob("*.safetensors.index.json"))
+    if index:
+        return sorted({path / f for f in read_weight_map(index[0]).values()}), index[0]
+    return sorted(path.glob("*.safetensors")), None
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a sharded checkpoint's index (``model.safetensors.index.json`` or
+    ``pytorch_model.bin.index.json``): tensor name -> a file name inside the checkpoint, checked
+    so that no entry points outside it."""
     try:
-        data = json.loads(index.read_text())
+        data = json.loads(Path(index).read_text())
         weight_map = data["weight_map"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{index}: not a safetensors index ({exc!r}).") from None
+        raise CheckpointError(f"{index}: not a checkpoint index ({exc!r}).") from None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str)
         and isinstance(v, str)

@@ -28,6 +28,7 @@ __all__ = [
     "infer_sharded_device_map",
     "load_local_state_dict",
     "local_ranges",
+    "local_slice",
     "param_owners",
     "rank_device",
     "set_local",

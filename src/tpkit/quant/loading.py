@@ -16,7 +16,7 @@ single-process quantized model, split.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -69,8 +69,11 @@ class QuantizedLoad:
         index: CheckpointIndex,
         keys: dict[str, str | None],
         device: torch.device,
+        fresh: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        """Read, quantize and install each target's slice, one layer at a time."""
+        """Read, quantize and install each target's slice, one layer at a time (a new weight's
+        slice from its full value in ``fresh``)."""
+        fresh = fresh or {}
         modules = dict(model.named_modules())
         s = self.scheme
         weights = {n: modules[n]._parameters["weight"] for n in self.targets}
@@ -87,7 +90,10 @@ class QuantizedLoad:
                     largest, dtype=weight.dtype, device=device
                 )
             local = buf[: shapes[name][0] * shapes[name][1]].view(shapes[name])
-            index.read(keys[f"{name}.weight"], read_dim, read_ranges, out=local)
+            if f"{name}.weight" in fresh:
+                local.copy_(_rows(fresh[f"{name}.weight"], read_dim, read_ranges))
+            else:
+                index.read(keys[f"{name}.weight"], read_dim, read_ranges, out=local)
             if s.bits == 4:
                 packed = arena.keep_4bit(quantize_4bit(local, s.kind, s.blocksize))
             else:
@@ -106,6 +112,14 @@ def _need_bitsandbytes() -> None:
         raise ImportError(
             "quantization_config with load_in_4bit needs bitsandbytes: pip install 'tpkit[quant]'"
         ) from exc
+
+
+def _rows(full: torch.Tensor, dim: int, ranges: list[tuple[int, int]] | None) -> torch.Tensor:
+    """The ``ranges`` along ``dim`` of ``full``, concatenated (what `CheckpointIndex.read`
+    returns for them)."""
+    if ranges is None:
+        return full
+    return torch.cat([full.narrow(dim, a, b - a) for a, b in ranges], dim)
 
 
 def _local_shape(weight: torch.Tensor) -> tuple[int, int]:

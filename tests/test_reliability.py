@@ -173,12 +173,12 @@ def check_error(case: str) -> str:
         )
         option = "sequence_parallel" if case == "sp_encoder" else "loss_parallel"
         return _error(tpkit.tensor_parallel, bert, **{option: True})
-    if case == "dora":
+    if case == "lora_variant":  # DoRA is exact now; the variants tpkit cannot split are refused
         from peft import LoraConfig, get_peft_model
 
         from tpkit.integrations import peft as tp_peft
 
-        cfg = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True)
+        cfg = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], alora_invocation_tokens=[1])
         return _error(tp_peft.tensor_parallel, get_peft_model(build("llama"), cfg))
     if case == "different_lengths":
         model = tpkit.tensor_parallel(build("llama"))
@@ -201,7 +201,7 @@ CASES = {
     "conflicting_pair": "down_proj is colwise but its input comes from model.layers.0.mlp.gate_",
     "sp_encoder": "sequence_parallel needs every row-parallel layer in the same module",
     "loss_parallel_encoder": "loss_parallel needs a causal LM",
-    "dora": "does not support DoRA",
+    "lora_variant": "a LoRA variant tpkit does not split",
     "different_lengths": "'input_ids' differs across the TP group",
     "different_seeds": "'input_ids' differs across the TP group",
 }

@@ -25,6 +25,8 @@ def _checkpoint_dir(path: str, need_weights: bool) -> Path:
     p = Path(path)
     folder = p.parent if p.is_file() and p.name == "config.json" else p
     if not folder.exists():
+        if p.is_absolute() or path.startswith(".") or path.count("/") > 1:
+            raise UsageError(f"{path} does not exist (and is no hub id: those read org/name).")
         return _hub_dir(path, need_weights)
     if not (folder / "config.json").is_file():
         raise UsageError(f"{path} has no config.json: not a transformers checkpoint directory.")

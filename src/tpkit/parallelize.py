@@ -152,7 +152,9 @@ def tensor_parallel(
         param_dtype: FSDP2 mixed precision: parameters and compute in this dtype (e.g.
             ``torch.bfloat16``), gradient reductions in float32. Needs ``sharded``.
         example_inputs: a positional tuple or kwargs dict for the plan's fake-tensor trace, for
-            a module whose forward needs more than ``input_ids`` (a bare transformer block).
+            a forward the inputs tpkit makes up from the model (`tpkit.plan.inputs`) do not
+            fit; without them, a model that cannot be traced is split per layer, exactly
+            (`tpkit.plan.fallback`).
 
     A model tpkit already split is returned as it is (or refused when asked for another layout).
     Outside torchrun (world size 1) the model is returned unchanged (moved to ``device_ids[0]``

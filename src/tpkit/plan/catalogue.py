@@ -169,6 +169,15 @@ _BUILTIN = (
         aliases=("gather_output", "colwise_rep"),
     ),
     StyleSpec(
+        "conv_colwise_gather",
+        "whole",
+        "Y = [conv(X, W_0), ..., conv(X, W_t-1)]: a groups=1 convolution's output channels "
+        "split, then all-gathered on the channel dim",
+        shard="out",
+        collective="all_gather",
+        uneven_ok=True,
+    ),
+    StyleSpec(
         "colwise_embedding_gather",
         "whole",
         "E_i = E[:, cols_i]: an EmbeddingBag's columns split, bags reduced per column (exact in "

@@ -20,12 +20,14 @@ from tpkit.plan.complete import (
     complete_with_inferred,
 )
 from tpkit.plan.dryrun import dry_run
+from tpkit.plan.fallback import fallback_plan, splits_anything
 from tpkit.plan.gathered import gather_group, gather_reduced_pairs
 from tpkit.plan.hf import hf_plan
 from tpkit.plan.infer import infer_plan
+from tpkit.plan.inputs import input_embeddings, output_embeddings
 from tpkit.plan.kvheads import replicate_kv_heads
 from tpkit.plan.spec import WHOLE_STYLES, Plan, matches
-from tpkit.plan.trace import reuse_traces
+from tpkit.plan.trace import reuse_traces, trace
 from tpkit.plan.validate import head_constraints
 
 __all__ = ["MODES", "PlanLike", "check_plan_arg", "derive_plan"]
@@ -80,15 +82,16 @@ def derive_plan(
     output and that no entry names (Apertus's xIELU activation) get
     ``replicated_with_grad_allreduce``, and a linear or embedding left whole whose weight is
     tied to a split one computes with the split (`complete_tied_layers`). With ``tp_size``,
-    inferred groups it does not divide are left replicated with a note. ``example_inputs`` (a positional tuple or
-    a kwargs dict) replaces the default trace inputs, for a module whose forward needs more
-    than ``input_ids`` (a bare transformer block).
+    inferred groups it does not divide are left replicated with a note. ``example_inputs`` (a
+    positional tuple or a kwargs dict) replaces the trace inputs made up from the model
+    (`tpkit.plan.inputs`). Under "auto", a model whose dataflow cannot be traced, or whose
+    inferred plan splits nothing, is split per layer (`tpkit.plan.fallback`), never refused.
     """
     check_plan_arg(plan)
     plan = "auto" if plan is None else plan
     with reuse_traces():
         if isinstance(plan, str) and plan in MODES:
-            out = _source_plan(model, plan, example_inputs)
+            out = _source_plan(model, plan, example_inputs, tp_size)
         else:
             out = _base_plan(model, example_inputs).merged(_user_plan(plan))
         gather_reduced_pairs(model, out, example_inputs)  # reductions over split features
@@ -189,7 +192,10 @@ def _base_plan(model: nn.Module, example) -> Plan:
         return Plan()  # nothing to derive: the user's plan is the whole plan
 
 
-def _source_plan(model: nn.Module, mode: str, example) -> Plan:
+def _source_plan(model: nn.Module, mode: str, example, tp: int | None = None) -> Plan:
+    """The plan ``mode`` names. Under "auto", a model whose dataflow cannot be traced, or whose
+    inferred plan splits nothing, gets the per-layer fallback (`tpkit.plan.fallback`: each
+    layer split on its own, its output gathered) instead of a refusal; "infer" still raises."""
     if mode in ("auto", "config"):
         plan = hf_plan(model)
         if plan is not None:
@@ -198,7 +204,31 @@ def _source_plan(model: nn.Module, mode: str, example) -> Plan:
             raise ValueError(
                 f"{type(model).__name__} ships no base_model_tp_plan; use plan='auto' or 'infer'."
             )
-    return infer_plan(model, example)
+    if mode != "auto":
+        return infer_plan(model, example)
+    try:
+        inferred = infer_plan(model, example)
+    except ValueError as exc:
+        cause = exc.__cause__ or exc
+        brief = f"{type(cause).__name__}: {cause}".splitlines()[0][:200]
+        return fallback_plan(model, f"the dataflow could not be traced ({brief})", tp)
+    if splits_anything(model, inferred):
+        return inferred
+    why = "the traced dataflow has no column/row pair to split"
+    fallback = fallback_plan(model, why, tp, _read_outside(model, example))
+    return fallback if splits_anything(model, fallback) else inferred
+
+
+def _read_outside(model: nn.Module, example) -> list[str]:
+    """Layers whose weight the trace saw computed with outside their own forward (the trace
+    inference just ran: cached on fake tensors, or the real one it fell back to)."""
+    for real in (False, True):
+        try:
+            nodes = trace(model, example, real=real)["nodes"]
+        except Exception:  # noqa: BLE001, S112 - model code may do anything; try the other way
+            continue
+        return [name for name, node in nodes.items() if node.read_outside]
+    return []
 
 
 def _checked_config_plan(model: nn.Module, plan: Plan, example) -> Plan:
@@ -244,8 +274,7 @@ def _checked_config_plan(model: nn.Module, plan: Plan, example) -> Plan:
 def _names_a_layer(model: nn.Module, plan: Plan) -> bool:
     """True when a transformers entry of ``plan`` names something besides the vocabulary
     embedding and output head (which tpkit adds to every plan)."""
-    get = lambda attr: getattr(model, attr, lambda: None)()  # noqa: E731
-    vocab = {id(get("get_input_embeddings")), id(get("get_output_embeddings"))}
+    vocab = {id(input_embeddings(model)), id(output_embeddings(model))}
     modules = dict(model.named_modules())
     for t in plan.resolve(model):
         owner = t.name.rsplit(".", 1)[0] if t.kind == "param" else t.name

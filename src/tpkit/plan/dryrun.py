@@ -117,7 +117,8 @@ def _width_hooks(
         elif style_spec(t.style).collective == "all_gather":  # a gathered head or table
             w = mod.weight
             width = w.shape[param_layout(t.style, "weight", w.ndim, mod).dim]
-            hooks.append(mod.register_forward_hook(_widen(int(width))))
+            conv = isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d))  # gathered on channels
+            hooks.append(mod.register_forward_hook(_widen(int(width), w.ndim - 2 if conv else 0)))
         elif t.style == "rowwise_split_input":
             local = in_width(mod, kind)
             if id(mod.weight) in shapes:
@@ -217,10 +218,12 @@ def _narrow(local: int):
     return hook
 
 
-def _widen(full: int):
+def _widen(full: int, kernel_dims: int = 0):
     def hook(mod: nn.Module, args: tuple, output: Any):
         if isinstance(output, torch.Tensor):
-            return output.new_empty((*output.shape[:-1], full))
+            shape = list(output.shape)
+            shape[-1 - kernel_dims] = full  # a convolution's channels sit before its kernel dims
+            return output.new_empty(shape)
         return output
 
     return hook

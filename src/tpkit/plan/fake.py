@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 from tpkit.compat import tree_map
-from tpkit.plan.layout import in_width, kind_of
+from tpkit.plan.inputs import synthesize_inputs
 
 __all__ = [
     "REAL_TRACE_MAX_PARAMS",
@@ -63,50 +62,8 @@ def trace_one_row(model: nn.Module):
 
 
 def example_inputs(model: nn.Module) -> tuple[tuple, dict]:
-    batch = trace_batch(model)
-    shape = (batch, TRACE_SEQ)
-    config = getattr(model, "config", None)
-    codebooks = getattr(config, "num_codebooks", None)  # MusicGen: codebooks stacked in batch
-    rows = batch * (codebooks if isinstance(codebooks, int) and codebooks > 0 else 1)
-    ids = torch.zeros((rows, TRACE_SEQ), dtype=torch.long, device="meta")
-    if config is not None and hasattr(model, "get_input_embeddings"):
-        kwargs: dict[str, Any] = {"input_ids": ids}
-        features = _audio_features(model, config)
-        if features is not None:  # a speech encoder (Whisper) reads features, not ids
-            kwargs = {"input_features": features}
-        if getattr(config, "is_encoder_decoder", False):
-            kwargs["decoder_input_ids"] = ids
-        if "use_cache" in getattr(model.forward, "__code__", type("", (), {})).co_varnames or (
-            getattr(config, "use_cache", None) is not None
-        ):
-            kwargs["use_cache"] = False
-        return (), kwargs
-    for mod in model.modules():
-        kind = kind_of(mod)
-        if kind == "embedding":
-            return (ids,), {}
-        if kind:
-            width = in_width(mod, kind)
-            dtype = mod.weight.dtype if mod.weight.is_floating_point() else torch.float32
-            return (torch.zeros((*shape, width), dtype=dtype, device="meta"),), {}
-    raise ValueError(f"{type(model).__name__} has no Linear, Conv1D or Embedding to trace.")
-
-
-def _audio_features(model: nn.Module, config: Any) -> torch.Tensor | None:
-    """Fake ``input_features`` for a model whose main input they are: [batch, channels of its
-    first Conv1d, frames], the frames its encoder's positions take back through the convs'
-    strides (Whisper: 1500 positions x stride 2 = the 3000 frames it insists on). None for
-    every other model, and where the sizes cannot be read."""
-    if getattr(model, "main_input_name", "input_ids") != "input_features":
-        return None
-    convs = [m for m in model.modules() if isinstance(m, nn.Conv1d)]
-    positions = getattr(config, "max_source_positions", None)
-    if not convs or not isinstance(positions, int):
-        return None
-    frames = positions * math.prod(int(c.stride[0]) for c in convs)
-    dtype = convs[0].weight.dtype
-    shape = (trace_batch(model), convs[0].in_channels, frames)
-    return torch.zeros(shape, dtype=dtype, device="meta")
+    """Made-up trace inputs (`tpkit.plan.inputs.synthesize_inputs`) at the trace's sizes."""
+    return synthesize_inputs(model, trace_batch(model), TRACE_SEQ)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tpkit.plan.inputs import input_embeddings, output_embeddings
 from tpkit.plan.spec import Plan, matches
 
 __all__ = ["hf_plan"]
@@ -73,7 +74,7 @@ def hf_plan(model: nn.Module) -> Plan | None:
     prefix = _base_prefix(model, list(base_entries))
     join = (lambda k: f"{prefix}.{k}") if prefix else (lambda k: k)
     plan = Plan()
-    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    embed = input_embeddings(model)
     if isinstance(embed, nn.Embedding):
         for name, module in model.named_modules():
             if module is embed and not any(name == join(k) for k in base_entries):
@@ -111,7 +112,7 @@ def _gathered_head(model: nn.Module, plan: Plan, embed: nn.Module | None) -> Non
     """The output head split and gathered where the class ships no ``_tp_plan`` for it
     (Nemotron-H: a quarter of the model left whole), as for the embedding above; a head tied to
     an embedding laid out otherwise is left to the plan."""
-    head = getattr(model, "get_output_embeddings", lambda: None)()
+    head = output_embeddings(model)
     if not isinstance(head, nn.Linear):
         return
     names = {id(m): n for n, m in model.named_modules()}

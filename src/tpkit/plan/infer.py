@@ -51,6 +51,7 @@ from tpkit.plan.experts import expert_groups
 from tpkit.plan.fake import REAL_TRACE_MAX_PARAMS
 from tpkit.plan.fixups import HEAD_ATTRS, WIDTH_ATTRS
 from tpkit.plan.gathered import gathered_pairs
+from tpkit.plan.inputs import input_embeddings, output_embeddings
 from tpkit.plan.layout import in_width, kind_of, param_layouts
 from tpkit.plan.spec import Plan
 from tpkit.plan.ssm import ssm_groups
@@ -184,8 +185,7 @@ def _vocabulary(model: nn.Module, styles: dict[str, str]) -> set[str]:
     out the same way by its own entry. Returns the modules excluded from pairing."""
     exclude: set[str] = set()
     modules = dict(model.named_modules())
-    embed = getattr(model, "get_input_embeddings", lambda: None)()
-    head = getattr(model, "get_output_embeddings", lambda: None)()
+    embed, head = input_embeddings(model), output_embeddings(model)
     embed_weight = getattr(embed, "weight", None)
     for name, mod in modules.items():
         if (

@@ -20,6 +20,7 @@ from torch import nn
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.dryrun import dry_run
 from tpkit.plan.fixups import HEAD_ATTRS
+from tpkit.plan.inputs import output_embeddings
 from tpkit.plan.kvheads import KV_ATTRS, head_counts
 from tpkit.plan.layout import param_layouts
 from tpkit.plan.spec import Plan
@@ -272,7 +273,7 @@ def _option_problems(model, plan, dp_size, sharded, sequence_parallel, loss_para
 def _loss_parallel_problems(model: nn.Module, plan: Plan) -> list[str]:
     """The vocab-parallel loss replaces ``model.loss_function``: the head must be gathered (then
     handed on sharded) and the model's forward must compute its loss through that function."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_embeddings(model)
     names = {id(m): n for n, m in model.named_modules()}
     hit = plan.style_for(names[id(head)]) if head is not None and id(head) in names else None
     forward = getattr(inspect.unwrap(type(model).forward), "__code__", None)

@@ -4,6 +4,7 @@
     linear.py     colwise, packed colwise, gathered head, rowwise and its variants
     embedding.py  vocab-parallel embedding, per-head (column) embedding
     combined.py   modules split by their own entries (experts, all_reduce), partial gradients
+    conv.py       a convolution split by output channels, gathered
 
 `make_style` builds the style object for one module from its catalogue name and options;
 `register_style` adds a user style: its `StyleSpec` (what it is, for plans, validation and
@@ -31,6 +32,7 @@ from tpkit.styles.combined import (
     MoeIdentityExpertStyle,
     TailGradAllReduceStyle,
 )
+from tpkit.styles.conv import ConvGatherStyle
 from tpkit.styles.embedding import (
     ColwiseEmbeddingStyle,
     GatherColumnsEmbeddingStyle,
@@ -54,6 +56,7 @@ __all__ = [
     "ChannelwiseStyle",
     "ColwiseEmbeddingStyle",
     "ColwiseStyle",
+    "ConvGatherStyle",
     "GatherColumnsEmbeddingStyle",
     "GatherOutputStyle",
     "MoeExpertsStyle",
@@ -88,6 +91,7 @@ for _cls in (
     ColwiseEmbeddingStyle,
     GatherColumnsEmbeddingStyle,
     GatherOutputStyle,
+    ConvGatherStyle,
     RowwiseStyle,
     PackedRowwiseStyle,
     ReplicatedHeadsColwiseStyle,

@@ -1,0 +1,131 @@
+"""The per-layer fallback: a plan for any model, with no trace.
+
+When the model's dataflow cannot be traced (its forward needs inputs tpkit cannot make up, or
+code fake tensors cannot run), or the trace recognises nothing to split, each layer is split on
+its own, its input and output whole, so whatever code sits between layers sees exactly the
+unsharded values:
+
+- ``nn.Linear`` / transformers' ``Conv1D``: ``colwise_gather_output`` (output features split,
+  then all-gathered);
+- ``nn.Embedding``: ``vocab_parallel`` (rows split, the masked lookups all-reduced: exact for
+  any ids), ``colwise_embedding_gather`` (columns split, gathered) where the rows are too few;
+- ``nn.EmbeddingBag``: ``colwise_embedding_gather`` (exact in every bag mode);
+- ``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` with ``groups=1``: ``conv_colwise_gather`` (output
+  channels split, all-gathered on the channel dim, `tpkit.styles.conv`).
+
+Weights and matmul work are still divided by tp; each layer costs one collective, so this is the
+slowest exact split, which is why a traced plan is always tried first. A layer too small to be
+worth it (fewer than `MIN_PER_RANK` features or rows per rank), a weight shared with another
+module or read outside its forward, a subclass that overrides ``forward`` (the style runs it
+on the shard, and it may compute over the whole weight), ``max_norm`` (renormalises each row
+over all its columns), sparse gradients, a parametrized weight (weight norm) and grouped
+convolutions stay whole. The old ``tensor_parallel`` package split every
+layer this way; tpkit keeps it as the floor under inference instead of a refusal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from torch import nn
+from torch.nn.utils.parametrize import is_parametrized
+
+from tpkit.plan.layout import kind_of, out_width, param_layouts
+from tpkit.plan.spec import Plan
+
+__all__ = ["MIN_PER_RANK", "SOURCE", "fallback_plan", "splits_anything"]
+
+#: a layer with fewer output features (or table rows / columns) than this per rank stays whole
+MIN_PER_RANK = 2
+#: the source the fallback's entries carry (`Plan.source`, `tpkit plan`'s table)
+SOURCE = "fallback"
+#: the forwards the fallback's styles are exact for (a subclass that keeps them is fine)
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_BASE_FORWARD = {
+    "linear": nn.Linear.forward,
+    "embedding": nn.Embedding.forward,
+    "bag": nn.EmbeddingBag.forward,
+    **{c: c.forward for c in _CONVS},
+}
+
+
+def fallback_plan(
+    model: nn.Module,
+    why: str,
+    tp_size: int | None = None,
+    read_outside: Collection[str] = (),
+) -> Plan:
+    """Every Linear, Conv1D, Embedding and EmbeddingBag of ``model`` split on its own, its
+    output gathered (see the module docstring). ``why`` (why the dataflow is not used) goes
+    into each split layer's note, so `tpkit plan` names the layers that took the fallback.
+    ``tp_size`` (2 when unknown) decides which layers are too small to split;
+    ``read_outside`` names layers a trace saw computed with outside their own forward (a
+    weight read directly elsewhere sees only this rank's part), which stay whole."""
+    tp = tp_size if tp_size and tp_size > 1 else 2
+    shared = _shared_params(model)
+    shared.update(id(model.get_submodule(n).weight) for n in read_outside)
+    plan = Plan()
+    for name, mod in model.named_modules():
+        if not name:
+            continue  # the model itself: never a leaf layer worth a collective
+        style, reason = _style(mod, tp, shared)
+        if style is not None:
+            plan.set(name, style, SOURCE)
+            plan.notes[name] = f"per-layer fallback: {why}"
+        elif reason is not None:
+            plan.notes[name] = f"replicated: {reason}"
+    return plan
+
+
+def _shared_params(model: nn.Module) -> set[int]:
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    return {k for k, v in counts.items() if v > 1}
+
+
+def _style(mod: nn.Module, tp: int, shared: set[int]) -> tuple[str | None, str | None]:
+    """(style, None) for a layer to split, (None, why) for one left whole on purpose, (None,
+    None) for every other module."""
+    kind = kind_of(mod)
+    if isinstance(mod, nn.EmbeddingBag):
+        kind = "bag"
+    elif isinstance(mod, _CONVS):
+        kind = next(c for c in _CONVS if isinstance(mod, c))
+    if kind not in _BASE_FORWARD and kind != "conv1d":
+        return None, None
+    if is_parametrized(mod):  # weight norm: the parameters are not the weight's layout
+        return None, "its weight is parametrized"
+    weight = mod.weight
+    if id(weight) in shared:
+        return None, "its weight is shared with another module or read outside its forward"
+    if kind != "conv1d" and type(mod).forward is not _BASE_FORWARD[kind]:
+        # a style runs the module's own forward on its shard: one that computes over the whole
+        # weight (a norm of it) would be wrong, and nothing here can tell
+        return None, f"{type(mod).__name__} overrides forward: what it computes is unknown"
+    if kind in _CONVS:
+        if mod.groups != 1:
+            return None, f"groups={mod.groups}: its output channels read their own input groups"
+        if mod.out_channels // tp < MIN_PER_RANK:
+            return None, f"too small to split at tp={tp}"
+        return "conv_colwise_gather", None
+    bag = kind == "bag"
+    if bag or kind == "embedding":
+        if mod.max_norm is not None:
+            return None, f"max_norm={mod.max_norm} renormalises each row over all its columns"
+        if getattr(mod, "sparse", False):
+            return None, "sparse gradients"
+        rows, cols = weight.shape
+        if not bag and rows // tp >= MIN_PER_RANK:
+            return "vocab_parallel", None
+        if cols // tp >= MIN_PER_RANK:
+            return "colwise_embedding_gather", None
+        return None, f"too small to split at tp={tp}"
+    if out_width(mod, kind) // tp < MIN_PER_RANK:
+        return None, f"too small to split at tp={tp}"
+    return "colwise_gather_output", None
+
+
+def splits_anything(model: nn.Module, plan: Plan) -> bool:
+    """True when ``plan`` splits at least one of ``model``'s parameters."""
+    return any(layout.sharded for _, layout, _ in param_layouts(model, plan).values())

@@ -1,0 +1,308 @@
+"""Trace inputs made up from the model itself, when the user gives none.
+
+A trace needs one forward, and a forward needs the inputs its code reads: token ids for a
+language model, ``pixel_values`` for ViT / ResNet / ConvNeXt, ``input_values`` for Wav2Vec2,
+``input_features`` + ``decoder_input_ids`` for Whisper, both towers' inputs for a dual encoder
+(CLIP), and, for a bare transformer block, ``hidden_states`` plus whatever its forward requires
+(rotary ``position_embeddings``, Bloom's ``alibi`` and additive mask). The names come from the
+model's ``main_input_name``, an overridden ``dummy_inputs`` and its forward's signature; the
+sizes from its config (image size and channels, the feature extractor's strides, mel bins) or,
+for a plain module, from its first layer's weight. transformers has no such helper beyond
+``dummy_inputs``, which gives only ``input_ids`` for most models. Pure: meta tensors only, no
+forward runs here (a trace that fails on them falls back per layer, `tpkit.plan.fallback`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from tpkit.plan.layout import in_width, kind_of
+
+__all__ = ["input_embeddings", "output_embeddings", "synthesize_inputs"]
+
+#: the side of a made-up image when the config names none (ResNet, ConvNeXt): every stem and
+#: downsampling stage of those nets still leaves at least one pixel
+DEFAULT_IMAGE = 32
+#: frames of made-up audio (1 s at wav2vec2's 20 ms per frame)
+MIN_FRAMES = 50
+#: config attributes that say the token ids carry image / audio placeholders (LLaVA, Qwen2-VL):
+#: such a model runs on text alone, so its trace keeps to ids as before
+_PLACEHOLDERS = ("image_token_id", "image_token_index", "video_token_id", "audio_token_id")
+
+
+def synthesize_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple, dict]:
+    """(args, kwargs) of meta tensors that ``model``'s forward accepts, ``batch`` rows of
+    ``seq`` tokens / frames / patches. Raises ValueError when the model has nothing to read
+    sizes from (no config, no Linear, Conv1D, Embedding, EmbeddingBag or conv)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(model, "get_input_embeddings"):  # a transformers model
+        return (), _model_inputs(model, config, batch, seq)
+    return _module_inputs(model, batch, seq)
+
+
+def _params(model: nn.Module) -> dict[str, inspect.Parameter]:
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return {}
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return {n: p for n, p in sig.parameters.items() if p.kind not in kinds}
+
+
+def _required(params: dict[str, inspect.Parameter]) -> list[str]:
+    return [n for n, p in params.items() if p.default is inspect.Parameter.empty]
+
+
+def _configs(config: Any) -> Iterator[Any]:
+    """The config, then its sub-configs (CLIP's vision_config, a VLM's text_config)."""
+    yield config
+    for name in (
+        "vision_config",
+        "audio_config",
+        "encoder_config",
+        "encoder",
+        "text_config",
+        "decoder",
+    ):
+        sub = getattr(config, name, None)
+        if sub is not None and not isinstance(sub, (int, float, str, bool)):
+            yield sub
+
+
+def _read(config: Any, *names: str) -> Any:
+    for c in _configs(config):
+        for name in names:
+            value = getattr(c, name, None)
+            if value is not None:
+                return value
+    return None
+
+
+def _model_inputs(model: nn.Module, config: Any, batch: int, seq: int) -> dict[str, Any]:
+    """A transformers model's inputs: its main input, a dual encoder's other tower, the
+    decoder's start ids, every required argument, ``use_cache=False``."""
+    params = _params(model)
+    main = getattr(model, "main_input_name", "input_ids")
+    names = [main]
+    # a mask is optional everywhere, and a made-up one only adds data-dependent branches
+    names += [n for n in _dummy_names(model) if n in params and "mask" not in n]
+    dual = (
+        getattr(config, "text_config", None) is not None
+        and not any(_read(config, p) is not None for p in _PLACEHOLDERS)
+        and "input_ids" in params
+    )
+    if dual:  # CLIP, SigLIP, CLAP: both towers run in one forward, each needs its input
+        names += [n for n in ("input_ids", "pixel_values", "input_features") if n in params]
+    if getattr(config, "is_encoder_decoder", False) or "decoder_input_ids" in _required(params):
+        names.append("decoder_input_ids")
+    names += _required(params)
+    kwargs: dict[str, Any] = {}
+    for name in dict.fromkeys(names):
+        value = _model_input(model, config, name, batch, seq)
+        if value is not None:
+            kwargs[name] = value
+    if "use_cache" in params or getattr(config, "use_cache", None) is not None:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def _dummy_names(model: nn.Module) -> list[str]:
+    """The keys of ``dummy_inputs`` where the model's class overrides transformers' default
+    (which names only ``input_ids``): the inputs its authors say a forward needs."""
+    for cls in type(model).__mro__:
+        if "dummy_inputs" in cls.__dict__:
+            if cls.__module__.startswith("transformers.modeling_utils"):
+                return []
+            try:
+                return list(model.dummy_inputs)
+            except Exception:  # noqa: BLE001 - a user's property may need anything
+                return []
+    return []
+
+
+def _model_input(model: nn.Module, config: Any, name: str, batch: int, seq: int) -> Any:
+    if name.endswith("input_ids") or name == "labels":
+        codebooks = getattr(config, "num_codebooks", None)  # MusicGen: codebooks stacked in batch
+        rows = batch * (codebooks if isinstance(codebooks, int) and codebooks > 0 else 1)
+        start = getattr(config, "decoder_start_token_id", None) if "decoder" in name else None
+        ids = torch.zeros((rows, seq), dtype=torch.long, device="meta")
+        return ids.fill_(start) if isinstance(start, int) and start >= 0 else ids
+    dtype = _float_dtype(model)
+    if name == "pixel_values":
+        return torch.zeros((batch, *_image_shape(config)), dtype=dtype, device="meta")
+    if name == "input_values":
+        bins, frames = _read(config, "num_mel_bins"), _read(config, "max_length")
+        if isinstance(bins, int) and isinstance(frames, int):  # a spectrogram (AST)
+            return torch.zeros((batch, frames, bins), dtype=dtype, device="meta")
+        return torch.zeros((batch, _waveform_length(config, seq)), dtype=dtype, device="meta")
+    if name == "input_features":
+        return _audio_features(model, config, batch)
+    if name == "attention_mask":
+        return torch.ones((batch, seq), dtype=torch.long, device="meta")
+    return None  # anything else required keeps its default error: validation names it
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _image_shape(config: Any) -> tuple[int, int, int]:
+    """[channels, height, width] from the (vision) config: ``num_channels`` and ``image_size``
+    (an int or a pair), `DEFAULT_IMAGE` where the net takes any size."""
+    channels = _read(config, "num_channels", "in_channels")
+    size = _read(config, "image_size", "img_size", "input_size")
+    if isinstance(size, (list, tuple)):
+        h, w = int(size[-2]), int(size[-1])
+    else:
+        h = w = int(size) if isinstance(size, int) else DEFAULT_IMAGE
+    return (int(channels) if isinstance(channels, int) else 3, h, w)
+
+
+def _waveform_length(config: Any, frames: int) -> int:
+    """Samples that the convolutional feature extractor (``conv_kernel`` / ``conv_stride``)
+    turns into `MIN_FRAMES` frames or more: at least the positional conv's width and twice
+    the SpecAugment mask's (which a model in training mode draws over the frames)."""
+    kernels, strides = _read(config, "conv_kernel"), _read(config, "conv_stride")
+    if not isinstance(kernels, (list, tuple)) or not isinstance(strides, (list, tuple)):
+        return 16000  # 1 s at 16 kHz
+    widths = [_read(config, a) for a in ("num_conv_pos_embeddings", "conv_pos_kernel_size")]
+    mask = _read(config, "mask_time_length")
+    widths.append(2 * mask if isinstance(mask, int) else 0)
+    n = max(frames, MIN_FRAMES, *(w for w in widths if isinstance(w, int)))
+    for k, s in reversed(list(zip(kernels, strides, strict=False))):
+        n = (n - 1) * int(s) + int(k)
+    return n
+
+
+def _audio_features(model: nn.Module, config: Any, batch: int) -> torch.Tensor | None:
+    """Fake ``input_features``: [batch, channels of the first Conv1d, frames], the frames its
+    encoder's positions take back through the convs' strides (Whisper: 1500 positions x stride
+    2 = the 3000 frames it insists on); else [batch, 64 frames, features per frame], the
+    layout of the conformer encoders (Parakeet, Wav2Vec2-BERT)."""
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv1d)]
+    positions = _read(config, "max_source_positions")
+    dtype = _float_dtype(model)
+    if convs and isinstance(positions, int):
+        frames = positions * math.prod(int(c.stride[0]) for c in convs)
+        shape = (batch, convs[0].in_channels, frames)
+        return torch.zeros(shape, dtype=dtype, device="meta")
+    bins = _read(config, "num_mel_bins", "feature_size", "input_feat_per_channel")
+    if isinstance(bins, int):
+        return torch.zeros((batch, 64, bins), dtype=dtype, device="meta")
+    return None
+
+
+def _first_layer(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The layer whose kind says what the input is: a token table, a linear, else a
+    convolution, the first in registration order. A convolution counts before a linear only
+    in an ``nn.Sequential``, where registration order is the order of the calls (a bare Mamba
+    mixer registers its conv before the in_proj that its input goes through first)."""
+    found: dict[str, nn.Module] = {}
+    for mod in model.modules():
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
+            kind = "ids"
+        elif isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            kind = "conv"
+        elif kind_of(mod) in ("linear", "conv1d"):
+            kind = "linear"
+        else:
+            continue
+        if kind != "conv" or isinstance(model, nn.Sequential):
+            return kind, mod
+        found.setdefault(kind, mod)
+    return ("conv", found["conv"]) if found else None
+
+
+def _module_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple, dict]:
+    """A plain module's inputs: one tensor shaped for its first layer, or, for a bare block
+    whose forward requires more (a Llama layer's rotary embeddings, a Bloom block's alibi and
+    mask), every argument it requires by name, sized from its submodules."""
+    first = _first_layer(model)
+    if first is None:
+        raise ValueError(f"{type(model).__name__} has no Linear, Conv1D or Embedding to trace.")
+    what, mod = first
+    dtype = mod.weight.dtype if mod.weight.is_floating_point() else torch.float32
+    if what == "ids":
+        return (torch.zeros((batch, seq), dtype=torch.long, device="meta"),), {}
+    if what == "conv":
+        dims = mod.weight.ndim - 2
+        shape = (batch, mod.in_channels, *([max(seq, 8)] * dims))
+        return (torch.zeros(shape, dtype=dtype, device="meta"),), {}
+    hidden = in_width(mod, kind_of(mod))
+    x = torch.zeros((batch, seq, hidden), dtype=dtype, device="meta")
+    params = _params(model)
+    names = list(params)
+    if not names:
+        return (x,), {}
+    kwargs: dict[str, Any] = {}
+    for name in names[1:]:
+        value = _block_input(model, name, params[name], x)
+        if value is not None:
+            kwargs[name] = value
+    return (x,), kwargs
+
+
+def _attr(model: nn.Module, *names: str) -> int | None:
+    """The first int attribute of that name on ``model`` or a submodule (an attention's
+    ``head_dim``, ``num_heads``)."""
+    for mod in model.modules():
+        for name in names:
+            value = getattr(mod, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _block_input(model: nn.Module, name: str, param: inspect.Parameter, x: torch.Tensor) -> Any:
+    """A bare block's argument after its hidden states: the ones whose code cannot take their
+    default (None) by name, every other required one as another [b, s, hidden] tensor."""
+    b, s, hidden = x.shape
+    if name == "position_embeddings":  # (cos, sin), [b, s, head_dim] each
+        heads = _attr(model, "num_heads", "num_attention_heads")
+        head_dim = _attr(model, "head_dim") or (hidden // heads if heads else None)
+        if head_dim is None:
+            return None
+        cos = torch.ones((b, s, head_dim), dtype=x.dtype, device="meta")
+        return (cos, torch.zeros_like(cos))
+    required = param.default is inspect.Parameter.empty
+    if not required:
+        return False if name in ("use_cache", "output_attentions") else None
+    if name == "alibi":  # Bloom: [b * heads, 1, s]
+        heads = _attr(model, "num_heads", "n_head") or 1
+        return torch.zeros((b * heads, 1, s), dtype=x.dtype, device="meta")
+    if name in ("attention_mask", "causal_mask", "mask"):  # additive, nothing masked
+        return torch.zeros((b, 1, s, s), dtype=x.dtype, device="meta")
+    if name == "position_ids":
+        return torch.arange(s, device="meta").expand(b, s)
+    return torch.zeros_like(x)  # another stream of hidden states (a cross-attention's)
+
+
+def input_embeddings(model: nn.Module) -> nn.Module | None:
+    """``model.get_input_embeddings()``, or None where the model has none: transformers raises
+    NotImplementedError for a model without a token table (ResNet, CLIP's wrapper, Wav2Vec2)."""
+    return _embeddings(model, "get_input_embeddings")
+
+
+def output_embeddings(model: nn.Module) -> nn.Module | None:
+    """``model.get_output_embeddings()``, or None where the model has none (or cannot say)."""
+    return _embeddings(model, "get_output_embeddings")
+
+
+def _embeddings(model: nn.Module, getter: str) -> nn.Module | None:
+    get = getattr(model, getter, None)
+    if get is None:
+        return None
+    try:
+        out = get()
+    except (NotImplementedError, AttributeError):
+        return None
+    return out if isinstance(out, nn.Module) else None

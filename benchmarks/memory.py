@@ -132,3 +132,89 @@ SUITE = Suite(
         "one process: its RSS is the process's, its params MiB one shard's."
     ),
 )
+
+
+# Planning on meta: what `tpkit plan` costs for a full-size config (issue 25, item 8). Not a
+# row of the suite above: GLM-5-next's default config takes ~190 s of CPU to plan (its
+# linear attention's chunk loop, run on fake tensors by each trace and dry run), too long for
+# an isolated torchrun group whose barrier times out at 300 s. Run by hand:
+#   .venv/bin/python -m benchmarks.memory plan-meta [TransformersClass ...]
+PLAN_META_CLASSES = (
+    "Glm5NextForConditionalGeneration",  # 314B, data-dependent routing: the made-up values
+    "DeepseekV3ForCausalLM",
+    "Llama4ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+#: Address space of each measuring process: a runaway plan fails there, not on the machine.
+PLAN_META_CAP = 6 * 10**9
+
+
+def plan_meta_peak(class_name: str, tp: int = 2) -> dict:
+    """Peak RSS growth (MiB) of `derive_plan` + `validate` at ``tp`` for ``class_name``'s
+    default config built on meta, over the process after the build; run in a fresh process
+    (the peak is a high-water mark)."""
+    import resource
+    import time
+
+    import transformers
+
+    from tpkit.plan import derive_plan, validate
+
+    cls = getattr(transformers, class_name)
+    with torch.device("meta"):
+        model = cls(cls.config_class()).float().eval()
+    base = rss_bytes()
+    cpu = time.process_time()
+    plan = derive_plan(model, "auto", tp)
+    validate(model, plan, tp)
+    peak = max(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return {
+        "model": class_name,
+        "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
+        "plan_peak_mib": (peak - base) / MIB,
+        "cpu_s": time.process_time() - cpu,
+    }
+
+
+def plan_meta_rows(classes=PLAN_META_CLASSES, timeout: float = 1800) -> list[dict]:
+    """`plan_meta_peak` of each class in its own capped subprocess; a failure is its row's
+    status."""
+    import json
+    import resource
+    import subprocess
+    import sys
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (PLAN_META_CAP, PLAN_META_CAP))
+
+    rows = []
+    for name in classes:
+        cmd = [sys.executable, "-m", "benchmarks.memory", "plan-meta-one", name]
+        root = Path(__file__).resolve().parent.parent
+        proc = subprocess.run(
+            cmd, cwd=root, capture_output=True, text=True, timeout=timeout, preexec_fn=cap
+        )
+        if proc.returncode == 0:
+            rows.append({**json.loads(proc.stdout.strip().splitlines()[-1]), "status": "ok"})
+        else:
+            tail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+            rows.append({"model": name, "status": f"exit {proc.returncode}: {tail[:200]}"})
+    return rows
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if sys.argv[1:2] == ["plan-meta-one"]:
+        print(json.dumps(plan_meta_peak(sys.argv[2])))
+    elif sys.argv[1:2] == ["plan-meta"]:
+        print("| model | params | plan peak RSS MiB | CPU s | status |\n|---|---|---|---|---|")
+        for r in plan_meta_rows(tuple(sys.argv[2:]) or PLAN_META_CLASSES):
+            print(
+                f"| {r['model']} | {r.get('params_b', 0):.0f}B | "
+                f"{r.get('plan_peak_mib', float('nan')):.0f} | {r.get('cpu_s', float('nan')):.0f} "
+                f"| {r['status']} |"
+            )
+    else:
+        sys.exit("usage: python -m benchmarks.memory plan-meta [TransformersClass ...]")

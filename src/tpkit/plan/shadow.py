@@ -11,6 +11,15 @@ dry-run at all. `ShadowValues` gives such code values that are cheap and consist
   zeros -- or all-True masks -- for the other inputs), which gives its outputs shadows too;
   a weight too large for that (``LIMIT``) stops the shadow there, so a full-size model's
   dense layers stay fake;
+- memory stays small whatever the model's size (planning must run on a laptop): an op whose
+  output would store more than ``LIMIT`` elements is not computed (a view costs its base; a
+  broadcast of two small shadows, such as a chunked linear attention's ``[batch, heads,
+  chunks, 64, 64, head_dim]`` decay, 400 MB per op for GLM-5-next, stays fake); a shadow lives
+  only as long as its fake tensor; and the float shadows alive at once are held to ``BUDGET``
+  elements (the trace keeps every tensor it tags alive to the end of its forward): past it a
+  new float value is not made, its tensor stays fake and reads as zeros, as any unshadowed one
+  does. Integer and boolean shadows -- the indices, counts, positions and masks that
+  data-dependent code reads -- are always kept;
 - an op whose output shape or Python result depends on values gets its answer from that real
   computation, and its fake output is built from it.
 
@@ -20,10 +29,12 @@ up, and no value reaches a plan. Used only after a plain fake forward failed on 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tpkit.compat import (
     DataDependentOutputException,
@@ -33,10 +44,12 @@ from tpkit.compat import (
     unset_fake_temporarily,
 )
 
-__all__ = ["LIMIT", "ShadowValues", "needs_values"]
+__all__ = ["BUDGET", "LIMIT", "ShadowValues", "needs_values"]
 
-#: Largest tensor (elements) substituted by zeros in a real shadow computation.
+#: Largest tensor (elements) substituted by zeros in a real shadow computation, or computed.
 LIMIT = 1 << 20
+#: Most float shadow elements alive at once (32 x `LIMIT`: 128 MiB of float32).
+BUDGET = 32 * LIMIT
 _RANDOM = {"rand", "randn", "rand_like", "randn_like", "randint", "normal", "bernoulli"}
 #: routing ops -> (position of their ``dim`` argument, whether the index output keeps that dim)
 _ROUTING = {
@@ -63,23 +76,59 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
+def _size(obj: Any) -> int:
+    """Elements of all the tensors in ``obj``."""
+    return sum(t.numel() for t in _tensors(obj))
+
+
+def _stored(obj: Any) -> int:
+    """Elements the storages of the tensors in ``obj`` hold: a view (``expand``, a slice, a
+    transpose) costs its base's, not its own size."""
+    total = 0
+    for t in _tensors(obj):
+        try:
+            total += t.untyped_storage().nbytes() // max(1, t.element_size())
+        except Exception:  # noqa: BLE001 - no plain storage (sparse, nested): its size
+            total += t.numel()
+    return total
+
+
+def _counted(value: torch.Tensor) -> bool:
+    """Whether ``value`` counts against `BUDGET` (floats; indices and masks do not)."""
+    return value.is_floating_point() or value.is_complex()
+
+
 class ShadowValues(TorchFunctionMode):
     """See the module docstring. Enter inside the fake mode, before a tracer."""
 
     def __init__(self, fake: Any):
         super().__init__()
         self.fake = fake
-        self.shadow: dict[int, torch.Tensor] = {}
-        self.keep: list[torch.Tensor] = []  # ids stay unique while shadows are held
+        # fake tensor -> its value, dropped with the tensor (a long forward's intermediates
+        # would otherwise all stay alive to its end)
+        self.shadow: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.live = 0  # float shadow elements alive (`BUDGET`)
 
     def _set(self, t: torch.Tensor, value: torch.Tensor) -> None:
-        if tuple(value.shape) == tuple(t.shape):
-            self.keep.append(t)
-            self.shadow[id(t)] = value
+        size = min(value.numel(), _stored(value))  # a slice its own size, an expand its base's
+        if tuple(value.shape) != tuple(t.shape) or size > LIMIT:
+            return
+        if self.shadow.get(t) is value:
+            return
+        if _counted(value):
+            if self.live + size > BUDGET:
+                return  # over the budget: this float tensor stays fake (reads as zeros)
+            self.live += size
+            # the count goes down when the value is freed (with its tensor, or replaced)
+            weakref.finalize(value, self._freed, size)
+        self.shadow[t] = value
+
+    def _freed(self, n: int) -> None:
+        self.live -= n
 
     def _value(self, t: torch.Tensor) -> torch.Tensor | None:
-        if id(t) in self.shadow:
-            return self.shadow[id(t)]
+        if t in self.shadow:
+            return self.shadow[t]
         if t.numel() > LIMIT:
             return None
         with unset_fake_temporarily():
@@ -112,7 +161,7 @@ class ShadowValues(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        shadowed = any(id(t) in self.shadow for t in _tensors((args, kwargs)))
+        shadowed = any(t in self.shadow for t in _tensors((args, kwargs)))
         try:
             out = func(*args, **kwargs)
         except Exception as exc:
@@ -131,7 +180,7 @@ class ShadowValues(TorchFunctionMode):
             self._route(name, out, args, kwargs)
         elif not _tensors((args, kwargs)) and _tensors(out):
             self._made(name, func, out, args, kwargs)
-        elif shadowed:
+        elif shadowed and _stored(out) <= LIMIT:  # a larger output stays fake
             ok, real, used = self._real(func, args, kwargs)
             if ok and real is not None and not _tensors(out) and not _tensors(real):
                 return real  # a Python value read off a tensor (format, tolist, bool)
@@ -151,10 +200,10 @@ class ShadowValues(TorchFunctionMode):
             integer = isinstance(v, torch.Tensor) and not (
                 v.is_floating_point() or v.is_complex() or v.dtype == torch.bool
             )
-            if integer and v.numel() == 1 and id(v) in self.shadow:
+            if integer and v.numel() == 1 and v in self.shadow:
                 found = True
                 with unset_fake_temporarily():
-                    return int(self.shadow[id(v)].item())
+                    return int(self.shadow[v].item())
             return v
 
         swapped = tree_map(swap, (args, kwargs))
@@ -165,7 +214,7 @@ class ShadowValues(TorchFunctionMode):
         shadow; a random one (layer drop's ``torch.rand([]) < p``) a fixed 0.5, so the same
         plan comes out every time and a layer is never dropped from the trace."""
         outs = _tensors(out)
-        if sum(t.numel() for t in outs) > LIMIT:
+        if _size(out) > LIMIT:
             return
         if name in _RANDOM:
             with unset_fake_temporarily():

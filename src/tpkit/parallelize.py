@@ -1,9 +1,11 @@
 """`tensor_parallel()`: the one line of tpkit, as the list of its steps.
 
-sizes -> derive -> validate -> mesh -> apply -> sp -> rng -> loss -> fsdp -> guards. Everything
-that can fail (sizes, plan, divisibility, options, device map) runs before the first collective,
-identically on every rank; only then is the process group and mesh built, the plan applied and
-the RNG synced across the TP group.
+sizes -> derive -> validate -> mesh -> random init -> apply (+ sp, rng, loss) -> guards -> fsdp
+(the order `docs/architecture.md` shows, checked by tests/test_docs.py). Everything that can fail
+(sizes, plan, divisibility, options, device map) runs before the first collective, identically
+on every rank; only then is the process group and mesh built, the plan applied and the RNG
+synced across the TP group. Outside torchrun, a call naming 2+ devices hands the model to a
+worker pool instead (`tpkit.pool`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,17 @@
 """Plans: which module gets which tensor-parallel style. Pure analysis, no process group.
 
-The stages, each a module, imports flowing one way (a module imports only those above it):
+The stages, each a module, imports flowing one way (a module imports only those above it; the
+full ordered list, one line each, is the plan/ table of `docs/architecture.md`, which
+tests/test_docs.py holds to the imports):
 
-    catalogue  what each style is (data)
-    spec       Plan: patterns -> styles, args, fix-ups, notes, groups
-    layout     which dim of each parameter a style splits
-    fixups     per-rank attributes and inputs a module's code reads
-    trace      one forward on fake tensors, tagging the dataflow
-    dryrun     one forward with rank 0's shard shapes: does the plan run?
-    hf         transformers' own plans
-    infer      a plan from the dataflow
-    explain    a plan as a table
-    validate   every check that can fail
-    complete   what a derived plan leaves out
-    derive     derive_plan: source, user entries, completion, groups settled for tp
+    catalogue, spec, layout, fixups   what styles are, the Plan, which dims they split, fix-ups
+    inputs, fake, shadow              made-up inputs, fake-tensor forwards, made-up routing values
+    reductions, trace                 the dataflow between linear-like modules, reads across features
+    gathered, kvheads, dryrun         the gathered form, KV replication, does a plan run at tp?
+    experts, ssm, hf, infer           plan sources: experts, Mamba mixers, transformers', inferred
+    fallback                          the per-layer fallback when nothing can be traced or paired
+    explain, validate, complete       a plan as a table, every check, what a derived plan leaves out
+    derive                            derive_plan: source, user entries, completion, settling for tp
 """
 
 from tpkit.plan.catalogue import StyleSpec, all_specs, canonical_style, register_spec, style_spec

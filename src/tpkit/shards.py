@@ -25,6 +25,7 @@ from tpkit.styles import placement_for
 
 __all__ = [
     "convert_state_dict",
+    "dtensor_like",
     "infer_sharded_device_map",
     "load_local_state_dict",
     "local_ranges",
@@ -60,21 +61,25 @@ def local_slice(t: torch.Tensor, placement: Placement, tp: int, rank: int) -> to
 
 
 # ---- materialising parameters ----------------------------------------------------------------
+def dtensor_like(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor laid out like ``like`` (its mesh, placements, global shape and
+    stride), or ``local`` itself when ``like`` is a plain tensor. No communication."""
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
 def set_local(module: nn.Module, pname: str, local: torch.Tensor) -> nn.Parameter:
     """Replace ``module.<pname>`` (DTensor or plain, meta or real) by one holding ``local``."""
     old = module._parameters[pname]
-    if isinstance(old, DTensor):
-        value = DTensor.from_local(
-            local,
-            old.device_mesh,
-            old.placements,
-            run_check=False,
-            shape=old.shape,
-            stride=old.stride(),
-        )
-    else:
-        value = local
-    new = nn.Parameter(value, requires_grad=old.requires_grad)
+    new = nn.Parameter(dtensor_like(old, local), requires_grad=old.requires_grad)
     module._parameters[pname] = new
     return new
 

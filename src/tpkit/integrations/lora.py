@@ -54,6 +54,7 @@ from tpkit.fsdp import average_grads_over_dp, is_fsdp
 from tpkit.parallelize import tp_state
 from tpkit.plan import style_spec
 from tpkit.rng import replicated_stream
+from tpkit.shards import dtensor_like
 from tpkit.styles import (
     ParentSwap,
     ReplicateGradAllReduceStyle,
@@ -463,7 +464,7 @@ def _dora_variant(layout: str, group):
     class TPDora(DoraLinearVariant):
         @staticmethod
         def merge_safe(module, active_adapter: str, orig_weight: torch.Tensor) -> torch.Tensor:
-            return _like(orig_weight, merged(module, active_adapter, orig_weight))
+            return dtensor_like(orig_weight, merged(module, active_adapter, orig_weight))
 
         @staticmethod
         def merge_unsafe(module, active_adapter: str, orig_weight: torch.Tensor) -> None:
@@ -478,23 +479,9 @@ def _dora_variant(layout: str, group):
             norm = module._cache_pop(f"{active_adapter}-weight_norm")
             magnitude = _local(module.lora_magnitude_vector[active_adapter].weight).detach()
             scale = transpose((magnitude / norm).view(-1, 1), module.fan_in_fan_out)
-            return _like(orig_weight, (weight / scale - delta).to(weight.dtype))
+            return dtensor_like(orig_weight, (weight / scale - delta).to(weight.dtype))
 
     return TPDora()
-
-
-def _like(weight: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as a DTensor laid out like ``weight`` (or itself, for a plain weight)."""
-    if not isinstance(weight, DTensor):
-        return local
-    return DTensor.from_local(
-        local,
-        weight.device_mesh,
-        weight.placements,
-        run_check=False,
-        shape=weight.shape,
-        stride=weight.stride(),
-    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

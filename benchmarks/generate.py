@@ -134,7 +134,7 @@ SUITE = Suite(
         "tok/s = batch·(N−1) / (median N-token time − TTFT). Ratios of tok/s (medians of per-round "
         "ratios) are higher-is-better; `IQR of rounds` is their interquartile range and `vs "
         "transformers TP` says `better`/`worse` only when it lies wholly above/below 1.00. tpkit's "
-        "collectives take the same-host shared-memory path by default (`tpkit.shm`); "
+        "collectives take the same-host shared-memory path by default (`tpkit.dist.shm`); "
         "`tpkit, shm off` is the same model with it off (every collective on gloo), in the same "
         "rounds. `same tokens` compares the greedy sequences with the unsharded model's."
     ),

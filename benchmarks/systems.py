@@ -32,13 +32,13 @@ LABELS = {
 }
 
 
-GLOO = "tpkit_gloo"  # the tpkit model with tpkit.shm's fast path off: every collective on gloo
+GLOO = "tpkit_gloo"  # the tpkit model with tpkit.dist.shm's fast path off: every collective on gloo
 
 
 def without_shm(fn: Callable[[], Any]) -> Any:
     """``fn()`` with tpkit's shared-memory collectives off (`GLOO` rows). Every rank runs the same
-    round, so every rank has the same setting, as `tpkit.shm.set_shm_enabled` requires."""
-    from tpkit.shm import set_shm_enabled
+    round, so every rank has the same setting, as `tpkit.dist.shm.set_shm_enabled` requires."""
+    from tpkit.dist.shm import set_shm_enabled
 
     before = set_shm_enabled(False)
     try:
@@ -103,8 +103,8 @@ def load_plain(ctx: Ctx, path: Path) -> System:
 @contextlib.contextmanager
 def count_tpkit(log: CollectiveLog):
     """c10d ops as every system's, plus tpkit's same-host shared-memory collectives (which are not
-    c10d ops: `tpkit.shm` reports them to observers instead)."""
-    from tpkit.shm import observe_shm
+    c10d ops: `tpkit.dist.shm` reports them to observers instead)."""
+    from tpkit.dist.shm import observe_shm
 
     with CountCollectives(log), observe_shm(log.record):
         yield

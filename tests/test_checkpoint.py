@@ -61,7 +61,7 @@ def _load_tiny(path: Path) -> dict:
 
 
 def _plant_metadata(ck: Path, marker: Path) -> None:
-    from tpkit import atomic
+    from tpkit.io import atomic
 
     (ck / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     atomic.mark_complete(ck)  # an attacker can write the marker too: it is no signature
@@ -70,8 +70,8 @@ def _plant_metadata(ck: Path, marker: Path) -> None:
 def _plant_bytes_item(ck: Path, marker: Path) -> str:
     """Point a non-tensor item (an optimizer's lr) at a torch.save of the payload; return the data
     file it is in. The metadata itself stays legitimate."""
-    from tpkit import atomic
-    from tpkit.dcp_io import read_metadata
+    from tpkit.io import atomic
+    from tpkit.io.dcp import read_metadata
 
     md = read_metadata(ck)
     key = next(
@@ -206,7 +206,7 @@ def test_gpt2_tp2_checkpoint_exports_to_plain_transformers(ranks2, tmp_path):
 
 def check_pieces_of_packed_qkv() -> dict:
     import tpkit
-    from tpkit.dcp_io import local_pieces
+    from tpkit.io.dcp import local_pieces
 
     model = tpkit.tensor_parallel(build("gpt2"))
     w = model.transformer.h[0].attn.c_attn.weight  # (64, 192): q|k|v, _StridedShard(1, sf=3)
@@ -231,7 +231,7 @@ def test_a_packed_shard_is_one_piece_per_part_at_its_global_offset(ranks2):
 # ---- 1. nothing from a checkpoint runs ----------------------------------------------------------
 def test_load_refuses_a_planted_metadata_pickle(tmp_path):
     import tpkit
-    from tpkit.dcp_io import UnsafeCheckpointError
+    from tpkit.io.dcp import UnsafeCheckpointError
 
     ck, marker = tmp_path / "ck", tmp_path / "pwned"
     _save_tiny(ck)
@@ -247,7 +247,7 @@ def test_load_refuses_a_planted_metadata_pickle(tmp_path):
 
 
 def test_load_refuses_a_planted_bytes_item(tmp_path):
-    from tpkit.dcp_io import UnsafeCheckpointError
+    from tpkit.io.dcp import UnsafeCheckpointError
 
     ck, marker = tmp_path / "ck", tmp_path / "pwned"
     _save_tiny(ck)
@@ -263,9 +263,9 @@ def _plant_model_bytes_item(ck: Path, marker: Path) -> None:
     export reads model items only."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from tpkit import atomic
     from tpkit.compat import StorageInfo as _StorageInfo
-    from tpkit.dcp_io import read_metadata
+    from tpkit.io import atomic
+    from tpkit.io.dcp import read_metadata
 
     md = read_metadata(ck)
     key = "model.model.norm._extra_state"
@@ -283,8 +283,8 @@ def _plant_model_bytes_item(ck: Path, marker: Path) -> None:
 @pytest.mark.parametrize("plant", [_plant_metadata, _plant_model_bytes_item])
 def test_export_refuses_planted_pickles(tmp_path, plant):
     import tpkit
-    from tpkit.cli import main
-    from tpkit.dcp_io import UnsafeCheckpointError
+    from tpkit.cli.main import main
+    from tpkit.io.dcp import UnsafeCheckpointError
 
     ck, marker = tmp_path / "ck", tmp_path / "pwned"
     model = build("llama")
@@ -322,7 +322,7 @@ def test_a_checkpoint_round_trip_unpickles_nothing_but_data(tmp_path, monkeypatc
 
 def check_planted_metadata_refused_on_every_rank(path: str, marker: str) -> str:
     import tpkit
-    from tpkit.dcp_io import UnsafeCheckpointError
+    from tpkit.io.dcp import UnsafeCheckpointError
 
     model = tpkit.tensor_parallel(build("llama"))
     tpkit.save_checkpoint(path, model)
@@ -397,7 +397,7 @@ def _raise_write(self, plan, planner):
 def test_a_crash_while_removing_old_keeps_the_new_checkpoint(tmp_path, monkeypatch):
     import shutil
 
-    from tpkit import atomic
+    from tpkit.io import atomic
 
     ck = tmp_path / "ck"
     _save_tiny(ck, step=1)
@@ -426,7 +426,7 @@ def test_load_falls_back_to_old_when_the_directory_is_missing(tmp_path):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger("tpkit.atomic")
+    logger = logging.getLogger("tpkit.io.atomic")
     logger.addHandler(handler)
     try:
         assert _load_tiny(ck) == {"step": 1}
@@ -439,7 +439,7 @@ def test_load_falls_back_to_old_when_the_directory_is_missing(tmp_path):
 
 
 def test_a_partial_tmp_is_never_taken_for_a_checkpoint(tmp_path):
-    from tpkit import atomic
+    from tpkit.io import atomic
 
     ck = tmp_path / "ck"
     _save_tiny(ck, step=1)
@@ -451,7 +451,7 @@ def test_a_partial_tmp_is_never_taken_for_a_checkpoint(tmp_path):
 
 
 def test_an_unmarked_checkpoint_from_before_markers_still_loads(tmp_path):
-    from tpkit import atomic
+    from tpkit.io import atomic
 
     ck = tmp_path / "ck"
     _save_tiny(ck, step=5)
@@ -520,8 +520,8 @@ def check_slow_reader_then_save(path: str) -> dict:
     import time
 
     import tpkit
-    import tpkit.checkpoint as ck
-    from tpkit import atomic
+    import tpkit.io.checkpoint as ck
+    from tpkit.io import atomic
 
     model = tpkit.tensor_parallel(build("llama"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -564,7 +564,7 @@ def llama_checkpoint(tmp_path) -> Path:
 
 
 def test_export_onto_a_file_is_refused(tmp_path, llama_checkpoint):
-    from tpkit.cli import main
+    from tpkit.cli.main import main
 
     target = tmp_path / "model.bin"
     target.write_bytes(b"keep")
@@ -678,7 +678,7 @@ def test_a_model_only_checkpoint_loaded_with_an_optimizer_says_what_to_do(tmp_pa
 def test_a_remaining_dcp_failure_is_a_chained_runtime_error(tmp_path, monkeypatch):
     from torch.distributed.checkpoint import CheckpointException
 
-    from tpkit.dcp_io import SafeFileSystemReader
+    from tpkit.io.dcp import SafeFileSystemReader
 
     _save_tiny(tmp_path / "ck")
 

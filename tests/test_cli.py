@@ -62,7 +62,7 @@ def test_generate_launches_itself_and_matches_unsharded(tmp_path):
 def test_export_cli_writes_a_plain_checkpoint(ranks2, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from tpkit.cli import main
+    from tpkit.cli.main import main
 
     ranks2.run(check_save_for_export, "llama", str(tmp_path / "ck"))
     assert main(["export", str(tmp_path / "ck"), str(tmp_path / "hf")]) == 0

@@ -19,7 +19,16 @@ DOCS = ROOT / "docs"
 ARCH = DOCS / "architecture.md"
 
 # rooms outside the core: the core never imports them (the package __init__ wires them in)
-OUTER = ("tpkit.integrations", "tpkit.cli", "tpkit.launch")
+OUTER = ("tpkit.integrations", "tpkit.cli")
+# the subpackages (a room each), and what each of the lower ones may import
+ROOMS = ("plan", "styles", "quant", "integrations", "cli", "dist", "training", "guards", "io", "pool")
+FLOOR = ("tpkit.compat", "tpkit.log")
+LOWER = {
+    "dist": FLOOR,
+    "training": (*FLOOR, "tpkit.dist", "tpkit.plan", "tpkit.styles"),
+    "guards": (*FLOOR, "tpkit.dist", "tpkit.plan"),
+    "io": (*FLOOR, "tpkit.dist", "tpkit.plan", "tpkit.styles"),
+}
 # what plan/ may import beyond the standard library (yaml: Plan.from_yaml parses plan files)
 PLAN_THIRD_PARTY = {"torch", "yaml"}
 
@@ -78,11 +87,11 @@ def _imports(path: Path, known: set[str]) -> list[_Import]:
 
 
 def _room(module: str) -> str:
-    """plan, styles, quant, integrations, cli, launch, package, or core."""
+    """The subpackage a module lives in (plan, styles, dist, ...), package, or core."""
     if module == "tpkit":
         return "package"
     parts = module.split(".")
-    if parts[1] in ("plan", "styles", "quant", "integrations", "cli", "launch"):
+    if len(parts) > 2 or parts[1] in ROOMS:
         return parts[1]
     return "core"
 
@@ -171,7 +180,7 @@ def test_plan_stages_import_only_stages_above_them():
 
 
 def test_styles_import_only_plan_comm_and_compat():
-    allowed = ("tpkit.plan", "tpkit.styles", "tpkit.comm", "tpkit.compat")
+    allowed = ("tpkit.plan", "tpkit.styles", "tpkit.dist.comm", "tpkit.compat")
 
     def rule(name: str, imp: _Import) -> str | None:
         if _room(name) != "styles" or imp.top != "tpkit":
@@ -183,9 +192,24 @@ def test_styles_import_only_plan_comm_and_compat():
     assert not _violations(rule), "\n".join(_violations(rule))
 
 
-def test_core_never_imports_integrations_cli_or_launch():
+def test_lower_rooms_import_only_what_is_below_them():
+    """dist/ is the floor; training/, guards/ and io/ stand on dist/, plan/ and styles/ and never
+    on each other, on parallelize.py or on pretrained.py."""
+
     def rule(name: str, imp: _Import) -> str | None:
-        if _room(name) not in ("core", "styles", "quant", "plan"):
+        room = _room(name)
+        if room not in LOWER or imp.top != "tpkit" or _under(imp.module, f"tpkit.{room}"):
+            return None
+        if any(_under(imp.module, allowed) for allowed in LOWER[room]):
+            return None
+        return f"{room}/ module {name} imports {imp.module} (only {', '.join(LOWER[room])})"
+
+    assert not _violations(rule), "\n".join(_violations(rule))
+
+
+def test_core_never_imports_integrations_or_cli():
+    def rule(name: str, imp: _Import) -> str | None:
+        if _room(name) in ("integrations", "cli", "package"):
             return None
         if any(_under(imp.module, outer) for outer in OUTER):
             return f"core module {name} imports {imp.module}"
@@ -400,7 +424,7 @@ MKDOCS = Path(sys.executable).parent / "mkdocs"
 def test_api_page_documents_every_public_name(tmp_path):
     """The site builds with --strict (what `make docs` runs), and its API page has an entry for
     every name in ``tpkit.__all__``: as ``tpkit.NAME``, or as ``tpkit....NAME.NAME`` where a
-    function shares its module's name (`tpkit.launch.launch`) and docs/api.md lists it by hand."""
+    function shares its module's name (`tpkit.cli.launch.launch`) and docs/api.md lists it by hand."""
     proc = subprocess.run(
         [str(MKDOCS), "build", "--strict", "-d", str(tmp_path / "site")],
         cwd=ROOT,

@@ -58,8 +58,8 @@ def _copy_adapters(src, dst) -> None:
 def make(name: str, order: str, lora: dict | None = None, **tp_kwargs):
     """(unsharded PEFT reference, the same adapters on a tpkit model) in the given order."""
     import tpkit
-    from tpkit.fsdp import is_fsdp
     from tpkit.integrations import peft as tp_peft
+    from tpkit.training.fsdp import is_fsdp
 
     ref = reference(name, **(lora or {}))
     if order == "peft_first":

@@ -213,8 +213,8 @@ def check_eval(out, tp) -> dict:
 def check_load_full_weights(checkpoint) -> float:
     """A Trainer checkpoint's gathered model.safetensors and its DCP copy load to the same shards."""
     from tests.models import full
-    from tpkit.checkpoint import load_checkpoint
     from tpkit.integrations.trainer import DCP_DIR, load_full_weights
+    from tpkit.io.checkpoint import load_checkpoint
 
     a = _parallelize(build("llama", seed=5), 2)
     b = _parallelize(build("llama", seed=6), 2)

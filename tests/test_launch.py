@@ -81,7 +81,7 @@ def main_two_nodes() -> None:
 
 def main_skip_collective() -> None:
     import tpkit
-    from tpkit.launch import ensure_ranks
+    from tpkit.cli.launch import ensure_ranks
 
     ensure_ranks(2)  # started as plain `python`: re-executes itself under torchrun
     tpkit.init_distributed()
@@ -139,7 +139,7 @@ def test_launch_returns_rank0_tp_logits_and_leaves_no_worker():
 
 def test_launch_reraises_rank1_error_with_its_traceback_and_stops_rank0():
     import tpkit
-    from tpkit.launch import RemoteTraceback
+    from tpkit.cli.launch import RemoteTraceback
 
     before, start = _workers(), time.monotonic()
     with pytest.raises(ValueError, match="rank 1 cannot go on") as info:
@@ -212,7 +212,7 @@ class _Exec(Exception):
 
 
 def _captured_exec(argv: list[str], monkeypatch) -> tuple[list[str], dict[str, str]]:
-    from tpkit import cli
+    from tpkit.cli.main import main as cli
 
     def fake_execve(path, args, env):
         raise _Exec(args, env)

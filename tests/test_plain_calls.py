@@ -409,7 +409,7 @@ def test_cli_plan_collapses_layers_and_says_tp1_splits_nothing(checkpoints):
 
 
 def testcollapse_layers_counts_repeats():
-    from tpkit.cli import collapse_layers
+    from tpkit.cli.main import collapse_layers
 
     msg = "Cannot apply:\n- a of m.layers.0.q (x)\n- a of m.layers.1.q (x)\n- b of m.head"
     assert collapse_layers(msg).splitlines() == [

@@ -349,7 +349,7 @@ def test_shipped_yaml_plans_name_real_modules(name):
 
 
 def test_cli_plan_explains_an_inferred_plan(tmp_path, capsys):
-    from tpkit.cli import main
+    from tpkit.cli.main import main
 
     tf.GPT2Config(n_embd=48, n_layer=2, n_head=3, vocab_size=V, n_positions=16).save_pretrained(
         tmp_path

@@ -110,8 +110,8 @@ def test_width_not_divisible():
 
 
 def test_world_size_not_divisible():
-    from tpkit.mesh import DistEnv
-    from tpkit.sizes import ParallelDims
+    from tpkit.dist.mesh import DistEnv
+    from tpkit.dist.parallel_dims import ParallelDims
 
     with pytest.raises(ValueError, match="tp_size=3 does not divide the world size 4"):
         ParallelDims.resolve(3, None, env=DistEnv(0, 4, 0))

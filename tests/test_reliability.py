@@ -38,7 +38,7 @@ def _write_raw(path, header: dict, data: bytes) -> str:
 
 
 def _index_error(path) -> str:
-    from tpkit.safetensors_io import CheckpointIndex
+    from tpkit.io.safetensors import CheckpointIndex
 
     return _error(CheckpointIndex, path)
 
@@ -256,7 +256,7 @@ def check_shm_dead_peer(timeout_s: str) -> str:
     `test_dp_sub_groups_get_tpkit_timeout`)."""
     import datetime
 
-    from tpkit.shm import ShmChannel
+    from tpkit.dist.shm import ShmChannel
 
     group = dist.new_group(timeout=datetime.timedelta(seconds=float(timeout_s)))
     channel = ShmChannel(group)
@@ -303,10 +303,10 @@ def test_dp_sub_groups_get_tpkit_timeout():
 
 
 def test_timeout_report_names_the_users_line():
-    from tpkit.timeouts import collective_frame
+    from tpkit.dist.timeouts import collective_frame
 
     def user_code():
-        from tpkit import comm
+        from tpkit.dist import comm
 
         comm.reduce_from_tp(torch.ones(2), group=object())  # fails inside torch.distributed
 

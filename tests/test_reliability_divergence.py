@@ -6,7 +6,7 @@
 - ShieldGemma-2: wraps Gemma-3, names no output head, and its ``lm_head`` is tied to the
   vocab-parallel embedding: the head computed with the rank's half of the vocabulary and was
   never gathered, so rank 0 returned the right yes/no logits and rank 1 others, no error.
-- The output guard (`tpkit.debug.check_outputs`): outputs that differ across the TP group while
+- The output guard (`tpkit.guards.debug.check_outputs`): outputs that differ across the TP group while
   the inputs agree raise on every rank, naming the model and the output.
 
 Tiny multimodal configs are built here: `tests.tiny` shrinks text configs only.

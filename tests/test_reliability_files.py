@@ -84,7 +84,7 @@ def llama_checkpoint(tmp_path) -> Path:
 # ---- item 3: export never deletes a file it did not write ---------------------------------------
 @pytest.mark.parametrize("where", ["same", "inside", "contains", "symlink", "its_old_copy"])
 def test_export_onto_its_source_is_refused_and_nothing_changes(tmp_path, llama_checkpoint, where):
-    from tpkit.cli import main
+    from tpkit.cli.main import main
 
     ck = llama_checkpoint
     out = {
@@ -106,7 +106,7 @@ def test_export_onto_its_source_is_refused_and_nothing_changes(tmp_path, llama_c
 
 
 def test_export_cli_onto_its_source_is_one_error_line(tmp_path, llama_checkpoint, monkeypatch):
-    from tpkit.cli import main
+    from tpkit.cli.main import main
 
     before = _tree(tmp_path)
     monkeypatch.setattr(
@@ -212,7 +212,7 @@ def _crash_in_writes(monkeypatch, at: str) -> None:
 def test_a_crash_mid_save_pretrained_leaves_the_old_model(
     tmp_path, monkeypatch, shard, at, old_sharded
 ):
-    from tpkit.save import install_save_pretrained
+    from tpkit.io.save import install_save_pretrained
 
     out = tmp_path / "hf"
     build("llama", seed=OLD).save_pretrained(out, max_shard_size=SHARD if old_sharded else "5GB")
@@ -238,8 +238,8 @@ def test_a_crash_mid_save_pretrained_leaves_the_old_model(
 def test_save_pretrained_without_an_atomic_exchange_still_keeps_files(tmp_path, monkeypatch):
     """Where the OS has no atomic exchange: two renames; killed between them the directory is
     missing (never mixed) and the next save restores it before writing."""
-    from tpkit import atomic
-    from tpkit.save import save_pretrained_atomic
+    from tpkit.io import atomic
+    from tpkit.io.save import save_pretrained_atomic
 
     out = tmp_path / "hf"
     build("llama", seed=OLD).save_pretrained(out, max_shard_size=SHARD)
@@ -273,7 +273,7 @@ _KILL_SCRIPT = textwrap.dedent(
     import transformers.modeling_utils as mu
     sys.path.insert(0, {root!r})
     from tests.models import build
-    from tpkit.save import install_save_pretrained
+    from tpkit.io.save import install_save_pretrained
 
     model = build("llama", seed={new})
     install_save_pretrained(model)  # what tpkit puts on every split model

@@ -1,4 +1,4 @@
-"""Random initialisation after the split draws the unsharded values (`tpkit.random_init`).
+"""Random initialisation after the split draws the unsharded values (`tpkit.training.init`).
 
 The from-scratch flow: build on meta, split, ``to_empty``, initialise. Under the same seed every
 shard must hold exactly its slice of what the unsharded model draws (no twin shards), and the
@@ -208,7 +208,7 @@ def test_nn_init_kinds_on_split_linear_match_unsharded(ranks2, with_generator):
 def check_init_unsharded() -> dict:
     """Inits DTensor cannot follow op by op, run on the whole tensor by `init_unsharded`."""
     import tpkit
-    from tpkit.random_init import init_unsharded
+    from tpkit.training.init import init_unsharded
 
     torch.manual_seed(5)
     ref = _MLP()
@@ -336,7 +336,7 @@ def check_foreign_mesh_untouched() -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import tpkit
-    from tpkit.random_init import is_registered_mesh
+    from tpkit.training.init import is_registered_mesh
 
     tpkit.tensor_parallel(_MLP(), plan=MLP_PLAN)  # installs the handler
     mesh = DeviceMesh("cpu", list(range(dist.get_world_size())), mesh_dim_names=("other",))

@@ -1,4 +1,4 @@
-"""Reading one rank's slice of a safetensors tensor straight into its shard (`tpkit.safetensors_io`).
+"""Reading one rank's slice of a safetensors tensor straight into its shard (`tpkit.io.safetensors`).
 
 Behaviour: every slice kind (whole, dim-0 runs, strided dims, packed parts, scalars) equals the
 slice of the tensor, in the stored dtype or converted, into a fresh tensor or a given ``out``, with
@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import tpkit.safetensors_io as sio
-from tpkit.safetensors_io import CheckpointIndex
+import tpkit.io.safetensors as sio
+from tpkit.io.safetensors import CheckpointIndex
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ RSS_SCRIPT = """
 import os, sys, torch
 from safetensors.torch import save_file
 sys.path.insert(0, {src!r})
-from tpkit.safetensors_io import CheckpointIndex
+from tpkit.io.safetensors import CheckpointIndex
 path = {path!r}
 save_file({{"w": torch.randn(4096, 4096)}}, path)  # 64 MiB
 def rss():

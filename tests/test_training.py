@@ -111,7 +111,7 @@ def check_dropout_replicas_agree(name: str, **tp_kwargs) -> dict:
         dist.all_gather(parts, o.contiguous())
         equal.append(all(torch.equal(parts[0], p) for p in parts))
     # the per-rank stream really differs: one draw inside a region, compared across ranks
-    from tpkit.rng import rng_state as _get
+    from tpkit.training.rng import rng_state as _get
 
     region = blocks[0].attn if name == "gpt2" else blocks[0].self_attn
     seen = []

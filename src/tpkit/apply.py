@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from tpkit.comm import copy_to_tp
+from tpkit.dist.comm import copy_to_tp
 from tpkit.plan import Plan, param_layout
 from tpkit.plan.fixups import apply_fixups
 from tpkit.styles import (
@@ -38,7 +38,7 @@ __all__ = ["StyleOptions", "apply_plan", "tied_groups"]
 class StyleOptions:
     """What tensor_parallel's options change in individual styles, decided before they exist.
 
-    ``sp``: module name -> its block's sequence-parallel state (`tpkit.sequence_parallel`);
+    ``sp``: module name -> its block's sequence-parallel state (`tpkit.training.sequence_parallel`);
     ``loss_parallel``: the head's logits go to the loss vocab-sharded; ``compute_dtype``: module
     name -> the dtype its local parameters are cast to (FSDP2 mixed precision for parameters it
     leaves out)."""

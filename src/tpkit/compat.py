@@ -44,7 +44,7 @@ def dtensor_op_handlers() -> dict:
     """The DTensor dispatcher's table of per-op handlers (``aten op -> fn(op, args, kwargs)``),
     consulted before sharding propagation: torch has no public way to give an op on DTensors
     other semantics (its own loss and context parallelism write to the same table). Used by
-    `tpkit.random_init`."""
+    `tpkit.training.init`."""
     from torch.distributed.tensor import DTensor
 
     return DTensor._op_dispatcher._custom_op_handlers

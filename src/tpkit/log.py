@@ -4,7 +4,7 @@ Every line carries its rank (``[tpkit rank 1/2] ...``), so interleaved output fr
 stays readable. ``TPKIT_LOG_LEVEL`` (default ``INFO``) sets the level. Messages that every rank must
 print whatever the setting (a rank's own failure report) use ``log_every_rank``.
 
-This module reads the rank itself (live process group, else torchrun's RANK) so that mesh.py can
+This module reads the rank itself (live process group, else torchrun's RANK) so that dist/mesh.py can
 import it without a cycle.
 """
 

@@ -22,20 +22,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from tpkit.apply import StyleOptions, apply_plan
-from tpkit.debug import install_input_checks
-from tpkit.fsdp import apply_fsdp, strided_owners
-from tpkit.generation import install_generate_guard
+from tpkit.dist.mesh import build_mesh, init_distributed, sync_rng, tp_submesh
+from tpkit.dist.parallel_dims import ParallelDims, launch_hint
+from tpkit.dist.shm import prepare_shm
+from tpkit.guards.debug import install_input_checks
+from tpkit.guards.generation import install_generate_guard
+from tpkit.io.save import install_save_pretrained
 from tpkit.log import get_logger
-from tpkit.loss import enable_loss_parallel
-from tpkit.mesh import build_mesh, init_distributed, sync_rng, tp_submesh
 from tpkit.plan import Plan, PlanLike, check_plan_arg, derive_plan, validate
 from tpkit.plan.layout import tp_regions
-from tpkit.random_init import install_random_init
-from tpkit.rng import install_region_rng
-from tpkit.save import install_save_pretrained
-from tpkit.sequence_parallel import SequenceParallel
-from tpkit.shm import prepare_shm
-from tpkit.sizes import ParallelDims, launch_hint
+from tpkit.training.fsdp import apply_fsdp, strided_owners
+from tpkit.training.init import install_random_init
+from tpkit.training.loss import enable_loss_parallel
+from tpkit.training.rng import install_region_rng
+from tpkit.training.sequence_parallel import SequenceParallel
 
 __all__ = [
     "SplitExtension",
@@ -255,7 +255,9 @@ def split(
         if dims.tp > 1:
             sync_rng(tp_mesh)
             if dims.device.type == "cpu":  # decided now, so a first call under torch.compile
-                prepare_shm(tp_mesh.get_group())  # also finds the shared-memory path (tpkit.shm)
+                prepare_shm(
+                    tp_mesh.get_group()
+                )  # also finds the shared-memory path (tpkit.dist.shm)
             mixed = param_dtype if fsdp_later else None
             _split_tp(model, the_plan, tp_mesh, o.sequence_parallel, o.loss_parallel, mixed)
     model._tpkit = TPState(

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from tpkit.compat import StridedShard
-from tpkit.shards import local_slice, param_owners, set_local
+from tpkit.io.shards import local_slice, param_owners, set_local
 
 __all__ = ["patch_accelerate", "set_dtensor"]
 

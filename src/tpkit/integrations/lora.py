@@ -49,12 +49,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from tpkit.comm import all_reduce_, copy_to_tp
-from tpkit.fsdp import average_grads_over_dp, is_fsdp
+from tpkit.dist.comm import all_reduce_, copy_to_tp
+from tpkit.io.shards import dtensor_like
 from tpkit.parallelize import tp_state
 from tpkit.plan import style_spec
-from tpkit.rng import replicated_stream
-from tpkit.shards import dtensor_like
 from tpkit.styles import (
     ParentSwap,
     ReplicateGradAllReduceStyle,
@@ -63,6 +61,8 @@ from tpkit.styles import (
     make_style,
     style_of,
 )
+from tpkit.training.fsdp import average_grads_over_dp, is_fsdp
+from tpkit.training.rng import replicated_stream
 
 __all__ = [
     "adapter_layout",
@@ -278,7 +278,7 @@ class _RowLoraB(ReplicateGradAllReduceStyle):
 
 class _TPDropout(nn.Module):
     """LoRA dropout that draws exactly the unsharded model's mask: from the default stream, which
-    tpkit keeps identical across the TP group (`tpkit.rng.replicated_stream`, also inside a
+    tpkit keeps identical across the TP group (`tpkit.training.rng.replicated_stream`, also inside a
     tensor-parallel region, whose own per-rank stream is left alone), in the same order as the
     unsharded model draws it. On a sharded input (a row-parallel base: this rank's slice of the
     input features) the whole mask is drawn and this rank's slice kept, so every rank advances

@@ -59,7 +59,7 @@ from typing import Any
 
 from torch import nn
 
-from tpkit.fsdp import apply_fsdp, is_fsdp, strided_1d
+from tpkit.dist.mesh import barrier, rank
 from tpkit.integrations.lora import (
     check_lora_config,
     check_peft_type,
@@ -72,8 +72,8 @@ from tpkit.integrations.lora import (
     saved_copies,
     tuner_layers,
 )
-from tpkit.mesh import barrier, rank
 from tpkit.parallelize import TPOptions, apply_pending_fsdp, split, tp_state
+from tpkit.training.fsdp import apply_fsdp, is_fsdp, strided_1d
 
 __all__ = [
     "from_pretrained",
@@ -174,7 +174,7 @@ def _maybe_fsdp(peft_model: nn.Module, state, fsdp: bool | None) -> None:
 
 def _with_frozen_strided(model: nn.Module, fn) -> None:
     """``fn(model)`` (FSDP2), with the frozen packed 1-D biases FSDP keeps out briefly
-    unfrozen: `tpkit.fsdp.apply_fsdp` registers a dp-averaging gradient hook on them, which a
+    unfrozen: `tpkit.training.fsdp.apply_fsdp` registers a dp-averaging gradient hook on them, which a
     frozen tensor cannot take (the hook then never fires)."""
     frozen = [p for p in model.parameters() if not p.requires_grad and strided_1d(p)]
     for p in frozen:

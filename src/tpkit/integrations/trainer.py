@@ -75,7 +75,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpkit.fsdp import average_over_dp, is_fsdp
 from tpkit.integrations.trainer_checkpoints import (
     DCP_DIR,
     load_full_weights,
@@ -87,6 +86,7 @@ from tpkit.integrations.trainer_checkpoints import (
     patched_save_optimizer_and_scheduler,
 )
 from tpkit.parallelize import tp_state
+from tpkit.training.fsdp import average_over_dp, is_fsdp
 
 __all__ = ["DCP_DIR", "load_full_weights", "patch_trainer", "tp_state", "unpatch_trainer"]
 

@@ -267,7 +267,7 @@ def canonical_style(name: str) -> str:
         raise ValueError(
             "'sequence_parallel' is not a per-module style in tpkit: pass "
             "tensor_parallel(model, sequence_parallel=True), which shards the norms and residual "
-            "stream between blocks by sequence (tpkit.sequence_parallel)."
+            "stream between blocks by sequence (tpkit.training.sequence_parallel)."
         )
     if name not in _SPECS:
         raise ValueError(

@@ -2,7 +2,7 @@
 and checkpoints all use, derived from the style catalogue.
 
 A layout is plain data (`ParamLayout`: a dim and a number of packed parts); `tpkit.styles` turns
-it into a DTensor placement, `tpkit.load` into byte ranges of a file, `explain` into a local shape.
+it into a DTensor placement, `tpkit.pretrained` into byte ranges of a file, `explain` into a local shape.
 """
 
 from __future__ import annotations
@@ -159,8 +159,8 @@ def param_layouts(model: nn.Module, plan: Plan) -> dict[str, tuple[str, ParamLay
 def tp_regions(model: nn.Module, plan: Plan) -> dict[str, list[str]]:
     """Tensor-parallel regions: each module whose children include column-parallel linears
     (``self_attn``, ``mlp``), with its row-parallel children, where the region's split
-    activations end. Dropout differs across ranks inside a region (`tpkit.rng`); sequence
-    parallelism gathers the sequence at a region's entry (`tpkit.sequence_parallel`)."""
+    activations end. Dropout differs across ranks inside a region (`tpkit.training.rng`); sequence
+    parallelism gathers the sequence at a region's entry (`tpkit.training.sequence_parallel`)."""
     styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
     regions: dict[str, list[str]] = {}
     for name, style in styles.items():

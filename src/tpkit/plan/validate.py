@@ -291,7 +291,7 @@ _GATHERED_PAIR_STYLES = ("colwise_gather_output", "rowwise_split_input")
 
 
 def _sequence_parallel_problems(model: nn.Module, plan: Plan) -> list[str]:
-    """Why sequence parallelism cannot apply to this model (see `tpkit.sequence_parallel`)."""
+    """Why sequence parallelism cannot apply to this model (see `tpkit.training.sequence_parallel`)."""
     out = []
     name = type(model).__name__
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):

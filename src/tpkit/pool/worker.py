@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         threads = os.environ.get("OMP_NUM_THREADS", "")
         if threads.isdigit():
             torch.set_num_threads(int(threads))
-        from tpkit.mesh import init_distributed
+        from tpkit.dist.mesh import init_distributed
 
         init_distributed()
         Worker(conn, rank).serve()

@@ -16,7 +16,7 @@ are sliced). The rooms:
 
 bitsandbytes stays optional (``pip install tpkit[quant]``): nothing here imports it until a
 quantized model or config is actually handled. Importing this package registers the split
-extension (`tpkit.load` imports it, so ``import tpkit`` does).
+extension (`tpkit.pretrained` imports it, so ``import tpkit`` does).
 """
 
 from tpkit.parallelize import register_split_extension

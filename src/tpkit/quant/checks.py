@@ -15,10 +15,10 @@ from typing import Any
 
 from torch import nn
 
+from tpkit.dist.parallel_dims import ParallelDims
+from tpkit.io.shards import local_ranges
 from tpkit.plan import Plan, derive_plan, param_layout, style_spec
 from tpkit.quant.scheme import default_skip
-from tpkit.shards import local_ranges
-from tpkit.sizes import ParallelDims
 from tpkit.styles import placement_for
 
 __all__ = ["check_splits", "derive_for", "tp_of"]

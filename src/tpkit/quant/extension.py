@@ -23,11 +23,11 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from tpkit.compat import StridedShard
+from tpkit.io.shards import local_ranges, tp_coords
 from tpkit.parallelize import SplitExtension, TPOptions
 from tpkit.quant.checks import check_splits, derive_for, tp_of
 from tpkit.quant.linear import install
 from tpkit.quant.pack import Packed4bit, Packed8bit, float_absmax, slice_4bit, slice_8bit
-from tpkit.shards import local_ranges, tp_coords
 
 __all__ = ["QuantExtension", "bnb_linears", "shard_of"]
 

@@ -50,7 +50,7 @@ class QuantizedLinear(nn.Linear):
     """Base of tpkit's quantized linears (see the module docstring)."""
 
     quant: QuantRecord
-    #: read by tpkit's gathering ``save_pretrained`` (`tpkit.save`), which refuses on every rank
+    #: read by tpkit's gathering ``save_pretrained`` (`tpkit.io.save`), which refuses on every rank
     tpkit_not_saved = (
         "holds this rank's quantized shard, which is not in state_dict(): saving the quantized "
         "base is not supported. Save the adapter (peft_model.save_pretrained(dir)) or a "

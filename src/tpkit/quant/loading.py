@@ -23,12 +23,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tpkit.io.safetensors import CheckpointIndex
 from tpkit.quant.checks import check_splits, derive_for, tp_of
 from tpkit.quant.extension import shard_of
 from tpkit.quant.linear import QuantizedLinear, install
 from tpkit.quant.pack import Packed4bit, Packed8bit, quantize_4bit, quantize_8bit
 from tpkit.quant.scheme import default_skip, scheme_of, skipped
-from tpkit.safetensors_io import CheckpointIndex
 
 __all__ = ["QuantizedLoad"]
 

@@ -4,7 +4,7 @@ A style keeps the module's class and ``forward``. Applied (``parallelize_module`
 `TPStyle._apply`), it turns the module's parameters into DTensors on the TP mesh (sharded as
 `tpkit.plan.layout` says, or ``Replicate()``), then adds a forward pre-hook that hands ``forward``
 the *local* shards (``DTensor.to_local``, so gradients flow back to the DTensor parameters) and
-Megatron's f/g collectives from `tpkit.comm` around it.
+Megatron's f/g collectives from `tpkit.dist.comm` around it.
 
 Why not torch's ``ColwiseParallel``/``RowwiseParallel`` as they are: they produce the same
 parameter layouts (``Shard(0)``/``Shard(1)``) but run every op of the module through DTensor
@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
-from tpkit.comm import copy_to_tp
 from tpkit.compat import StridedShard
+from tpkit.dist.comm import copy_to_tp
 from tpkit.plan.catalogue import StyleSpec, style_spec
 from tpkit.plan.layout import ParamLayout, param_layout
 
@@ -163,7 +163,7 @@ class TPStyle(ParallelStyle):
     """Base: distribute the module's own parameters, run ``forward`` on their local shards.
 
     Options, fixed at construction: ``sp`` (the sequence-parallel state of the block this layer
-    sits in, `tpkit.sequence_parallel.SPState`; for a replicated layer outside the regions it
+    sits in, `tpkit.training.sequence_parallel.SPState`; for a replicated layer outside the regions it
     means its gradient is all-reduced while SP is active), ``compute_dtype`` (cast local
     parameters: FSDP2 mixed precision for parameters FSDP leaves out). Subclasses add their own.
     """

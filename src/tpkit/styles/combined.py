@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tpkit.comm import copy_to_tp, reduce_from_tp
+from tpkit.dist.comm import copy_to_tp, reduce_from_tp
 from tpkit.styles.base import TPStyle, map_output, replace_first_tensor
 
 __all__ = [

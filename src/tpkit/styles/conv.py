@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.comm import gather_from_tp
+from tpkit.dist.comm import gather_from_tp
 from tpkit.plan.layout import chunk_sizes
 from tpkit.styles.base import map_output
 from tpkit.styles.linear import ColwiseStyle

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from tpkit.comm import copy_to_tp, gather_from_tp, reduce_from_tp
+from tpkit.dist.comm import copy_to_tp, gather_from_tp, reduce_from_tp
 from tpkit.plan.layout import chunk_offset, chunk_sizes, param_layout
 from tpkit.styles.base import TPStyle, first_tensor, map_output, replace_first_tensor
 
@@ -112,7 +112,7 @@ class GatherOutputStyle(ColwiseStyle):
     """Y = [X W_0, ..., X W_t-1]: output features split, then all-gathered along the last dim
     (uneven splits exact: GPT-2's 50257-token vocabulary). With ``loss_parallel`` (training
     only) the logits are handed on vocab-sharded as a ``Shard(-1)`` DTensor instead, for the
-    vocab-parallel cross-entropy (`tpkit.loss`)."""
+    vocab-parallel cross-entropy (`tpkit.training.loss`)."""
 
     name = "colwise_gather_output"
 

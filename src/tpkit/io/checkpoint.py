@@ -3,8 +3,8 @@
 - `save_checkpoint` / `load_checkpoint`: torch.distributed.checkpoint (DCP) of the model and
   optimizer; DCP records global shapes, so a checkpoint saved at one (dp, tp) layout loads into
   any other. Writes go to a temporary directory that is fsynced, marked complete and swapped into
-  place (`tpkit.atomic`); loads read only plain data and check keys and shapes first; packed
-  (strided) shards are saved in their global layout (`tpkit.dcp_io`).
+  place (`tpkit.io.atomic`); loads read only plain data and check keys and shapes first; packed
+  (strided) shards are saved in their global layout (`tpkit.io.dcp`).
 - `export_checkpoint`: DCP -> safetensors HF checkpoint, without a process group.
 """
 
@@ -29,9 +29,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from tpkit import atomic
-from tpkit.build import instantiate, model_class
-from tpkit.dcp_io import (
+from tpkit.dist.mesh import barrier, rank
+from tpkit.io import atomic
+from tpkit.io.build import instantiate, model_class
+from tpkit.io.dcp import (
     METADATA_FILE,
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -39,7 +40,6 @@ from tpkit.dcp_io import (
     UnsafeCheckpointError,
     read_metadata,
 )
-from tpkit.mesh import barrier, rank
 
 __all__ = [
     "DCP_CHECKPOINT",
@@ -156,10 +156,10 @@ def save_checkpoint(
 
     ``extra_state`` (step, scheduler state, ...) must be JSON-serialisable: it is written as JSON,
     never pickled. The checkpoint is written to ``<directory>.tmp``, fsynced, marked complete and
-    swapped into place by rank 0 once every rank has finished (`tpkit.atomic`): a crash at any
+    swapped into place by rank 0 once every rank has finished (`tpkit.io.atomic`): a crash at any
     point leaves a complete copy that `load_checkpoint` finds, and the next save first restores
     it as ``directory``. Packed (strided) shards such as GPT-2's ``c_attn`` are written in their
-    global layout (`tpkit.dcp_io`). Files in ``directory`` that are not the checkpoint's (notes,
+    global layout (`tpkit.io.dcp`). Files in ``directory`` that are not the checkpoint's (notes,
     a Trainer's files) are kept; a symlinked ``directory`` is replaced where it points.
     """
     given = directory
@@ -270,8 +270,8 @@ def load_checkpoint(
     """Load a checkpoint written by `save_checkpoint` into ``model`` (and ``optimizer``), whatever
     the (dp, tp) layout it was saved with; return the ``extra_state`` saved with it.
 
-    Nothing in the checkpoint is unpickled beyond plain data (`tpkit.dcp_io`): a file that asks
-    for more raises `tpkit.dcp_io.UnsafeCheckpointError`. Keys or global shapes that differ from
+    Nothing in the checkpoint is unpickled beyond plain data (`tpkit.io.dcp`): a file that asks
+    for more raises `tpkit.io.dcp.UnsafeCheckpointError`. Keys or global shapes that differ from
     the model's (and optimizer's) raise one ValueError listing them, on every rank, before any
     collective. If ``directory`` is missing or incomplete after an interrupted save, the complete
     ``<directory>.tmp`` or ``<directory>.old`` is read instead (with a warning).
@@ -358,10 +358,10 @@ def export_checkpoint(
     """Turn a DCP checkpoint into a safetensors HF checkpoint (config + weights), no process group.
 
     Loads the full tensors in this one process, so it needs the model's size in memory once. Reads
-    nothing but plain data from the checkpoint (`tpkit.dcp_io`). ``out_dir`` must be new, empty
+    nothing but plain data from the checkpoint (`tpkit.io.dcp`). ``out_dir`` must be new, empty
     or an HF checkpoint, and apart from the checkpoint read (not it, not inside it, not around
     it: a ValueError before anything is written). It is written as ``<out_dir>.tmp`` and swapped
-    in (`tpkit.atomic`, `tpkit.atomic.HF_CHECKPOINT`): the checkpoint files of a previous export
+    in (`tpkit.io.atomic`, `tpkit.io.atomic.HF_CHECKPOINT`): the checkpoint files of a previous export
     are replaced (a stale ``model.safetensors.index.json`` or shard does not survive), every
     other file in ``out_dir`` (a README, tokenizer files) is kept, and a crash at any point
     leaves ``out_dir`` loading as the previous export or the new one.

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.debug import check_inputs
+from tpkit.guards.debug import check_inputs
 
 __all__ = ["install_generate_guard"]
 

@@ -1,8 +1,8 @@
 """Streaming a rank's slices from safetensors files into its (meta) shards.
 
 Each parameter of a split model on the meta device gets a freshly allocated local shard on its
-device, and the byte ranges of its slice are read straight into it (`tpkit.safetensors_io` reads
-them; `tpkit.shards` says which ranges), converted to the parameter's dtype as they are read.
+device, and the byte ranges of its slice are read straight into it (`tpkit.io.safetensors` reads
+them; `tpkit.io.shards` says which ranges), converted to the parameter's dtype as they are read.
 Nothing else is read and nothing the size of a tensor is allocated besides the shard, so a rank's
 peak is its shards plus one read block.
 """
@@ -16,9 +16,9 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from tpkit.compat import StridedShard
-from tpkit.mesh import dist_env
-from tpkit.safetensors_io import CheckpointIndex
-from tpkit.shards import local_ranges, local_slice, param_owners, set_local, tp_coords
+from tpkit.dist.mesh import dist_env
+from tpkit.io.safetensors import CheckpointIndex
+from tpkit.io.shards import local_ranges, local_slice, param_owners, set_local, tp_coords
 
 __all__ = ["move_buffers", "stream_buffers", "stream_params"]
 

@@ -2,9 +2,9 @@
 
 The model is built on the meta device, the plan is derived, validated and applied there (every
 parameter a DTensor with a meta local tensor), and only then is each rank's slice read from the
-safetensors files (`tpkit.safetensors_io`, which reads just the slice's bytes) into a freshly
+safetensors files (`tpkit.io.safetensors`, which reads just the slice's bytes) into a freshly
 allocated local shard. No rank ever holds the whole model. The checkpoint's names and shapes are
-checked against the model's first (`tpkit.loading_info`: missing, unexpected and mismatched
+checked against the model's first (`tpkit.io.loading_info`: missing, unexpected and mismatched
 weights are an error unless opted in), on every rank, before any collective.
 """
 
@@ -22,17 +22,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.build import instantiate, model_class
-from tpkit.hub import resolve_checkpoint
-from tpkit.load_kwargs import check_unused, sort_kwargs
-from tpkit.loading_info import LoadingInfo, LoadingPolicy, fresh_weights, loading_info
-from tpkit.mesh import dist_env
+from tpkit.dist.mesh import dist_env
+from tpkit.io.build import instantiate, model_class
+from tpkit.io.hub import resolve_checkpoint
+from tpkit.io.load_kwargs import check_unused, sort_kwargs
+from tpkit.io.loading_info import LoadingInfo, LoadingPolicy, fresh_weights, loading_info
+from tpkit.io.safetensors import CheckpointIndex
+from tpkit.io.shards import rank_device
+from tpkit.io.stream import move_buffers, stream_buffers, stream_params
 from tpkit.parallelize import TPOptions, apply_pending_fsdp, split
 from tpkit.plan.validate import checkpoint_problems
 from tpkit.quant import QuantizedLoad
-from tpkit.safetensors_io import CheckpointIndex
-from tpkit.shards import rank_device
-from tpkit.stream import move_buffers, stream_buffers, stream_params
 
 __all__ = ["from_pretrained"]
 
@@ -65,11 +65,11 @@ def from_pretrained(
     read. Checkpoints whose keys transformers renames or fuses at load time (e.g. per-expert MoE
     weights) fall back to transformers' loader for the whole model, with a warning.
     ``path`` is a checkpoint directory or a hub id, resolved as transformers resolves it
-    (`tpkit.hub`: ``cache_dir``, ``revision``, ``subfolder``, ``variant``, ``token``,
+    (`tpkit.io.hub`: ``cache_dir``, ``revision``, ``subfolder``, ``variant``, ``token``,
     ``local_files_only``, ``HF_HUB_OFFLINE``); safetensors are preferred, ``pytorch_model*.bin``
-    is read without running code (`tpkit.bin_io`). ``kwargs`` are `tensor_parallel`'s options
+    is read without running code (`tpkit.io.pickle_safe`). ``kwargs`` are `tensor_parallel`'s options
     (``tp_size``, ``dp_size``, ``plan``, ``sharded``, ...) and transformers' ``from_pretrained``
-    keywords, meaning what they mean there (`tpkit.load_kwargs`: ``torch_dtype``,
+    keywords, meaning what they mean there (`tpkit.io.load_kwargs`: ``torch_dtype``,
     ``attn_implementation``, ``trust_remote_code``, ``distributed_config``, config overrides
     such as ``num_hidden_layers=1``); ``device_map`` and unknown keywords are refused, before any
     collective. FSDP2 (``sharded``, default on when dp_size > 1) is applied after the weights
@@ -83,7 +83,7 @@ def from_pretrained(
     ``allow_missing_keys`` (True or regexes, e.g. ``["score"]`` for a fresh classification
     head: initialised by the model's ``_init_weights``, the same on every rank),
     ``allow_unexpected_keys`` (skip them) and ``ignore_mismatched_sizes`` (transformers'
-    keyword: re-initialise them); see `tpkit.loading_info`. ``output_loading_info=True`` returns
+    keyword: re-initialise them); see `tpkit.io.loading_info`. ``output_loading_info=True`` returns
     ``(model, info)`` with transformers' ``missing_keys`` / ``unexpected_keys`` /
     ``mismatched_keys`` / ``error_msgs``.
     """

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tpkit.log import get_logger
-from tpkit.timeouts import install_timeout_report, record_timeout, tpkit_timeout
+from tpkit.dist.timeouts import install_timeout_report, record_timeout, tpkit_timeout
 
 __all__ = [
     "DistEnv",

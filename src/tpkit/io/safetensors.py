@@ -153,7 +153,7 @@ class CheckpointIndex:
     """Every tensor of a checkpoint: a directory with ``model.safetensors`` or a sharded set with
     ``model.safetensors.index.json``, or a single ``.safetensors`` file. ``files`` (with the
     ``index`` file that maps their tensors, if sharded) names the files instead of a directory's
-    glob: what `tpkit.hub` resolved for a hub id, a variant or a subfolder."""
+    glob: what `tpkit.io.hub` resolved for a hub id, a variant or a subfolder."""
 
     def __init__(
         self,
@@ -177,7 +177,7 @@ class CheckpointIndex:
         if not files:
             raise FileNotFoundError(
                 f"No safetensors checkpoint in {path} (tpkit loads safetensors, or "
-                "pytorch_model*.bin read without running code: see tpkit.hub)."
+                "pytorch_model*.bin read without running code: see tpkit.io.hub)."
             )
         self.entries: dict[str, Entry] = {}
         # one reusable read buffer, grown to at most BLOCK_BYTES: allocating and freeing a block

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tpkit.io.safetensors import CheckpointIndex
+from tpkit.io.shards import param_owners
 from tpkit.log import get_logger
-from tpkit.safetensors_io import CheckpointIndex
-from tpkit.shards import param_owners
 
 __all__ = ["LoadingInfo", "LoadingPolicy", "checkpoint_key", "fresh_weights", "loading_info"]
 
@@ -84,7 +84,7 @@ class LoadingInfo:
 
 def loading_info(model: nn.Module, index: CheckpointIndex) -> LoadingInfo:
     """Compare ``model`` (meta is fine) with the tensors ``index`` lists (names and shapes:
-    safetensors headers, or a ``.bin``'s mapped tensors, `tpkit.bin_io`). Pure: no data read."""
+    safetensors headers, or a ``.bin``'s mapped tensors, `tpkit.io.pickle_safe`). Pure: no data read."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     groups = _weights(model)
     keys = {

@@ -176,7 +176,7 @@ def _run_rank(fn: Callable, args: tuple, kwargs: dict, error_dir: str) -> Any:
         _bring_up_group()
         out = fn(*args, **kwargs)
     except BaseException as exc:
-        from tpkit.timeouts import timeout_report
+        from tpkit.dist.timeouts import timeout_report
 
         report = timeout_report(exc, exc.__traceback__)
         if report and hasattr(exc, "add_note"):
@@ -202,7 +202,7 @@ def _bring_up_group() -> None:
     tpkit owns, that call becomes a no-op while the group is up."""
     import torch.distributed as dist
 
-    from tpkit.mesh import default_backend, default_device_type, init_distributed
+    from tpkit.dist.mesh import default_backend, default_device_type, init_distributed
 
     init_distributed()
     if not dist.is_initialized():

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpkit.bin_io import BinCheckpointIndex
-from tpkit.safetensors_io import CheckpointIndex, read_weight_map
+from tpkit.io.pickle_safe import BinCheckpointIndex
+from tpkit.io.safetensors import CheckpointIndex, read_weight_map
 
 __all__ = ["DOWNLOAD_KEYS", "Checkpoint", "resolve_checkpoint", "resolve_folder"]
 

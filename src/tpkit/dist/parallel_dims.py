@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from tpkit.mesh import DistEnv, default_device_type, dist_env, tp_submesh
+from tpkit.dist.mesh import DistEnv, default_device_type, dist_env, tp_submesh
 
 __all__ = ["ParallelDims", "launch_hint"]
 

@@ -10,7 +10,7 @@ mapping into its shards, and only the pages those slices touch are read, so the 
 shards plus the pages of the tensor being copied (file-backed, reclaimable), never the file.
 Files in the pre-1.6 (non-zip) format cannot be mapped; they are read whole, with a warning.
 
-`BinCheckpointIndex` has `tpkit.safetensors_io.CheckpointIndex`'s interface (``entries`` with
+`BinCheckpointIndex` has `tpkit.io.safetensors.CheckpointIndex`'s interface (``entries`` with
 each tensor's file, dtype and shape; ``read``), so checks and streaming treat both formats alike.
 """
 
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from tpkit.dcp_io import UnsafeCheckpointError
+from tpkit.io.dcp import UnsafeCheckpointError
+from tpkit.io.safetensors import CheckpointError, CheckpointIndex, Entry, read_weight_map
 from tpkit.log import get_logger
-from tpkit.safetensors_io import CheckpointError, CheckpointIndex, Entry, read_weight_map
 
 __all__ = ["BinCheckpointIndex", "load_bin"]
 

@@ -25,8 +25,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from tpkit import atomic
-from tpkit.checkpoint import run_on_rank0
+from tpkit.io import atomic
+from tpkit.io.checkpoint import run_on_rank0
 from tpkit.log import get_logger
 
 __all__ = [
@@ -75,7 +75,7 @@ def save_pretrained_atomic(
     transformers writes into ``save_directory`` in place: killed mid-write over an existing
     checkpoint, the directory loads as a mix of old and new shards, or not at all. Here the new
     checkpoint is written into ``<save_directory>.tmp``, fsynced, marked complete and swapped in
-    (`tpkit.atomic.replace_dir`, `tpkit.atomic.HF_CHECKPOINT`):
+    (`tpkit.io.atomic.replace_dir`, `tpkit.io.atomic.HF_CHECKPOINT`):
 
     - **At every instant** ``save_directory`` loads with plain transformers as the old checkpoint
       or the new one, never a mix: on Linux the swap is one ``renameat2(RENAME_EXCHANGE)``. Where

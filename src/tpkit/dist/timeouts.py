@@ -126,7 +126,7 @@ def collective_frame(tb) -> tuple[str | None, str]:
     that led there); (None, "") when the traceback never entered torch.distributed.
 
     The caller named is the last frame outside torch and tpkit before the collective (the
-    user's ``model(x)`` or ``save_checkpoint(...)`` line), not tpkit's own comm.py frame."""
+    user's ``model(x)`` or ``save_checkpoint(...)`` line), not tpkit's own dist/comm.py frame."""
     frames = traceback.extract_tb(tb) if tb is not None else []
     torch_dir = os.path.join("torch", "distributed", "")
     first = next((i for i, f in enumerate(frames) if torch_dir in f.filename), None)

@@ -6,7 +6,7 @@ Each keyword means here what it means there, or is refused with the reason, on e
 before any file is read or any collective runs:
 
 - where the files come from (``cache_dir``, ``revision``, ``subfolder``, ``variant``, ``token``,
-  ``local_files_only``, ``force_download``, ``proxies``, ``use_safetensors``): `tpkit.hub`;
+  ``local_files_only``, ``force_download``, ``proxies``, ``use_safetensors``): `tpkit.io.hub`;
 - ``dtype`` / ``torch_dtype`` (transformers' older name: ``dtype`` wins when both are given);
 - ``attn_implementation``, ``experts_implementation``: set on the config as transformers sets
   them; ``trust_remote_code``: passed to transformers, which asks or refuses as it does itself;
@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpkit.hub import DOWNLOAD_KEYS
+from tpkit.io.hub import DOWNLOAD_KEYS
 
 __all__ = ["PretrainedKwargs", "check_unused", "sort_kwargs"]
 

@@ -14,7 +14,7 @@ A directory ``d`` is written as ``d.tmp``, marked complete and swapped in. Why e
   checkpoint (a README, tokenizer files, a Trainer's ``checkpoint-N/`` folders): before the swap
   each is hard-linked (copied where links fail) into ``d.tmp`` at the same path, so it is in ``d``
   before and after. A `DirKind` names the checkpoint files of one kind (`HF_CHECKPOINT`, DCP's in
-  `tpkit.checkpoint`): only those, and files the new version wrote, replace or drop their old
+  `tpkit.io.checkpoint`): only those, and files the new version wrote, replace or drop their old
   namesakes. Afterwards the previous version is taken apart file by file (`retire`): checkpoint
   files and copies that ``d`` holds too are removed, anything else (a file written into ``d``
   during the swap) is moved into ``d``; a folder never goes with ``shutil.rmtree`` while a file

@@ -20,7 +20,7 @@ class UsageError(Exception):
 
 def _checkpoint_dir(path: str, need_weights: bool) -> Path:
     """The local directory ``path`` means: itself (or a config.json's folder), or for a hub id
-    its snapshot in the hub cache, fetched if needed and allowed (`tpkit.hub`, transformers' own
+    its snapshot in the hub cache, fetched if needed and allowed (`tpkit.io.hub`, transformers' own
     resolution: HF_HOME, HF_HUB_OFFLINE, a token)."""
     p = Path(path)
     folder = p.parent if p.is_file() and p.name == "config.json" else p
@@ -31,7 +31,7 @@ def _checkpoint_dir(path: str, need_weights: bool) -> Path:
     if not (folder / "config.json").is_file():
         raise UsageError(f"{path} has no config.json: not a transformers checkpoint directory.")
     if need_weights:
-        from tpkit.hub import resolve_checkpoint
+        from tpkit.io.hub import resolve_checkpoint
 
         try:
             resolve_checkpoint(folder)
@@ -45,7 +45,7 @@ def _checkpoint_dir(path: str, need_weights: bool) -> Path:
 
 def _hub_dir(path: str, need_weights: bool) -> Path:
     """A hub id's snapshot directory (its weights fetched too when ``need_weights``)."""
-    from tpkit.hub import resolve_checkpoint, resolve_folder
+    from tpkit.io.hub import resolve_checkpoint, resolve_folder
 
     try:
         if need_weights:
@@ -79,7 +79,7 @@ def collapse_layers(message: str) -> str:
 
 def _planned(path: str, model_cls: str | None, plan_arg, tp: int):
     """(model on meta, derived plan, the validation error or None): no process group."""
-    from tpkit.build import build_on_meta
+    from tpkit.io.build import build_on_meta
     from tpkit.plan import derive_plan, validate
 
     model = build_on_meta(path, model_cls)
@@ -110,7 +110,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tpkit.launch import run_script
+    from tpkit.cli.launch import run_script
 
     return run_script(
         [args.script, *args.args],
@@ -180,7 +180,7 @@ def _check_generate(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
-    from tpkit.launch import inside_launched_rank, run_script
+    from tpkit.cli.launch import inside_launched_rank, run_script
 
     if not inside_launched_rank():
         _check_generate(args)
@@ -220,7 +220,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from tpkit.checkpoint import export_checkpoint
+    from tpkit.io.checkpoint import export_checkpoint
 
     if not Path(args.checkpoint).is_dir():
         raise UsageError(f"{args.checkpoint} is not a directory written by tpkit.save_checkpoint.")

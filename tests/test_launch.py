@@ -212,7 +212,7 @@ class _Exec(Exception):
 
 
 def _captured_exec(argv: list[str], monkeypatch) -> tuple[list[str], dict[str, str]]:
-    from tpkit.cli.main import main as cli
+    from tpkit.cli import main as cli
 
     def fake_execve(path, args, env):
         raise _Exec(args, env)

@@ -1,7 +1,9 @@
 """`tensor_parallel()`: the one line of tpkit, as the list of its steps.
 
-sizes -> derive -> validate -> mesh -> random init -> apply (+ sp, rng, loss) -> guards -> fsdp
-(the order `docs/architecture.md` shows, checked by tests/test_docs.py). Everything that can fail
+sizes -> adapt -> derive -> prepare -> validate -> mesh -> random init -> apply (+ sp, rng, loss)
+-> finish -> guards -> fsdp (the order `docs/architecture.md` shows, checked by
+tests/test_docs.py). The plan is derived once; the split extensions (`tpkit.extensions`, one
+ordered list) adapt the model before it and check themselves against it after. Everything that can fail
 (sizes, plan, divisibility, options, device map) runs before the first collective, identically
 on every rank; only then is the process group and mesh built, the plan applied and the RNG
 synced across the TP group. Outside torchrun, a call naming 2+ devices hands the model to a
@@ -25,6 +27,7 @@ from tpkit.apply import StyleOptions, apply_plan
 from tpkit.dist.mesh import build_mesh, init_distributed, sync_rng, tp_submesh
 from tpkit.dist.parallel_dims import ParallelDims, launch_hint
 from tpkit.dist.shm import prepare_shm
+from tpkit.extensions import SplitExtension, register_split_extension, split_extensions
 from tpkit.guards.debug import install_input_checks
 from tpkit.guards.generation import install_generate_guard
 from tpkit.io.save import install_save_pretrained
@@ -46,6 +49,7 @@ __all__ = [
     "split",
     "tensor_parallel",
     "tp_state",
+    "wrapper_chain",
 ]
 
 log = get_logger(__name__)
@@ -66,54 +70,36 @@ class TPState:
     loaded_from: str = ""
 
 
-class SplitExtension:
-    """Something that takes part in every `split` without the core knowing it (quantized
-    weights, library integrations): ``handle`` may split a kind of model itself (a PEFT
-    wrapper: its base is split, then its adapters laid out); ``prepare`` sees the model before
-    its plan is derived and returns what ``finish`` needs (None: nothing to do for this model);
-    ``finish`` runs after the styles are applied, before the guards. All run on every rank."""
-
-    def handle(
-        self, model: nn.Module, device_ids: Sequence | None, options: TPOptions
-    ) -> nn.Module | None:
-        """The split model, when this extension splits models like ``model`` itself."""
-        return None
-
-    def prepare(self, model: nn.Module, options: TPOptions) -> Any:
-        return None
-
-    def finish(self, model: nn.Module, context: Any, tp_mesh: DeviceMesh) -> None:
-        """Complete the split (``context`` is what `prepare` returned, never None here)."""
-
-
-_EXTENSIONS: list[SplitExtension] = []
-
-
-def register_split_extension(extension: SplitExtension) -> None:
-    """Add ``extension`` to every later `split` (once; registering it again is a no-op)."""
-    if extension not in _EXTENSIONS:
-        _EXTENSIONS.append(extension)
-
-
-def tp_state(model: object) -> TPState | None:
-    """The `TPState` tpkit attached to ``model``, looking through wrappers (accelerate's
-    ``module``, torch.compile's ``_orig_mod``, a PEFT model's base), or None for any other."""
-    for _ in range(6):
+def wrapper_chain(model: object, depth: int = 6) -> list:
+    """``model`` and each wrapper inside it, outermost first, down to the module tpkit split (the
+    one holding a `TPState`) or the innermost wrapper: accelerate's / DDP's ``module``,
+    torch.compile's ``_orig_mod``, a PEFT model's base. The one walk through wrappers: `tp_state`
+    reads the last link, the Trainer integration marks every link."""
+    chain = []
+    for _ in range(depth):
         if model is None:
-            return None
-        state = getattr(model, "_tpkit", None)
-        if isinstance(state, TPState):
-            return state
+            break
+        chain.append(model)
+        if isinstance(getattr(model, "_tpkit", None), TPState):
+            break
         inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
         if inner is None and hasattr(model, "get_base_model"):
             try:
                 inner = model.get_base_model()
             except Exception:  # noqa: BLE001 - a wrapper mid-construction
                 inner = None
-            if inner is model:
-                inner = None
+        if inner is model:
+            break
         model = inner
-    return None
+    return chain
+
+
+def tp_state(model: object) -> TPState | None:
+    """The `TPState` tpkit attached to ``model``, looking through wrappers (`wrapper_chain`),
+    or None for any other."""
+    chain = wrapper_chain(model)
+    state = getattr(chain[-1], "_tpkit", None) if chain else None
+    return state if isinstance(state, TPState) else None
 
 
 def tensor_parallel(
@@ -211,13 +197,18 @@ def split(
     model: nn.Module,
     device_ids: Sequence[str | int | torch.device] | None = None,
     options: TPOptions | None = None,
+    *,
+    extensions: Sequence[SplitExtension] = (),
 ) -> nn.Module:
     """`tensor_parallel` without its FSDP2 step, for callers that must put something in first
     (`from_pretrained` loads the weights, the PEFT integration adds adapters): FSDP2 is recorded
-    on ``model._tpkit.pending_fsdp`` and applied by `apply_pending_fsdp`."""
+    on ``model._tpkit.pending_fsdp`` and applied by `apply_pending_fsdp`. ``extensions``: more
+    `SplitExtension` s for this call only, after the registered ones (`from_pretrained`'s
+    quantization, which needs the one derived plan)."""
     o = options or TPOptions()
     plan, mesh, param_dtype = o.plan, o.mesh, o.param_dtype
-    for extension in _EXTENSIONS:
+    every = (*split_extensions(), *extensions)
+    for extension in every:
         handled = extension.handle(model, device_ids, o)
         if handled is not None:
             return handled
@@ -230,20 +221,34 @@ def split(
     if dims.single_process:
         _log_single_process_once()
         return model.to(dims.device) if device_ids else model
-    contexts = [(e, c) for e in _EXTENSIONS if (c := e.prepare(model, o)) is not None]
     sharded = dims.dp > 1 if o.sharded is None else o.sharded
-    the_plan = derive_plan(model, plan, dims.tp, o.example_inputs)
-    validate(  # every check that can fail, before any collective, on every rank alike
-        model,
-        the_plan,
-        dims.tp,
-        dp_size=dims.dp,
-        sharded=sharded,
-        sequence_parallel=o.sequence_parallel,
-        loss_parallel=o.loss_parallel,
-        param_dtype=param_dtype,
-        example_inputs=o.example_inputs,
-    )
+    adapted: list[tuple[SplitExtension, Any]] = []
+    try:  # pure: a refusal puts back what the extensions adapted
+        for e in every:
+            if (a := e.adapt(model, o)) is not None:
+                adapted.append((e, a))
+        the_plan = derive_plan(model, plan, dims.tp, o.example_inputs)  # once, for everyone
+        states = dict(adapted)
+        contexts = [
+            (e, c)
+            for e in every
+            if (c := e.prepare(model, the_plan, dims.tp, o, states.get(e))) is not None
+        ]
+        validate(  # every check that can fail, before any collective, on every rank alike
+            model,
+            the_plan,
+            dims.tp,
+            dp_size=dims.dp,
+            sharded=sharded,
+            sequence_parallel=o.sequence_parallel,
+            loss_parallel=o.loss_parallel,
+            param_dtype=param_dtype,
+            example_inputs=o.example_inputs,
+        )
+    except BaseException:
+        for e, a in reversed(adapted):
+            e.undo(model, a)
+        raise
     if mesh is None:
         init_distributed(device_type=dims.device_type)
         mesh = build_mesh(dims.tp, dims.dp, dims.device_type)

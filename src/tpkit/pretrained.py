@@ -165,12 +165,14 @@ def _split_and_stream(
     model, index, keys, fresh, quantization_config, options, device_ids
 ) -> nn.Module:
     """Split the model on meta, then read each rank's slices into its shards (quantizing the
-    linears' slices as they are read when asked; its refusals come before any collective).
-    Weights in ``fresh`` (full values of new weights) take their slices from there instead."""
+    linears' slices as they are read when asked: `QuantizedLoad` takes part in the split as an
+    extension, so its splits are checked against the one plan the split derives, before any
+    collective). Weights in ``fresh`` (full values of new weights) take their slices from there
+    instead."""
     quant = None
     if quantization_config is not None:
-        quant = QuantizedLoad(model, quantization_config, options, device_ids)
-    model = split(model, device_ids, options)
+        quant = QuantizedLoad(model, quantization_config)
+    model = split(model, device_ids, options, extensions=(quant,) if quant is not None else ())
     device = rank_device(model)
     move_buffers(model, device)
     stream_buffers(model, index, keys, fresh, device)

@@ -6,10 +6,14 @@
 - `tpkit.integrations.trainer`: ``Trainer`` / accelerate (``patch_trainer()``, applied for you).
 - `tpkit.integrations.accelerate_loading`: ``load_checkpoint_in_model`` on tpkit models.
 
+- `tpkit.integrations.patching`: the one door every patch of another library goes through
+  (original recorded, tested versions checked, ``unpatch_all()``).
+
 The core (`tpkit.parallelize` and below) never imports this package; it reaches the core only
-through `tpkit.parallelize.register_split_extension`.
+as a split extension (`tpkit.extensions`), installed by the package ``__init__``.
 """
 
+from tpkit.integrations.patching import unpatch_all
 from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
 
-__all__ = ["patch_trainer", "unpatch_trainer"]
+__all__ = ["patch_trainer", "unpatch_all", "unpatch_trainer"]

@@ -20,7 +20,6 @@ own function untouched. ``import tpkit`` applies the patch when accelerate is (o
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -28,24 +27,36 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from tpkit.compat import StridedShard
+from tpkit.integrations.patching import unpatch_all, wrap
 from tpkit.io.shards import local_slice, param_owners, set_local
 
-__all__ = ["patch_accelerate", "set_dtensor"]
-
-_ORIGINAL: dict[str, Any] = {}
+__all__ = ["patch_accelerate", "set_dtensor", "unpatch_accelerate"]
 
 
 def patch_accelerate() -> None:
-    """Make accelerate's ``set_module_tensor_to_device`` place DTensor shards (idempotent).
+    """Make accelerate's ``set_module_tensor_to_device`` place DTensor shards (idempotent;
+    `unpatch_accelerate` undoes it).
 
     accelerate's own modules import the function by name, so every module of accelerate that
-    holds the original gets the wrapper."""
+    holds the original gets the wrapper (`tpkit.integrations.patching`'s ``holders``), and gets
+    the original back on undo."""
     import accelerate.utils.modeling as modeling
 
-    original = _ORIGINAL.setdefault("fn", modeling.set_module_tensor_to_device)
-    if getattr(original, "_tpkit_patch", False):
-        return
+    wrap(
+        modeling,
+        "set_module_tensor_to_device",
+        _placing_dtensors,
+        versions="accelerate",
+        holders="accelerate",
+    )
 
+
+def unpatch_accelerate() -> None:
+    """Undo `patch_accelerate`, in every accelerate module that holds the wrapper."""
+    unpatch_all("accelerate")
+
+
+def _placing_dtensors(original):
     def set_module_tensor_to_device(module, tensor_name, device, value=None, dtype=None, **kw):
         owner, name = _owner(module, tensor_name)
         target = owner._parameters.get(name) if name in owner._parameters else None
@@ -54,14 +65,7 @@ def patch_accelerate() -> None:
         set_dtensor(module, tensor_name, device, value, dtype)
         return None
 
-    set_module_tensor_to_device._tpkit_patch = True
-    set_module_tensor_to_device.__doc__ = original.__doc__
-    for mod in list(sys.modules.values()):
-        name = getattr(mod, "__name__", "") or ""
-        if name.startswith("accelerate") and (
-            getattr(mod, "set_module_tensor_to_device", None) is original
-        ):
-            mod.set_module_tensor_to_device = set_module_tensor_to_device
+    return set_module_tensor_to_device
 
 
 def _owner(module: nn.Module, tensor_name: str) -> tuple[nn.Module, str]:

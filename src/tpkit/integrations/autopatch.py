@@ -1,6 +1,7 @@
 """Plain calls just work on tpkit models: peft and the HF Trainer, with no patch call.
 
-``import tpkit`` registers `Integrations` as a split extension (`tpkit.parallelize`). It
+``import tpkit`` installs `Integrations` as a split extension, second in the one ordered list
+of `tpkit.extensions` (after the quantization extension). It
 
 - splits a PEFT model handed to ``tpkit.tensor_parallel`` itself (`tpkit.integrations.peft`:
   the base with the base model's plan, then the adapters laid out);
@@ -11,6 +12,8 @@
   nobody asked for. Models tpkit did not split go through every patched call untouched.
 - the same for accelerate's ``set_module_tensor_to_device``, which ``load_checkpoint_in_model``
   uses (`tpkit.integrations.accelerate_loading`): DTensor targets get this rank's slice.
+
+Every patch goes through `tpkit.integrations.patching` (``unpatch_all()`` undoes them all).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from typing import Any
 
 from torch import nn
 
-from tpkit.parallelize import SplitExtension, TPOptions
+from tpkit.extensions import SplitExtension
+from tpkit.parallelize import TPOptions
+from tpkit.plan import Plan
 
 __all__ = ["Integrations", "ensure_patched"]
 
@@ -116,7 +121,10 @@ class Integrations(SplitExtension):
         ensure_patched()
         return split_peft_model(model, device_ids, options)
 
-    def prepare(self, model: nn.Module, options: TPOptions) -> Any:
+    def prepare(
+        self, model: nn.Module, plan: Plan, tp: int, options: TPOptions, adapted: Any
+    ) -> Any:
+        """Always something to finish: the libraries patched once a model is split."""
         return True
 
     def finish(self, model: nn.Module, context: Any, tp_mesh: Any) -> None:

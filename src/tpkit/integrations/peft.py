@@ -72,6 +72,8 @@ from tpkit.integrations.lora import (
     saved_copies,
     tuner_layers,
 )
+from tpkit.integrations.patching import original as unpatched
+from tpkit.integrations.patching import unpatch_all, wrap
 from tpkit.parallelize import TPOptions, apply_pending_fsdp, split, tp_state
 from tpkit.training.fsdp import apply_fsdp, is_fsdp, strided_1d
 
@@ -202,9 +204,7 @@ def _install_save(model: nn.Module) -> None:
     if not isinstance(model, PeftModel) or "save_pretrained" in model.__dict__:
         return
     model.save_pretrained = functools.partial(
-        _save_gathered,
-        _originals.get((PeftModel, "save_pretrained"), PeftModel.save_pretrained),
-        model,
+        _save_gathered, unpatched(PeftModel, "save_pretrained"), model
     )
 
 
@@ -228,7 +228,6 @@ def _save_gathered(original, model, save_directory, *args: Any, **kwargs: Any) -
 
 
 # ---- plain peft calls on tpkit models ----------------------------------------------------------
-_originals: dict[tuple[Any, str], Any] = {}
 _deferred = contextvars.ContextVar("tpkit_peft_deferred", default=False)
 #: set by the tuner's selection inside ``get_peft_model_state_dict``: the model is tpkit's
 _gather = contextvars.ContextVar("tpkit_peft_gather", default=False)
@@ -236,9 +235,8 @@ _gather = contextvars.ContextVar("tpkit_peft_gather", default=False)
 _rank0_only = contextvars.ContextVar("tpkit_peft_rank0_only", default=False)
 
 
-def _set(owner: Any, name: str, value: Any) -> None:
-    _originals.setdefault((owner, name), owner.__dict__[name])
-    setattr(owner, name, value)
+def _wrap(owner: Any, name: str, make, required: bool = True) -> None:
+    wrap(owner, name, make, versions="peft", group="peft", required=required)
 
 
 def patch_peft() -> None:
@@ -251,20 +249,19 @@ def patch_peft() -> None:
     from peft.tuners import tuners_utils
     from peft.tuners.lora import layer as lora_layer
 
-    if _originals:
-        return
-    for owner in (tuners_utils, lora_layer):
-        if "_get_in_out_features" in owner.__dict__:
-            _set(owner, "_get_in_out_features", global_in_out(owner._get_in_out_features))
+    for owner in (tuners_utils, lora_layer):  # lora's layer module binds its own name for it
+        _wrap(owner, "_get_in_out_features", global_in_out, required=False)
     from peft.tuners.lora import dora
 
-    _set(dora.DoraLinearLayer, "update_layer", dora_whole_weight(dora.DoraLinearLayer.update_layer))
-    _set(tuners_utils.BaseTuner, "inject_adapter", _inject_adapter(tuners_utils.BaseTuner))
-    _set(PeftModel, "load_adapter", _for_tpkit(PeftModel.load_adapter, _load_adapter))
-    from_pretrained_ = PeftModel.__dict__["from_pretrained"].__func__
-    wrapped = _for_tpkit(from_pretrained_, _from_pretrained, model_at=1)
-    _set(PeftModel, "from_pretrained", classmethod(wrapped))
-    _set(PeftModel, "save_pretrained", _for_tpkit(PeftModel.save_pretrained, _save_gathered))
+    _wrap(dora.DoraLinearLayer, "update_layer", dora_whole_weight)
+    _wrap(tuners_utils.BaseTuner, "inject_adapter", _inject_adapter)
+    _wrap(PeftModel, "load_adapter", lambda load: _for_tpkit(load, _load_adapter))
+    _wrap(
+        PeftModel,
+        "from_pretrained",
+        lambda cm: classmethod(_for_tpkit(cm.__func__, _from_pretrained, model_at=1)),
+    )
+    _wrap(PeftModel, "save_pretrained", lambda save: _for_tpkit(save, _save_gathered))
     _patch_state_dict()
 
 
@@ -300,8 +297,8 @@ def _patch_state_dict() -> None:
             state_dict.update(full_tensors(state_dict, keep=not _rank0_only.get() or rank() == 0))
         return validate(state_dict, *args, **kwargs)
 
-    _set(LoraModel, "_get_adapter_state_dict", classmethod(get_adapter_state_dict))
-    _set(save_and_load, "_validate_lora_adapter_state_dict", validate_state_dict)
+    _wrap(LoraModel, "_get_adapter_state_dict", lambda _: classmethod(get_adapter_state_dict))
+    _wrap(save_and_load, "_validate_lora_adapter_state_dict", lambda _: validate_state_dict)
 
 
 def _for_tpkit(original, handle, model_at: int = 0):
@@ -327,9 +324,7 @@ def _then_shard(fn, *args, **kwargs):
         _deferred.reset(token)
 
 
-def _inject_adapter(base_tuner):
-    inject = base_tuner.inject_adapter
-
+def _inject_adapter(inject):
     @functools.wraps(inject)
     def inject_adapter(self, model, adapter_name, *args, **kwargs):
         tpkit_model = tp_state(model) is not None
@@ -359,6 +354,4 @@ def _from_pretrained(from_pretrained_, cls, model, *args, **kwargs):
 
 def unpatch_peft() -> None:
     """Undo `patch_peft`."""
-    for (owner, name), original in list(_originals.items()):
-        setattr(owner, name, original)
-        del _originals[(owner, name)]
+    unpatch_all("peft")

@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpkit.integrations.patching import applied, unpatch_all, wrap
 from tpkit.integrations.trainer_checkpoints import (
     DCP_DIR,
     load_full_weights,
@@ -85,69 +86,42 @@ from tpkit.integrations.trainer_checkpoints import (
     patched_save,
     patched_save_optimizer_and_scheduler,
 )
-from tpkit.parallelize import tp_state
+from tpkit.parallelize import tp_state, wrapper_chain
 from tpkit.training.fsdp import average_over_dp, is_fsdp
 
 __all__ = ["DCP_DIR", "load_full_weights", "patch_trainer", "tp_state", "unpatch_trainer"]
 
 _building_accelerator = contextvars.ContextVar("tpkit_building_accelerator", default=False)
-_originals: dict[tuple[type, str], Any] = {}
-
-
-# ---- what a tpkit model is ---------------------------------------------------------------------
-def _patch(owner: type, name: str, make, required: bool = True):
-    key = (owner, name)
-    if key in _originals:
-        return
-    original = owner.__dict__.get(name)
-    if original is None:
-        if not required:
-            return
-        raise RuntimeError(
-            f"tpkit.integrations.trainer adapts {owner.__module__}.{owner.__name__}.{name}, which "
-            "this version does not have; it was written against transformers 5.2x and accelerate "
-            "1.1x."
-        )
-    _originals[key] = original
-    wrapper = make(original)
-    functools.update_wrapper(wrapper, original)
-    wrapper._tpkit_patch = True
-    setattr(owner, name, wrapper)
 
 
 def patch_trainer() -> None:
     """Teach ``transformers.Trainer`` (and every subclass) to train, save and resume tpkit models.
 
     Idempotent; call it once per process before building the Trainer. Models that tpkit did not
-    parallelize are untouched: every patched method hands them to the original.
+    parallelize are untouched: every patched method hands them to the original. Each patch goes
+    through `tpkit.integrations.patching` (original recorded, tested versions checked).
     """
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import Trainer
 
-    _patch(Trainer, "__init__", _init)
-    _patch(Trainer, "create_accelerator_and_postprocess", _create_accelerator)
-    _patch(Trainer, "_build_accelerator_args", _build_accelerator_args)
-    _patch(Trainer, "evaluation_loop", _evaluation_loop)
-    _patch(Trainer, "_defer_fsdp_gradient_reduction", _defer_fsdp_gradient_reduction, False)
-    _patch(Trainer, "_track_num_input_tokens", _track_num_input_tokens, False)
-    _patch(Trainer, "_save", patched_save)
-    _patch(Trainer, "_save_optimizer_and_scheduler", patched_save_optimizer_and_scheduler)
-    _patch(Trainer, "_load_from_checkpoint", patched_load_from_checkpoint)
-    _patch(Trainer, "_load_optimizer_and_scheduler", patched_load_optimizer_and_scheduler)
-    _patch(Trainer, "_load_rng_state", patched_load_rng_state)
-    _patch(Trainer, "_load_best_model", patched_load_best_model, False)
-    _patch(ParallelismConfig, "_validate_accelerator", _validate_accelerator)
+    for name, make, required in _TRAINER_PATCHES:
+        wrap(Trainer, name, make, versions="transformers", group="trainer", required=required)
+    wrap(
+        ParallelismConfig,
+        "_validate_accelerator",
+        _validate_accelerator,
+        versions="accelerate",
+        group="trainer",
+    )
 
 
 def unpatch_trainer() -> None:
     """Undo `patch_trainer`."""
-    for (owner, name), original in list(_originals.items()):
-        setattr(owner, name, original)
-        del _originals[(owner, name)]
+    unpatch_all("trainer")
 
 
 def is_patched() -> bool:
-    return bool(_originals)
+    return bool(applied("trainer"))
 
 
 # ---- Trainer.__init__ / accelerator ------------------------------------------------------------
@@ -189,27 +163,11 @@ def _use_cpu(args: Any) -> None:
         _ = args.device  # rebuild now, with cpu=True
 
 
-def _wrapper_chain(model: Any) -> list:
-    """``model`` and every wrapper inside it down to the module tpkit parallelized."""
-    chain = [model]
-    for _ in range(6):
-        if getattr(model, "_tpkit", None) is not None:
-            break
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None and hasattr(model, "get_base_model"):
-            inner = model.get_base_model()
-        if inner is None or inner is model:
-            break
-        chain.append(inner)
-        model = inner
-    return chain
-
-
 def _mark_self_distributed(model: nn.Module) -> None:
     """Put the model on Trainer's path for models that own their placement and gradient
     reduction (``is_distributed_loading_by_transformers``): the property on transformers models
     (read through PEFT wrappers, hence every link), a plain attribute on other modules."""
-    for m in _wrapper_chain(model):
+    for m in wrapper_chain(model):
         if isinstance(getattr(type(m), "is_distributed_loading_by_transformers", None), property):
             m._is_distributed_loading_by_transformers = True
         else:
@@ -397,4 +355,19 @@ def _validate_accelerator(original):
     return _validate_accelerator
 
 
-# ---- saving ------------------------------------------------------------------------------------
+# ---- what patch_trainer patches (the saving and loading wrappers: trainer_checkpoints.py) ------
+#: Trainer attribute -> the wrapper built from its original, required in the tested versions
+_TRAINER_PATCHES = (
+    ("__init__", _init, True),
+    ("create_accelerator_and_postprocess", _create_accelerator, True),
+    ("_build_accelerator_args", _build_accelerator_args, True),
+    ("evaluation_loop", _evaluation_loop, True),
+    ("_defer_fsdp_gradient_reduction", _defer_fsdp_gradient_reduction, False),
+    ("_track_num_input_tokens", _track_num_input_tokens, False),
+    ("_save", patched_save, True),
+    ("_save_optimizer_and_scheduler", patched_save_optimizer_and_scheduler, True),
+    ("_load_from_checkpoint", patched_load_from_checkpoint, True),
+    ("_load_optimizer_and_scheduler", patched_load_optimizer_and_scheduler, True),
+    ("_load_rng_state", patched_load_rng_state, True),
+    ("_load_best_model", patched_load_best_model, False),
+)

@@ -15,11 +15,10 @@ are sliced). The rooms:
     loading.py    from_pretrained's per-rank quantization
 
 bitsandbytes stays optional (``pip install tpkit[quant]``): nothing here imports it until a
-quantized model or config is actually handled. Importing this package registers the split
-extension (`tpkit.pretrained` imports it, so ``import tpkit`` does).
+quantized model or config is actually handled. Importing this package registers nothing: the
+package ``__init__`` installs `QuantExtension` in the one ordered list of `tpkit.extensions`.
 """
 
-from tpkit.parallelize import register_split_extension
 from tpkit.quant.extension import QuantExtension
 from tpkit.quant.linear import Linear4bitShard, Linear8bitShard, QuantizedLinear, QuantRecord
 from tpkit.quant.loading import QuantizedLoad
@@ -36,9 +35,6 @@ __all__ = [
     "quantized_weight_bytes",
     "scheme_of",
 ]
-
-_EXTENSION = QuantExtension()
-register_split_extension(_EXTENSION)
 
 
 def quantized_weight_bytes(model) -> int:

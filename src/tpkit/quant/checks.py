@@ -1,40 +1,25 @@
 """Can each quantized linear be split as the plan says? Decided before any collective.
 
-The plan is derived here the way ``tensor_parallel`` will derive it (pure, on every rank alike),
-and each quantized linear's split is checked against its format: a 4-bit weight splits only
-where its blocks of 64 input features do not straddle two ranks, and only along the output or
-input features (not by a vocabulary or a style's own entries). A refusal names the module, the
-numbers and the fixes.
+Given the plan the split derived (once: a quantization extension's ``prepare`` receives it,
+on every rank alike, before any collective), each quantized linear's split is checked against
+its format: a 4-bit weight splits only where its blocks of 64 input features do not straddle
+two ranks, and only along the output or input features (not by a vocabulary or a style's own
+entries). A refusal names the module, the numbers and the fixes.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
 
 from torch import nn
 
-from tpkit.dist.parallel_dims import ParallelDims
 from tpkit.io.shards import local_ranges
-from tpkit.plan import Plan, derive_plan, param_layout, style_spec
+from tpkit.plan import Plan, param_layout, style_spec
 from tpkit.quant.scheme import default_skip
 from tpkit.styles import placement_for
 
-__all__ = ["check_splits", "derive_for", "tp_of"]
-
-
-def tp_of(options: Any, device_ids: Sequence | None = None) -> int:
-    """The tp size ``options`` (`tpkit.parallelize.TPOptions`) resolve to in this run."""
-    dims = ParallelDims.resolve(
-        options.tp_size, options.dp_size, mesh=options.mesh, device_ids=device_ids
-    )
-    return dims.tp
-
-
-def derive_for(model: nn.Module, options: Any, tp: int) -> Plan:
-    """The plan ``split`` will derive for ``model`` with ``options`` (pure)."""
-    return derive_plan(model, options.plan, tp, options.example_inputs)
+__all__ = ["check_splits"]
 
 
 def check_splits(

@@ -1,12 +1,14 @@
 """``tensor_parallel`` of a model transformers already quantized: slice the packed bytes.
 
-Registered as a split extension (`tpkit.parallelize.SplitExtension`), so the core never knows
-about it. ``prepare`` (before the plan is derived) takes each bitsandbytes linear's packed weight
-and scales aside and leaves a float ``nn.Linear`` of the global shape on the meta device in its
-place (the same object, so a parent or a wrapper that refers to it still does), so the plan,
-its checks and the styles see ordinary linears; then the splits are checked against the format
-(`tpkit.quant.checks`), still before any collective. ``finish`` (styles applied) cuts each
-rank's shard out of the bytes as the applied style laid the weight out and installs it
+A split extension (`tpkit.extensions.SplitExtension`, installed by the package ``__init__`` in
+the one ordered list), so the core never knows about it. ``adapt`` (before the plan is derived)
+takes each bitsandbytes linear's packed weight and scales aside and leaves a float ``nn.Linear``
+of the global shape on the meta device in its place (the same object, so a parent or a wrapper
+that refers to it still does), so the plan, its checks and the styles see ordinary linears.
+``prepare`` (after the split derived its one plan) checks the splits of that plan against the
+format (`tpkit.quant.checks`), still before any collective; on a refusal the split calls
+``undo``, which puts the bitsandbytes linears back. ``finish`` (styles applied) cuts each rank's
+shard out of the bytes as the applied style laid the weight out and installs it
 (`tpkit.quant.linear.install`). Nothing is re-quantized: the shards dequantize to exactly the
 single-process model's values, double quantization included.
 """
@@ -16,18 +18,22 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import Shard
 
 from tpkit.compat import StridedShard
+from tpkit.extensions import SplitExtension
 from tpkit.io.shards import local_ranges, tp_coords
-from tpkit.parallelize import SplitExtension, TPOptions
-from tpkit.quant.checks import check_splits, derive_for, tp_of
+from tpkit.plan import Plan
+from tpkit.quant.checks import check_splits
 from tpkit.quant.linear import install
 from tpkit.quant.pack import Packed4bit, Packed8bit, float_absmax, slice_4bit, slice_8bit
+
+if TYPE_CHECKING:
+    from tpkit.parallelize import TPOptions
 
 __all__ = ["QuantExtension", "bnb_linears", "shard_of"]
 
@@ -119,7 +125,9 @@ class QuantExtension(SplitExtension):
             )
         return None
 
-    def prepare(self, model: nn.Module, options: TPOptions) -> Any:
+    def adapt(self, model: nn.Module, options: TPOptions) -> Any:
+        """Each bitsandbytes linear's bytes taken aside, a float meta ``nn.Linear`` in its
+        place, so the plan is derived on ordinary linears."""
         found = bnb_linears(model)
         if not found:
             return None
@@ -128,15 +136,23 @@ class QuantExtension(SplitExtension):
         for name, module in found.items():
             packed = sources[name].packed
             _stand_in(module, packed.dtype if isinstance(packed, Packed4bit) else float_dtype)
-        try:
-            tp = tp_of(options)
-            targets = {n: (s.kind, s.blocksize) for n, s in sources.items()}
-            check_splits(model, derive_for(model, options, tp), tp, targets)
-        except BaseException:
-            for name, module in found.items():
-                _restore(module, sources[name])
-            raise
         return sources
+
+    def prepare(
+        self, model: nn.Module, plan: Plan, tp: int, options: TPOptions, adapted: Any
+    ) -> Any:
+        """The derived plan's split of each taken-apart linear checked against its format."""
+        if adapted is None:
+            return None
+        targets = {n: (s.kind, s.blocksize) for n, s in adapted.items()}
+        check_splits(model, plan, tp, targets)
+        return adapted
+
+    def undo(self, model: nn.Module, adapted: Any) -> None:
+        """The bitsandbytes linears back, as they were before `adapt`."""
+        modules = dict(model.named_modules())
+        for name, source in adapted.items():
+            _restore(modules[name], source)
 
     def finish(self, model: nn.Module, context: Any, tp_mesh: Any) -> None:
         modules = dict(model.named_modules())

@@ -1,8 +1,10 @@
 """`tpkit.from_pretrained(..., quantization_config=...)`: each rank quantizes its own slice.
 
 The model is built on meta and split as usual; before the split, the linears to quantize are
-chosen (every ``nn.Linear`` but the skipped ones, transformers' rule) and their splits checked
-against the format (`tpkit.quant.checks`), on every rank before any collective. After the split,
+chosen (every ``nn.Linear`` but the skipped ones, transformers' rule). `QuantizedLoad` is a split
+extension for that one call (``split(..., extensions=(load,))``): the split derives the plan
+once and hands it to ``prepare``, which checks the chosen linears' splits against the format
+(`tpkit.quant.checks`), on every rank before any collective. After the split,
 each chosen linear's float slice is read from the checkpoint, quantized at once and installed
 (`tpkit.quant.linear.install`) before the next is read, into one arena allocated up front, so a
 rank's peak is its quantized shards plus one layer's float slice and its quantization
@@ -16,15 +18,17 @@ single-process quantized model, split.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tpkit.extensions import SplitExtension
 from tpkit.io.safetensors import CheckpointIndex
-from tpkit.quant.checks import check_splits, derive_for, tp_of
+from tpkit.plan import Plan
+from tpkit.quant.checks import check_splits
 from tpkit.quant.extension import shard_of
 from tpkit.quant.linear import QuantizedLinear, install
 from tpkit.quant.pack import Packed4bit, Packed8bit, quantize_4bit, quantize_8bit
@@ -33,18 +37,13 @@ from tpkit.quant.scheme import default_skip, scheme_of, skipped
 __all__ = ["QuantizedLoad"]
 
 
-class QuantizedLoad:
+class QuantizedLoad(SplitExtension):
     """The quantization part of one `tpkit.from_pretrained` call (see the module docstring):
-    built on the meta model before the split (every refusal happens here), then `stream` after
-    it."""
+    built on the meta model before the split (the scheme and tied weights refused here), passed
+    to that one split as an extension (its splits checked against the derived plan in
+    `prepare`), then `stream` after it."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        quantization_config: Any,
-        options: Any,
-        device_ids: Sequence | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, quantization_config: Any) -> None:
         self.scheme = scheme_of(quantization_config)
         if self.scheme.bits == 4:
             _need_bitsandbytes()
@@ -58,10 +57,14 @@ class QuantizedLoad:
             and not skipped(n, skip)
         ]
         _refuse_tied(model, self.targets)
-        tp = tp_of(options, device_ids)
+
+    def prepare(self, model: nn.Module, plan: Plan, tp: int, options: Any, adapted: Any) -> Any:
+        """Every target's split in the split's one derived ``plan``, checked against the format
+        (nothing for `finish`: the weights are streamed in after the split)."""
         if tp > 1 and self.targets:
             info = dict.fromkeys(self.targets, (self.scheme.kind, self.scheme.blocksize))
-            check_splits(model, derive_for(model, options, tp), tp, info)
+            check_splits(model, plan, tp, info)
+        return None
 
     def stream(
         self,

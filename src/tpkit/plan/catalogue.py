@@ -178,6 +178,31 @@ _BUILTIN = (
         uneven_ok=True,
     ),
     StyleSpec(
+        "conv_colwise",
+        "column",
+        "Y_i = conv(X, W_i) + b_i: a groups=1 convolution's (or transposed one's) output "
+        "channels split, output stays split on the channel dim",
+        shard="out",
+        uneven_ok=True,  # the rowwise conv it feeds takes the same torch.chunk of its inputs
+    ),
+    StyleSpec(
+        "conv_rowwise",
+        "row",
+        "Y = sum_i conv(X_i, W_i) + b: input channels split, partial sums all-reduced, bias "
+        "added once",
+        shard="in",
+        collective="all_reduce",
+        uneven_ok=True,
+    ),
+    StyleSpec(
+        "norm_channelwise",
+        "channel",
+        "BatchNorm / GroupNorm on this rank's channels: weight, bias and running statistics "
+        "split by channel (whole groups per rank), no collective",
+        shard="out",
+        uneven_ok=True,  # BatchNorm: per channel; GroupNorm: paired only when tp divides groups
+    ),
+    StyleSpec(
         "colwise_embedding_gather",
         "whole",
         "E_i = E[:, cols_i]: an EmbeddingBag's columns split, bags reduced per column (exact in "

@@ -11,7 +11,11 @@ unsharded values:
   any ids), ``colwise_embedding_gather`` (columns split, gathered) where the rows are too few;
 - ``nn.EmbeddingBag``: ``colwise_embedding_gather`` (exact in every bag mode);
 - ``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` with ``groups=1``: ``conv_colwise_gather`` (output
-  channels split, all-gathered on the channel dim, `tpkit.styles.conv`).
+  channels split, all-gathered on the channel dim, `tpkit.styles.conv`), unless it pairs:
+  convolutions whose channels reach another convolution only through per-channel ops
+  (activations, pooling, BatchNorm, GroupNorm and grouped convolutions tp divides) are split
+  like a column/row pair instead, one all-reduce per pair (`tpkit.plan.convs`), transposed
+  convolutions included.
 
 Weights and matmul work are still divided by tp; each layer costs one collective, so this is the
 slowest exact split, which is why a traced plan is always tried first. A layer too small to be
@@ -25,11 +29,12 @@ layer this way; tpkit keeps it as the floor under inference instead of a refusal
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
+from tpkit.plan.convs import NORMS, TRANSPOSED_CONVS, conv_pairs
 from tpkit.plan.layout import kind_of, out_width, param_layouts
 from tpkit.plan.spec import Plan
 
@@ -41,6 +46,8 @@ MIN_PER_RANK = 2
 SOURCE = "fallback"
 #: the forwards the fallback's styles are exact for (a subclass that keeps them is fine)
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: the classes whose own forward the paired convolution styles are exact for
+_PAIRED = (*_CONVS, *TRANSPOSED_CONVS, *NORMS)
 _BASE_FORWARD = {
     "linear": nn.Linear.forward,
     "embedding": nn.Embedding.forward,
@@ -54,21 +61,34 @@ def fallback_plan(
     why: str,
     tp_size: int | None = None,
     read_outside: Collection[str] = (),
+    example: tuple | Mapping | None = None,
 ) -> Plan:
     """Every Linear, Conv1D, Embedding and EmbeddingBag of ``model`` split on its own, its
     output gathered (see the module docstring). ``why`` (why the dataflow is not used) goes
     into each split layer's note, so `tpkit plan` names the layers that took the fallback.
     ``tp_size`` (2 when unknown) decides which layers are too small to split;
     ``read_outside`` names layers a trace saw computed with outside their own forward (a
-    weight read directly elsewhere sees only this rank's part), which stay whole."""
+    weight read directly elsewhere sees only this rank's part), which stay whole. Convolution
+    pairs (`tpkit.plan.convs`) are found on a fake forward with ``example`` (the trace inputs,
+    else made up) and take the paired styles; a model that cannot be traced pairs none."""
     tp = tp_size if tp_size and tp_size > 1 else 2
     shared = _shared_params(model)
     shared.update(id(model.get_submodule(n).weight) for n in read_outside)
     plan = Plan()
+    pairs = conv_pairs(model, tp, lambda _, mod: _splittable(mod, shared), example)
+    for name, style in pairs.styles.items():
+        plan.set(name, style, SOURCE)
+        plan.notes[name] = f"per-layer fallback, {pairs.notes[name]}: {why}"
+    plan.fixups.update(pairs.fixups)
     for name, mod in model.named_modules():
-        if not name:
+        if not name or name in pairs.styles:
             continue  # the model itself: never a leaf layer worth a collective
         style, reason = _style(mod, tp, shared)
+        if style == "conv_colwise_gather" and name in pairs.broken:
+            why_gathered = f"{why}; not paired: {pairs.broken[name]}"
+            plan.set(name, style, SOURCE)
+            plan.notes[name] = f"per-layer fallback: {why_gathered}"
+            continue
         if style is not None:
             plan.set(name, style, SOURCE)
             plan.notes[name] = f"per-layer fallback: {why}"
@@ -82,6 +102,15 @@ def _shared_params(model: nn.Module) -> set[int]:
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
     return {k for k, v in counts.items() if v > 1}
+
+
+def _splittable(mod: nn.Module, shared: set[int]) -> bool:
+    """A convolution or norm the paired convolution styles may split: its own parameters, not
+    parametrized, not shared or read outside, its class's forward (`tpkit.plan.convs`)."""
+    if is_parametrized(mod) or any(id(p) in shared for p in mod.parameters(recurse=False)):
+        return False
+    base = next((c for c in _PAIRED if isinstance(mod, c)), None)
+    return base is not None and type(mod).forward is base.forward
 
 
 def _style(mod: nn.Module, tp: int, shared: set[int]) -> tuple[str | None, str | None]:

@@ -17,6 +17,9 @@ undone afterwards), and `tpkit plan` prints them:
   to the rank's contiguous heads, along dim 0 (batch*heads) or dim 1 (heads);
 - ``head_buffers``: ``{"slope_rate": 0}``: the module's own per-head buffers (made at init
   for every head) cut to the rank's heads along that dim;
+- ``shard_buffers``: ``["running_mean", ...]``: per-channel buffers cut to the rank's
+  channels (dim 0, torch.chunk sizes) for the dry run; the real split's style
+  (``norm_channelwise``) has already made them DTensors, which this leaves be;
 - ``merge_heads``: ``[width, ...]``: the module's code merges its heads back to a width read off
   its input (``bsz, tgt_len, embed_dim = hidden_states.size()`` ... ``.reshape(bsz, tgt_len,
   embed_dim)``, older BART-style attention), a local variable no attribute fix-up reaches:
@@ -36,7 +39,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tpkit.plan.layout import local_shape, param_layout
+from tpkit.plan.layout import chunk_offset, chunk_sizes, local_shape, param_layout
 from tpkit.plan.spec import Plan
 
 __all__ = [
@@ -242,6 +245,12 @@ def apply_fixups(
                 restore.append((module, bname, buf))
                 per = heads // tp
                 module._buffers[bname] = buf.narrow(dim, rank * per, per).clone()
+        for bname in fix.get("shard_buffers") or []:  # per-channel running statistics
+            buf = module._buffers.get(bname)
+            if buf is not None and not hasattr(buf, "placements"):  # a DTensor: its style's
+                restore.append((module, bname, buf))
+                size = chunk_sizes(buf.shape[0], tp)[rank]
+                module._buffers[bname] = buf.narrow(0, chunk_offset(buf.shape[0], tp, rank), size)
         if fix.get("merge_heads"):
             undos.append(_merge_heads(module, fix["merge_heads"]))
         if fix.get("head_inputs") and heads:

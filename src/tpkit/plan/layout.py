@@ -99,6 +99,8 @@ def param_layout(
     conv1d = is_conv1d(module)
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):  # [out, in / groups, *kernel]
         return ParamLayout(0 if s.shard == "out" else 1, s.packed_parts)
+    if isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+        return ParamLayout(1 if s.shard == "out" else 0, s.packed_parts)  # [in, out / groups, *k]
     if s.shard in ("vocab", "cols"):  # [num_embeddings, dim]
         if ndim != 2:
             return REPLICATED

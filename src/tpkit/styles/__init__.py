@@ -4,7 +4,8 @@
     linear.py     colwise, packed colwise, gathered head, rowwise and its variants
     embedding.py  vocab-parallel embedding, per-head (column) embedding
     combined.py   modules split by their own entries (experts, all_reduce), partial gradients
-    conv.py       a convolution split by output channels, gathered
+    conv.py       convolutions by channels: gathered, or paired colwise -> rowwise with the
+                  BatchNorm / GroupNorm between them on the rank's channels
 
 `make_style` builds the style object for one module from its catalogue name and options;
 `register_style` adds a user style: its `StyleSpec` (what it is, for plans, validation and
@@ -32,7 +33,7 @@ from tpkit.styles.combined import (
     MoeIdentityExpertStyle,
     TailGradAllReduceStyle,
 )
-from tpkit.styles.conv import ConvGatherStyle
+from tpkit.styles.conv import ConvColwiseStyle, ConvGatherStyle, ConvRowwiseStyle, NormChannelStyle
 from tpkit.styles.embedding import (
     ColwiseEmbeddingStyle,
     GatherColumnsEmbeddingStyle,
@@ -56,7 +57,10 @@ __all__ = [
     "ChannelwiseStyle",
     "ColwiseEmbeddingStyle",
     "ColwiseStyle",
+    "ConvColwiseStyle",
     "ConvGatherStyle",
+    "ConvRowwiseStyle",
+    "NormChannelStyle",
     "GatherColumnsEmbeddingStyle",
     "GatherOutputStyle",
     "MoeExpertsStyle",
@@ -92,6 +96,9 @@ for _cls in (
     GatherColumnsEmbeddingStyle,
     GatherOutputStyle,
     ConvGatherStyle,
+    ConvColwiseStyle,
+    ConvRowwiseStyle,
+    NormChannelStyle,
     RowwiseStyle,
     PackedRowwiseStyle,
     ReplicatedHeadsColwiseStyle,

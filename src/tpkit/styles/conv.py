@@ -1,13 +1,29 @@
-"""Convolutions split by output channels, their output gathered on the channel dim.
+"""Convolutions split by channels: gathered per layer, or paired like Megatron's linears.
 
-``conv_colwise_gather``: an ``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` with ``groups=1`` keeps its
-weight ``[out, in, *kernel]`` split on dim 0 (the bias with it), so each rank computes its own
-output channels from the whole input; the channels are then all-gathered (uneven counts
-allowed). Exact like ``colwise_gather_output`` for a linear, whatever code follows: each output
-channel is one rank's whole sum, and the input gradient (a sum over output channels) is
-all-reduced by f. ``groups > 1`` would map a rank's channels to the wrong input groups, so the
-fallback (`tpkit.plan.fallback`) leaves those whole. torch's DTensor convolution gathers or
-redistributes per op; this keeps one gather per layer on local tensors, like the other styles.
+- ``conv_colwise_gather`` (`ConvGatherStyle`): an ``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` with
+  ``groups=1`` keeps its weight ``[out, in, *kernel]`` split on dim 0 (the bias with it), so
+  each rank computes its own output channels from the whole input; the channels are then
+  all-gathered (uneven counts allowed). Exact like ``colwise_gather_output`` for a linear,
+  whatever code follows: each output channel is one rank's whole sum, and the input gradient (a
+  sum over output channels) is all-reduced by f. The per-layer fallback's conv style.
+- ``conv_colwise`` (`ConvColwiseStyle`): the same split, the output left split on the channel
+  dim for the convolution it pairs with (`tpkit.plan.convs`). A transposed convolution's
+  weight is ``[in, out / groups, *kernel]``: its output channels are dim 1
+  (`tpkit.plan.layout.param_layout`).
+- ``conv_rowwise`` (`ConvRowwiseStyle`): input channels split (the rank's channels of its
+  partner's output, through per-channel ops), a local convolution, the partial sums
+  all-reduced (g), the bias added once after, broadcast over the kernel dims. A transposed
+  convolution splits dim 0.
+- ``norm_channelwise`` (`NormChannelStyle`): BatchNorm / GroupNorm between a pair, on the
+  rank's channels: weight and bias split, and BatchNorm's running statistics too (DTensor
+  buffers, swapped for their local shards while it runs, so a training step updates the
+  rank's part in place and a gathered state dict holds the whole statistics).
+
+Grouped and depthwise convolutions inside a pair take ``channelwise`` with their ``groups``
+divided by a fix-up (tp divides the groups, so each rank holds whole groups). Padding of any
+``padding_mode`` is per channel, so every split is exact for it. torch's DTensor convolution
+gathers or redistributes per op; these keep at most one collective per layer on local tensors,
+like the other styles.
 """
 
 from __future__ import annotations
@@ -16,13 +32,44 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tpkit.dist.comm import gather_from_tp
 from tpkit.plan.layout import chunk_sizes
-from tpkit.styles.base import map_output
-from tpkit.styles.linear import ColwiseStyle
+from tpkit.styles.base import TPStyle, map_output
+from tpkit.styles.linear import ColwiseStyle, RowwiseStyle
 
-__all__ = ["ConvGatherStyle"]
+__all__ = [
+    "CONVS",
+    "TRANSPOSED_CONVS",
+    "ConvColwiseStyle",
+    "ConvGatherStyle",
+    "ConvRowwiseStyle",
+    "NormChannelStyle",
+]
+
+#: the convolutions these styles run (a subclass keeping ``forward`` is fine)
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+#: BatchNorm's per-channel buffers (num_batches_tracked is one count, the same on every rank)
+_STAT_BUFFERS = ("running_mean", "running_var")
+
+
+def _check_conv(style: TPStyle, module: nn.Module, transposed_ok: bool) -> None:
+    kinds = CONVS + TRANSPOSED_CONVS if transposed_ok else CONVS
+    if not isinstance(module, kinds) or module.groups != 1:
+        what = "nn.Conv1d/2d/3d" + (" or nn.ConvTranspose1d/2d/3d" if transposed_ok else "")
+        groups = f" with groups={module.groups}" if hasattr(module, "groups") else ""
+        raise ValueError(
+            f"{style.module_name or type(module).__name__}: {style.name} needs an {what} with "
+            f"groups=1, got {type(module).__name__}{groups}; leave it whole (replicate), or "
+            "use channelwise for a grouped convolution whose input channels are split."
+        )
+
+
+def _channel_dim(y: torch.Tensor, kernel_dims: int) -> int:
+    return y.ndim - kernel_dims - 1  # 1 for a batch, 0 for an unbatched input
 
 
 class ConvGatherStyle(ColwiseStyle):
@@ -31,13 +78,7 @@ class ConvGatherStyle(ColwiseStyle):
     name = "conv_colwise_gather"
 
     def _setup(self, module: nn.Module) -> None:
-        if not isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or module.groups != 1:
-            raise ValueError(
-                f"{self.module_name or type(module).__name__}: conv_colwise_gather needs an "
-                f"nn.Conv1d/2d/3d with groups=1, got {type(module).__name__}"
-                f"{f' with groups={module.groups}' if hasattr(module, 'groups') else ''}; "
-                "leave it whole (replicate)."
-            )
+        _check_conv(self, module, transposed_ok=False)
         self.sizes = chunk_sizes(module.weight.shape[0], self.tp)
         self.kernel_dims = module.weight.ndim - 2
 
@@ -45,6 +86,82 @@ class ConvGatherStyle(ColwiseStyle):
         return map_output(output, self._gather)
 
     def _gather(self, y: torch.Tensor) -> torch.Tensor:
-        channel = y.ndim - self.kernel_dims - 1  # 1 for a batch, 0 for an unbatched input
+        channel = _channel_dim(y, self.kernel_dims)
         last = y.movedim(channel, -1).contiguous()
         return gather_from_tp(last, self.sizes, self.rank, self.group).movedim(-1, channel)
+
+
+class ConvColwiseStyle(ColwiseStyle):
+    """Y_i = conv(X, W_i) + b_i: this rank's output channels, left split for the paired
+    ``conv_rowwise``; f on X (each rank's input gradient is a partial sum over its channels)."""
+
+    name = "conv_colwise"
+
+    def _setup(self, module: nn.Module) -> None:
+        _check_conv(self, module, transposed_ok=True)
+
+
+class ConvRowwiseStyle(RowwiseStyle):
+    """Y = sum_i conv(X_i, W_i) + b: the rank's input channels, partial sums all-reduced, the
+    bias added once after the reduction, on the channel dim (see the module doc)."""
+
+    name = "conv_rowwise"
+
+    def _setup(self, module: nn.Module) -> None:
+        _check_conv(self, module, transposed_ok=True)
+        self.kernel_dims = module.weight.ndim - 2
+
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        self._swap_in(module)
+        self._bias.append(module._parameters.get("bias"))
+        module._parameters["bias"] = None  # F.conv*d take None: added once, after g
+        return args, kwargs
+
+    def _reduce_output(self, output: Any, bias: torch.Tensor | None) -> Any:
+        if bias is not None:
+            bias = bias.reshape(-1, *[1] * self.kernel_dims)  # broadcast over the kernel dims
+        return super()._reduce_output(output, bias)
+
+
+class NormChannelStyle(TPStyle):
+    """BatchNorm / GroupNorm on the rank's channels (see the module doc). GroupNorm's
+    ``num_groups`` is divided by the plan's fix-up; BatchNorm's statistics are per channel, so
+    training mode is exact too (each rank sees every sample of its channels)."""
+
+    name = "norm_channelwise"
+
+    def _setup(self, module: nn.Module) -> None:
+        if not isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm)):
+            raise ValueError(
+                f"{self.module_name or type(module).__name__}: norm_channelwise needs an "
+                f"nn.BatchNorm1d/2d/3d or nn.GroupNorm, got {type(module).__name__}; leave it "
+                "whole (replicate)."
+            )
+        self._saved_buffers: list[dict[str, DTensor]] = []
+        for bname in _STAT_BUFFERS:
+            buf = module._buffers.get(bname)
+            if buf is not None and not isinstance(buf, DTensor):
+                module._buffers[bname] = _shard_buffer(buf, self.mesh)
+
+    def _swap_in(self, module: nn.Module) -> None:
+        super()._swap_in(module)
+        buffers = module._buffers
+        saved = {n: b for n, b in buffers.items() if isinstance(b, DTensor)}
+        for n, b in saved.items():
+            buffers[n] = b._local_tensor  # updated in place by a training step: the shard
+        self._saved_buffers.append(saved)
+
+    def _swap_out(self, module: nn.Module) -> None:
+        super()._swap_out(module)
+        if self._saved_buffers:
+            module._buffers.update(self._saved_buffers.pop())
+
+
+def _shard_buffer(buf: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """``buf`` split on dim 0 (torch.chunk sizes, like the weight), each rank slicing its own
+    copy (no communication; tpkit requires the same weights and buffers on every rank)."""
+    dt = distribute_tensor(buf.detach(), mesh, [Shard(0)], src_data_rank=None)
+    local = dt.to_local().clone()  # own memory: a chunk is a view of the whole buffer
+    return DTensor.from_local(
+        local, mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride()
+    )

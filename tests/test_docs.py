@@ -22,7 +22,7 @@ ARCH = DOCS / "architecture.md"
 OUTER = ("tpkit.integrations", "tpkit.cli")
 # the subpackages (a room each), and what each of the lower ones may import
 ROOMS = ("plan", "styles", "quant", "integrations", "cli", "dist", "training", "guards", "io", "pool")
-FLOOR = ("tpkit.compat", "tpkit.log")
+FLOOR = ("tpkit.compat", "tpkit.config", "tpkit.log")
 LOWER = {
     "dist": FLOOR,
     "training": (*FLOOR, "tpkit.dist", "tpkit.plan", "tpkit.styles"),

@@ -4,15 +4,17 @@ Every line carries its rank (``[tpkit rank 1/2] ...``), so interleaved output fr
 stays readable. ``TPKIT_LOG_LEVEL`` (default ``INFO``) sets the level. Messages that every rank must
 print whatever the setting (a rank's own failure report) use ``log_every_rank``.
 
-This module reads the rank itself (live process group, else torchrun's RANK) so that dist/mesh.py can
-import it without a cycle.
+This module reads the rank itself (live process group, else torchrun's RANK through
+`tpkit.config`) so that dist/mesh.py can import it without a cycle. The level is read once, when
+the logger is first configured (at import); TPKIT_LOG_ALL_RANKS at every record.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from tpkit import config
 
 __all__ = ["all_ranks_enabled", "get_logger", "log_every_rank"]
 
@@ -27,11 +29,12 @@ def _rank_world() -> tuple[int, int]:
             return dist.get_rank(), dist.get_world_size()
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return config.rank(), config.world_size()
 
 
 def all_ranks_enabled() -> bool:
-    return os.environ.get("TPKIT_LOG_ALL_RANKS", "").lower() not in ("", "0", "false", "no")
+    """TPKIT_LOG_ALL_RANKS, at call time (`tpkit.config.log_all_ranks`)."""
+    return config.log_all_ranks()
 
 
 class _RankFilter(logging.Filter):
@@ -51,7 +54,7 @@ def _configure_root() -> logging.Logger:
         handler.addFilter(_RankFilter())
         handler.setFormatter(logging.Formatter("%(rank_prefix)s %(message)s"))
         root.addHandler(handler)
-        root.setLevel(os.environ.get("TPKIT_LOG_LEVEL", "INFO").upper())
+        root.setLevel(config.log_level())
         root.propagate = False  # the rank filter must decide; a root handler would not filter
         root._tpkit_configured = True
     return root

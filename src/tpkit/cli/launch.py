@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tpkit import config
 from tpkit.log import get_logger
 
 __all__ = [
@@ -47,9 +48,6 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
-
-#: Environment variables torchrun sets in every rank it starts.
-_INSIDE_TORCHRUN = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
 
 class LaunchError(RuntimeError):
@@ -77,7 +75,7 @@ def inside_launched_rank() -> bool:
     """True in a process started by torchrun / ``tpkit.launch`` (or with a live process group)."""
     import torch.distributed as dist
 
-    if any(k in os.environ for k in _INSIDE_TORCHRUN):
+    if config.under_torchelastic():
         return True
     return dist.is_available() and dist.is_initialized()
 
@@ -169,9 +167,10 @@ def _run_rank(fn: Callable, args: tuple, kwargs: dict, error_dir: str) -> Any:
     import torch
     import torch.distributed as dist
 
-    rank = int(os.environ.get("RANK", "0"))
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # forked ranks keep the pool
+    rank = config.rank()
+    threads = config.omp_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)  # forked ranks keep the caller's pool otherwise
     try:
         _bring_up_group()
         out = fn(*args, **kwargs)
@@ -257,7 +256,7 @@ def _raise_rank_error(error_dir: str, failed: Exception) -> None:
 
 
 def _start_method(fn: Callable, args: tuple, kwargs: dict) -> str:
-    override = os.environ.get("TPKIT_START_METHOD")
+    override = config.start_method()
     if override:
         return override
     if _importable(fn, args, kwargs):
@@ -301,8 +300,9 @@ def _importable(fn: Callable, args: tuple, kwargs: dict) -> bool:
 
 @contextlib.contextmanager
 def _default_threads(nproc: int):
-    """Spawned ranks inherit os.environ: give each its share of the cores, as ``tpkit run`` does."""
-    if "OMP_NUM_THREADS" in os.environ:
+    """Spawned ranks inherit os.environ: give each its share of the cores, as ``tpkit run`` does
+    (this sets the variable for the children; the caller's value, when set, is kept)."""
+    if config.omp_num_threads() is not None:
         yield
         return
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
@@ -336,7 +336,7 @@ def _quiet_elastic_logs():
     the rank's error, which tpkit raises itself. TPKIT_LOG_ALL_RANKS=1 keeps the agent's logs."""
     loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
     levels = [lg.level for lg in loggers]
-    if not os.environ.get("TPKIT_LOG_ALL_RANKS"):
+    if not config.log_all_ranks():
         for lg in loggers:
             lg.setLevel(logging.CRITICAL)
     try:

@@ -4,12 +4,13 @@ that need ranks, which launch themselves."""
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from pathlib import Path
 
 import torch
+
+from tpkit import config
 
 __all__ = ["collapse_layers", "main"]
 
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         parser.exit(2, f"tpkit: error: {exc}\n")
     except (ValueError, OSError) as exc:  # tpkit's own checks say what to do in one message
-        if argv is not None or os.environ.get("TPKIT_DEBUG"):
+        if argv is not None or config.debug():
             raise  # called from Python (or debugging): the exception itself
         first = str(exc).strip() or type(exc).__name__
         parser.exit(1, f"tpkit: error: {first}\n(TPKIT_DEBUG=1 shows the traceback)\n")

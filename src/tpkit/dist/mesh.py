@@ -1,7 +1,8 @@
 """Process group and DeviceMesh from torchrun's environment.
 
-torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; everything here reads them, so the same script runs
-under `torchrun --nproc-per-node N`, `tpkit run`, `tpkit.launch` or plain `python` (world size 1).
+torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; everything here reads them (through `tpkit.config`),
+so the same script runs under `torchrun --nproc-per-node N`, `tpkit run`, `tpkit.launch` or plain
+`python` (world size 1).
 The mesh is always 2D and named ``("dp", "tp")`` with tp innermost: ranks of one TP group are
 contiguous, which is what accelerate's data loader and NVLink topology both assume.
 """
@@ -9,15 +10,15 @@ contiguous, which is what accelerate's data loader and NVLink topology both assu
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from tpkit import config
+from tpkit.dist.timeouts import install_timeout_report, tpkit_timeout
 from tpkit.log import get_logger
-from tpkit.dist.timeouts import install_timeout_report, record_timeout, tpkit_timeout
 
 __all__ = [
     "DistEnv",
@@ -35,6 +36,8 @@ __all__ = [
 log = get_logger(__name__)
 #: (device type, dp, tp) -> the mesh built for it: every `tensor_parallel` call with the same sizes
 #: shares one mesh, so repeated calls create no new process groups (each holds threads and fds).
+#: Module-wide because what it caches is: torch keeps process groups per process, and its
+#: ProcessGroup objects take no attributes; `_mesh_alive` drops a mesh whose group was destroyed.
 _MESHES: dict[tuple[str, int, int], DeviceMesh] = {}
 
 
@@ -55,10 +58,9 @@ def dist_env() -> DistEnv:
     """Read RANK / WORLD_SIZE / LOCAL_RANK (or the live process group, if one exists)."""
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-        return DistEnv(rank, world, int(os.environ.get("LOCAL_RANK", rank)))
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return DistEnv(rank, world, int(os.environ.get("LOCAL_RANK", rank)))
+    else:
+        rank, world = config.rank(), config.world_size()
+    return DistEnv(rank, world, config.local_rank(default=rank))
 
 
 def default_device_type() -> str:
@@ -68,7 +70,7 @@ def default_device_type() -> str:
 
 def default_backend(device_type: str) -> str:
     """nccl for CUDA, gloo otherwise; TPKIT_BACKEND overrides."""
-    override = os.environ.get("TPKIT_BACKEND")
+    override = config.backend()
     if override:
         return override
     return "nccl" if device_type == "cuda" else "gloo"
@@ -93,7 +95,6 @@ def init_distributed(
     backend = backend or default_backend(device_type)
     seconds = timeout_s if timeout_s is not None else tpkit_timeout()
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=seconds))
-    record_timeout(seconds)
     install_timeout_report()
     log.info("process group up: %s, %d ranks, timeout %g s", backend, env.world_size, seconds)
     return dist_env()

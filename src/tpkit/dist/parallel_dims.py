@@ -8,13 +8,13 @@ out (tp from the world size, dp from tp, the device from ``device_ids`` or the l
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from tpkit import config
 from tpkit.dist.mesh import DistEnv, default_device_type, dist_env, tp_submesh
 
 __all__ = ["ParallelDims", "launch_hint"]
@@ -131,7 +131,7 @@ class ParallelDims:
 def _pick_device(device_ids: Sequence | None, local_rank: int, device_type: str) -> torch.device:
     if device_ids:
         # every rank of the node checks against the node's rank count, so all raise alike
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        local_world = config.local_world_size(default=local_rank + 1)
         if max(local_rank + 1, local_world) > len(device_ids):
             raise ValueError(
                 f"device_ids has {len(device_ids)} entries but this node runs {local_world} "

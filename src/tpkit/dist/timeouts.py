@@ -5,6 +5,12 @@ the op but not the missing rank. On a timeout tpkit adds the collective, the use
 there, and a roll call over the process group's store: every rank that timed out writes where it
 waited, and the ranks that write nothing within the grace period are the ones that never arrived.
 Every process group tpkit creates uses `tpkit_timeout`, and so do tpkit's own waits.
+
+A torchrun script's uncaught timeout gets the report from a ``sys.excepthook`` that
+`install_timeout_report` chains when tpkit brings up a group (that is where it is needed: before
+any tpkit collective can time out) and `uninstall_timeout_report` puts the previous hook back.
+The previous hook is kept on the hook object, not in this module: the hook is process-wide
+state, and a library that replaces it must be able to give it back (a notebook's, a test's).
 """
 
 from __future__ import annotations
@@ -15,10 +21,14 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from tpkit import config
+from tpkit.compat import group_timeout
+from tpkit.config import DEFAULT_TIMEOUT_S
 from tpkit.log import get_logger, log_every_rank
 
 __all__ = [
@@ -26,37 +36,19 @@ __all__ = [
     "collective_frame",
     "install_timeout_report",
     "is_collective_timeout",
-    "record_timeout",
     "timeout_report",
     "tpkit_timeout",
+    "uninstall_timeout_report",
 ]
 
 log = get_logger(__name__)
 
-#: Default collective timeout. Short enough that a rank that never arrives at a collective fails
-#: loudly within minutes instead of hanging a job for torch's default 10 to 30 minutes.
-DEFAULT_TIMEOUT_S = 300.0
-_recorded: list[float] = []  # the timeout init_distributed gave the default group
-
 
 def tpkit_timeout() -> float:
-    """TPKIT_TIMEOUT (seconds, default 300), read at call time: the timeout of every process group
-    tpkit creates and of tpkit's own waits (the shared-memory all-reduce)."""
-    raw = os.environ.get("TPKIT_TIMEOUT")
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"TPKIT_TIMEOUT={raw!r} is not a number of seconds.") from None
-    if value <= 0:
-        raise ValueError(f"TPKIT_TIMEOUT={raw!r} must be > 0 seconds.")
-    return value
-
-
-def record_timeout(seconds: float) -> None:
-    """Remember the default group's timeout, for the report."""
-    _recorded[:] = [seconds]
+    """TPKIT_TIMEOUT (seconds, default `DEFAULT_TIMEOUT_S`), read at call time through
+    `tpkit.config.timeout_seconds`: the timeout of every process group tpkit creates and of
+    tpkit's own waits (the shared-memory all-reduce)."""
+    return config.timeout_seconds()
 
 
 _TIMEOUT_RE = re.compile(r"timed?[ -]?out|timeout", re.IGNORECASE)
@@ -84,12 +76,13 @@ def timeout_report(exc: BaseException, tb=None, grace_s: float | None = None) ->
     if collective is None:
         return None  # a timeout outside torch.distributed (a user's own) is not ours to explain
     rank, world = dist.get_rank(), dist.get_world_size()
-    timeout_s = _recorded[0] if _recorded else tpkit_timeout()
+    # the default group's own timeout (what init_distributed gave it, or the user's group's)
+    timeout_s = group_timeout(dist.group.WORLD) or tpkit_timeout()
     grace_s = min(timeout_s, 30.0) if grace_s is None else grace_s
     others: dict[int, str] = {}
     try:
         store = dist.distributed_c10d._get_default_store()
-        prefix = f"tpkit/timeout/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        prefix = f"tpkit/timeout/{config.restart_count()}/"
         store.set(f"{prefix}{rank}", f"{collective} ({where})")
         deadline = time.monotonic() + grace_s
         while len(others) < world - 1 and time.monotonic() < deadline:
@@ -144,15 +137,17 @@ def collective_frame(tb) -> tuple[str | None, str]:
     return collective, f"called at {caller.filename}:{caller.lineno} in {caller.name}"
 
 
-def install_timeout_report() -> None:
-    """Chain a ``sys.excepthook`` that, after the usual traceback, prints `timeout_report` for an
-    uncaught collective timeout (torchrun scripts). ``tpkit.launch`` adds the report itself."""
-    previous = sys.excepthook
-    if getattr(previous, "_tpkit_timeout_report", False):
-        return
+class _ReportHook:
+    """The chained ``sys.excepthook``: the previous hook's output, then the timeout report. It
+    holds the hook it replaced, so `uninstall_timeout_report` can put that one back."""
 
-    def hook(exc_type, exc, tb):
-        previous(exc_type, exc, tb)
+    _tpkit_timeout_report = True
+
+    def __init__(self, previous: Callable) -> None:
+        self.previous = previous
+
+    def __call__(self, exc_type, exc, tb) -> None:
+        self.previous(exc_type, exc, tb)
         try:
             report = timeout_report(exc, tb)
         except Exception:  # noqa: BLE001 - never fail inside the excepthook
@@ -160,5 +155,22 @@ def install_timeout_report() -> None:
         if report:
             log_every_rank(log, logging.ERROR, report)
 
-    hook._tpkit_timeout_report = True
-    sys.excepthook = hook
+
+def install_timeout_report() -> None:
+    """Chain a ``sys.excepthook`` that, after the usual traceback, prints `timeout_report` for an
+    uncaught collective timeout (torchrun scripts). Idempotent; called where tpkit brings up a
+    group (`tpkit.dist.mesh.init_distributed`, `tpkit.dist.mesh.build_mesh`). ``tpkit.launch``
+    and the worker pool catch a rank's exception and add the report themselves."""
+    if not getattr(sys.excepthook, "_tpkit_timeout_report", False):
+        sys.excepthook = _ReportHook(sys.excepthook)
+
+
+def uninstall_timeout_report() -> bool:
+    """Put back the ``sys.excepthook`` that `install_timeout_report` replaced. True when it did;
+    False when tpkit's hook is not the current one (never installed, or another hook was chained
+    on top of it since: removing it from under that one would break its chain)."""
+    hook = sys.excepthook
+    if not isinstance(hook, _ReportHook):
+        return False
+    sys.excepthook = hook.previous
+    return True

@@ -28,7 +28,6 @@ before failing on a meta tensor with torch's "Cannot copy out of meta tensor".
 
 from __future__ import annotations
 
-import os
 import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -39,6 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from tpkit import config
 from tpkit.log import get_logger
 
 __all__ = [
@@ -60,7 +60,8 @@ _MAX_DIMS = 6  # shape entries compared per tensor; more dims are folded into th
 
 
 def debug_enabled() -> bool:
-    return os.environ.get("TPKIT_DEBUG", "").lower() not in ("", "0", "false", "no")
+    """TPKIT_DEBUG, at call time (`tpkit.config.debug`)."""
+    return config.debug()
 
 
 #: Forwards whose inputs are checked across the TP group by default (TPKIT_DEBUG: all of them).

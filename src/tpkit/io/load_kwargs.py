@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from tpkit.io.hub import DOWNLOAD_KEYS
@@ -34,9 +35,9 @@ from tpkit.io.hub import DOWNLOAD_KEYS
 __all__ = ["PretrainedKwargs", "check_unused", "sort_kwargs"]
 
 #: keywords transformers' from_pretrained accepts and drops itself
-_IGNORED = {"low_cpu_mem_usage", "_fast_init", "mirror", "offload_state_dict", "from_tf",
-            "from_flax", "_from_auto", "_from_pipeline", "_commit_hash", "disable_mmap",
-            "tqdm_class"}  # fmt: skip
+_IGNORED = frozenset({"low_cpu_mem_usage", "_fast_init", "mirror", "offload_state_dict",
+                      "from_tf", "from_flax", "_from_auto", "_from_pipeline", "_commit_hash",
+                      "disable_mmap", "tqdm_class"})  # fmt: skip
 
 _PLACEMENT = (
     "tpkit places each rank's shards on that rank's device itself (device_ids=[...] picks the "
@@ -45,36 +46,31 @@ _PLACEMENT = (
 )
 
 #: transformers keywords tpkit cannot honour, and why
-_REFUSED = {
-    "device_map": _PLACEMENT,
-    "max_memory": _PLACEMENT,
-    "offload_folder": _PLACEMENT,
-    "offload_buffers": _PLACEMENT,
-    "device_mesh": "pass tpkit's mesh= (a DeviceMesh with a 'tp' dimension) instead of {name}.",
-    "state_dict": "{name} loads weights already in memory: build the model and call "
-    "tpkit.tensor_parallel(model) instead.",
-    "gguf_file": "tpkit reads safetensors and .bin checkpoints; {name} is not supported.",
-    "key_mapping": "{name} renames checkpoint keys; tpkit loads keys as stored (save the "
-    "renamed model with save_pretrained first).",
-    "adapter_kwargs": "load the base model with tpkit.from_pretrained, then the adapter with "
-    "peft's PeftModel.from_pretrained (tpkit splits it); {name} is not supported.",
-    "adapter_name": "load the adapter with peft's PeftModel.from_pretrained after tpkit."
-    "from_pretrained; {name} is not supported.",
-    "use_kernels": "hub kernels replace modules tpkit splits; {name} is not supported.",
-    "kernel_config": "hub kernels replace modules tpkit splits; {name} is not supported.",
-    "fusion_config": "{name} fuses modules tpkit splits; it is not supported.",
-}
+_REFUSED = MappingProxyType(
+    {
+        "device_map": _PLACEMENT,
+        "max_memory": _PLACEMENT,
+        "offload_folder": _PLACEMENT,
+        "offload_buffers": _PLACEMENT,
+        "device_mesh": "pass tpkit's mesh= (a DeviceMesh with a 'tp' dimension) instead of {name}.",
+        "state_dict": "{name} loads weights already in memory: build the model and call "
+        "tpkit.tensor_parallel(model) instead.",
+        "gguf_file": "tpkit reads safetensors and .bin checkpoints; {name} is not supported.",
+        "key_mapping": "{name} renames checkpoint keys; tpkit loads keys as stored (save the "
+        "renamed model with save_pretrained first).",
+        "adapter_kwargs": "load the base model with tpkit.from_pretrained, then the adapter with "
+        "peft's PeftModel.from_pretrained (tpkit splits it); {name} is not supported.",
+        "adapter_name": "load the adapter with peft's PeftModel.from_pretrained after tpkit."
+        "from_pretrained; {name} is not supported.",
+        "use_kernels": "hub kernels replace modules tpkit splits; {name} is not supported.",
+        "kernel_config": "hub kernels replace modules tpkit splits; {name} is not supported.",
+        "fusion_config": "{name} fuses modules tpkit splits; it is not supported.",
+    }
+)
 
-#: DistributedConfig fields -> how they map (a tpkit option, or None when inert at their default)
-_DIST_MAP = {
-    "tp_size": "tp_size",
-    "tp_plan": "plan",
-    "fsdp_size": "dp_size",
-    "enable_sequence_parallel": "sequence_parallel",
-}
 #: DistributedConfig fields that do nothing unless another one is set (ep_size > 1)
-_DIST_INERT = {"ep_plan", "ep_implementation", "fsdp_plan", "dp_replicate_size", "pp_size",
-               "ep_size"}  # fmt: skip
+_DIST_INERT = frozenset({"ep_plan", "ep_implementation", "fsdp_plan", "dp_replicate_size",
+                         "pp_size", "ep_size"})  # fmt: skip
 
 
 @dataclass

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tpkit import config
+
 __all__ = [
     "explain",
     "explain_split",
@@ -38,7 +40,7 @@ def inside_a_rank() -> bool:
 
     if dist.is_available() and dist.is_initialized():
         return True
-    return "RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+    return config.rank_given() or config.under_torchelastic()
 
 
 def _int(value: Any) -> int:
@@ -75,9 +77,8 @@ def pool_world(
 def _device_env(device_ids: Sequence | None, world: int) -> dict[str, str]:
     """Each worker's environment: which GPUs it sees (worker i uses the i-th one, so the core
     picks its device from the local rank as under torchrun), and its share of the CPU threads."""
-    base = dict(os.environ)
     env: dict[str, str] = {}
-    if "OMP_NUM_THREADS" not in os.environ:
+    if config.omp_num_threads() is None:
         try:
             cores = len(os.sched_getaffinity(0))
         except AttributeError:  # macOS
@@ -113,8 +114,7 @@ def _device_env(device_ids: Sequence | None, world: int) -> dict[str, str]:
             f"device_ids={[str(d) for d in devices]}: name {world} distinct GPUs among the "
             f"{count} this process sees (cuda:0 .. cuda:{count - 1}), one per worker."
         )
-    visible = base.get("CUDA_VISIBLE_DEVICES", "")
-    physical = visible.split(",") if visible.strip() else [str(i) for i in range(count)]
+    physical = config.cuda_visible_devices() or [str(i) for i in range(count)]
     env["CUDA_VISIBLE_DEVICES"] = ",".join(physical[i] for i in index)
     return env
 

@@ -22,6 +22,8 @@ import traceback
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
+from tpkit import config
+
 __all__ = ["build", "main", "optimizer_for"]
 
 
@@ -176,16 +178,16 @@ def main(argv: list[str] | None = None) -> None:
     address = (argv or sys.argv[1:])[0]
     key = bytes.fromhex(sys.stdin.buffer.readline().decode().strip())
     threading.Thread(target=_lifeline, daemon=True, name="tpkit-pool-lifeline").start()
-    rank = int(os.environ["RANK"])
+    rank = config.rank()
     conn = Client(address, family="AF_UNIX", authkey=key)
     conn.send(rank)
     code = 0
     try:
         import torch
 
-        threads = os.environ.get("OMP_NUM_THREADS", "")
-        if threads.isdigit():
-            torch.set_num_threads(int(threads))
+        threads = config.omp_num_threads()
+        if threads is not None:
+            torch.set_num_threads(threads)
         from tpkit.dist.mesh import init_distributed
 
         init_distributed()

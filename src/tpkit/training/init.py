@@ -43,7 +43,6 @@ embedding's unsharded; and an in-place fill of an indexed row of a split dimensi
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +53,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from tpkit.compat import dtensor_op_handlers, root_mesh
 
 __all__ = [
+    "MESH_FLAG",
     "RANDOM_INPLACE_OPS",
     "init_unsharded",
     "install_random_init",
@@ -82,10 +82,11 @@ RANDOM_INPLACE_OPS = (
 #: what ``item()`` and ``bool()`` of a tensor reach (see `_scalar_read`)
 _SCALAR_READ = _aten._local_scalar_dense.default
 
-# Meshes tpkit built or was given, by identity; weak, so a finished run's mesh can go.
-_MESHES: weakref.WeakValueDictionary[int, DeviceMesh] = weakref.WeakValueDictionary()
+#: The mark `register_mesh` puts on a mesh (and its root): a flag on the object, so it lives and
+#: dies with the mesh and no registry of meshes is kept here.
+MESH_FLAG = "_tpkit_random_init"
 # Serialises the rare fall-through to torch's own handling (the handler is out of the table
-# for its duration).
+# for its duration). Module-wide because the table it guards is: torch's dispatcher has one.
 _FALLTHROUGH = threading.RLock()
 
 
@@ -93,12 +94,12 @@ def register_mesh(mesh: DeviceMesh) -> None:
     """Treat DTensors of ``mesh``, its sub-meshes and whatever FSDP2 derives from it, as tpkit's:
     their random fills draw the unsharded values."""
     for m in (mesh, root_mesh(mesh)):
-        _MESHES[id(m)] = m
+        setattr(m, MESH_FLAG, True)
 
 
 def is_registered_mesh(mesh: DeviceMesh) -> bool:
     """Whether `register_mesh` covers ``mesh`` (it, or its root, was registered)."""
-    return any(_MESHES.get(id(m)) is m for m in (mesh, root_mesh(mesh)))
+    return any(getattr(m, MESH_FLAG, False) is True for m in (mesh, root_mesh(mesh)))
 
 
 def install_random_init(mesh: DeviceMesh) -> None:

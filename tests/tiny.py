@@ -350,3 +350,189 @@ def inputs(model, kind: str) -> dict:
     if kind == "seq2seq" or getattr(model.config, "is_encoder_decoder", False):
         out["decoder_input_ids"] = ids[:, :5]
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Every family (issue 29): multimodal configs, their sub-configs shrunk one by one, and inputs
+# for whatever the model's forward reads (pixels, audio, placeholder tokens).
+
+#: the families a user loads with an Auto class: (family, transformers' mapping of model type to
+#: class name). Order matters only for the report.
+FAMILIES = (
+    ("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    ("seq2seq", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    ("image-text-to-text", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
+    ("speech-seq2seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"),
+    ("ctc", "MODEL_FOR_CTC_MAPPING_NAMES"),
+    ("audio-classification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),
+    ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+    ("vision-encoder", "MODEL_FOR_IMAGE_MAPPING_NAMES"),
+    ("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    ("dual-encoder", "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+)
+#: image sides: small, and a multiple of every common patch size (a tiny ViT sees 4 x 4 patches)
+IMAGE = {"image_size": 32, "patch_size": 8}
+#: audio positions: a speech encoder's frames (Whisper reads exactly 2 x max_source_positions)
+AUDIO = {"max_source_positions": 32, "max_target_positions": 64}
+#: name endings of fields that follow the hidden size when their default equals it
+_WIDTHS = ("_size", "_dim")
+#: token-id fields a multimodal config points into the text vocabulary with (image / audio /
+#: video placeholders, boi / eoi markers): moved to the top ids of the tiny vocabulary, which the
+#: random text ids never draw (`family_inputs` draws below `TEXT_IDS`)
+TEXT_IDS = VOCAB - 12
+
+
+def family_architectures(families: list[str] | None = None) -> list[tuple[str, str, str]]:
+    """(model_type, class name, family) for every architecture of the `FAMILIES` named (all by
+    default); a class that appears in two families is listed under the first."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    out, seen = [], set()
+    for family, mapping in FAMILIES:
+        if families and family not in families:
+            continue
+        for model_type, cls in getattr(modeling_auto, mapping, {}).items():
+            cls = cls[0] if isinstance(cls, (list, tuple)) else cls
+            if (model_type, cls) in seen or not hasattr(transformers, cls):
+                continue
+            seen.add((model_type, cls))
+            out.append((model_type, cls, family))
+    return out
+
+
+def _is_sub(v) -> bool:
+    return isinstance(v, dict) and any(
+        k in v for k in (*SIZES[64], *SIZES[128], "model_type", "hidden_sizes")
+    )
+
+
+def _shrink_tree(fields: dict, top: bool) -> dict:
+    """`_shrink` of one (sub-)config's fields, its own sub-configs shrunk the same way, image
+    sizes set (`IMAGE`) and placeholder token ids moved into the tiny vocabulary."""
+    kwargs = _shrink(fields)
+    kwargs.update({k: v for k, v in AUDIO.items() if isinstance(fields.get(k), int)})
+    width = fields.get("hidden_size")
+    for k, v in fields.items():  # sizes that default to the hidden size (SigLIP's projection)
+        if k not in kwargs and isinstance(width, int) and v == width and k.endswith(_WIDTHS):
+            kwargs[k] = 64
+    if "vocab_size" not in fields and not top:
+        kwargs.pop("vocab_size", None)
+    for k, v in IMAGE.items():
+        if isinstance(fields.get(k), int):
+            kwargs[k] = v
+        elif isinstance(fields.get(k), (list, tuple)) and len(fields[k]) == 2:
+            kwargs[k] = [v, v]
+    if "hidden_sizes" in fields and isinstance(fields["hidden_sizes"], list):  # conv stages
+        n = min(len(fields["hidden_sizes"]), 2)
+        kwargs["hidden_sizes"] = [16 * 2**i for i in range(n)]
+        for k in ("depths", "num_stages"):
+            if isinstance(fields.get(k), list):
+                kwargs[k] = [1] * n
+            elif k == "num_stages" and k in fields:
+                kwargs[k] = n
+    slot = VOCAB - 1
+    for k, v in fields.items():
+        if isinstance(v, int) and k.endswith(("_token_id", "_token_index")) and v >= VOCAB:
+            kwargs[k] = slot if k not in TOKEN_IDS else kwargs.get(k, 2)
+            slot -= 1
+    for k, v in fields.items():
+        if _is_sub(v):
+            kwargs[k] = {**v, **_shrink_tree(v, False)}
+    return kwargs
+
+
+def tiny_family_config(model_type: str, class_name: str | None = None):
+    """The default config of any architecture, text or not, shrunk: `tiny_config` where that
+    gives one, else every sub-config (vision, audio, text, encoder...) shrunk by the same rules
+    (`_shrink_tree`). Placeholder token ids land in the top of the tiny vocabulary."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    config = tiny_config(model_type, class_name)
+    if config is not None:
+        for k, v in {**IMAGE, **AUDIO}.items():
+            if isinstance(getattr(config, k, None), int):
+                setattr(config, k, v)
+        return config
+    cls = CONFIG_MAPPING[model_type]
+    if class_name and hasattr(transformers, class_name):
+        cls = getattr(transformers, class_name).config_class
+    fields = cls().to_dict()
+    kwargs = _shrink_tree(fields, True)
+    config = cls(**kwargs)
+    for sub in ("text_config", "vision_config", "audio_config"):  # eager everywhere
+        if getattr(config, sub, None) is not None and hasattr(getattr(config, sub), "use_cache"):
+            getattr(config, sub).use_cache = False
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
+    config._attn_implementation = "eager"
+    return config
+
+
+def build_family(model_type: str, class_name: str, device: str = "cpu"):
+    """The tiny model of any family (`tiny_family_config`), float32, eval mode."""
+    import torch
+    import transformers
+
+    config = tiny_family_config(model_type, class_name)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = getattr(transformers, class_name)(config)
+    if hasattr(model, "set_default_language"):
+        model.set_default_language(next(iter(config.languages)))
+    return model.float().eval()
+
+
+def family_inputs(model, family: str) -> dict:
+    """Real inputs for any family's tiny model: text families as `inputs`; others as the trace
+    makes them up (`tpkit.plan.inputs.synthesize_inputs`: pixel_values, input_features,
+    input_values, both towers of a dual encoder, decoder ids), filled with random values, and
+    for a model whose ids carry image placeholders, as many of them per row as its vision tower
+    gives features for one image (`get_image_features`), after one text token."""
+    import torch
+
+    from tpkit.plan.inputs import synthesize_inputs
+
+    if family in ("causal-lm", "seq2seq") and model.main_input_name == "input_ids":
+        return inputs(model, family)
+    _, made = synthesize_inputs(model, BATCH, SEQ)
+    g = torch.Generator().manual_seed(1)
+    config = model.config
+    vocab = getattr(getattr(config, "text_config", None) or config, "vocab_size", None) or VOCAB
+    top = min(TEXT_IDS, vocab)
+    out = {}
+    for k, v in made.items():
+        if not isinstance(v, torch.Tensor):
+            out[k] = v
+        elif v.dtype == torch.long:
+            out[k] = torch.randint(3, top, tuple(v.shape), generator=g)
+        else:
+            out[k] = torch.randn(tuple(v.shape), generator=g)
+    token = next(
+        (
+            getattr(config, k)
+            for k in ("image_token_id", "image_token_index")
+            if isinstance(getattr(config, k, None), int)
+        ),
+        None,
+    )
+    if token is not None and "pixel_values" in out and "input_ids" in out:
+        n = _image_tokens(model, out["pixel_values"])
+        ids = out["input_ids"]
+        per_row = n // ids.shape[0]
+        image = torch.full((ids.shape[0], per_row), token, dtype=torch.long)
+        out["input_ids"] = torch.cat([ids[:, :1], image, ids[:, 1:]], dim=1)
+    return out
+
+
+def _image_tokens(model, pixel_values) -> int:
+    """Placeholder tokens the vision tower fills for ``pixel_values``: the rows of the
+    features ``get_image_features`` returns (a tensor, a list per image, or their pooled output)."""
+    import torch
+
+    with torch.no_grad():
+        feats = model.get_image_features(pixel_values=pixel_values)
+    feats = getattr(feats, "pooler_output", feats)
+    parts = [feats] if isinstance(feats, torch.Tensor) else list(feats)
+    return sum(t.numel() // t.shape[-1] for t in parts)

@@ -31,9 +31,18 @@ __all__ = ["input_embeddings", "output_embeddings", "synthesize_inputs"]
 DEFAULT_IMAGE = 32
 #: frames of made-up audio (1 s at wav2vec2's 20 ms per frame)
 MIN_FRAMES = 50
-#: config attributes that say the token ids carry image / audio placeholders (LLaVA, Qwen2-VL):
-#: such a model runs on text alone, so its trace keeps to ids as before
-_PLACEHOLDERS = ("image_token_id", "image_token_index", "video_token_id", "audio_token_id")
+#: config attributes that say the token ids carry image / audio placeholders (LLaVA, Qwen2-VL,
+#: Qwen2-Audio): such a model's towers run only when their input is given with the ids
+_PLACEHOLDERS = (
+    "image_token_id",
+    "image_token_index",
+    "audio_token_id",
+    "audio_token_index",
+)
+#: words in a forward argument ``image_*`` that give the images' layout as values (`_tower_names`)
+_LAYOUT = ("grid",)
+#: the inputs of a placeholder model's towers, each traced with the ids (`_tower_names`)
+_TOWER_INPUTS = ("pixel_values", "input_features", "input_values")
 
 
 def synthesize_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple, dict]:
@@ -99,6 +108,7 @@ def _model_inputs(model: nn.Module, config: Any, batch: int, seq: int) -> dict[s
     )
     if dual:  # CLIP, SigLIP, CLAP: both towers run in one forward, each needs its input
         names += [n for n in ("input_ids", "pixel_values", "input_features") if n in params]
+    names += _tower_names(config, params)
     if getattr(config, "is_encoder_decoder", False) or "decoder_input_ids" in _required(params):
         names.append("decoder_input_ids")
     names += _required(params)
@@ -110,6 +120,32 @@ def _model_inputs(model: nn.Module, config: Any, batch: int, seq: int) -> dict[s
     if "use_cache" in params or getattr(config, "use_cache", None) is not None:
         kwargs["use_cache"] = False
     return kwargs
+
+
+def _tower_names(config: Any, params: dict[str, inspect.Parameter]) -> list[str]:
+    """The inputs of a multimodal model's vision and audio towers (``pixel_values``,
+    ``input_features``), traced with its token ids: without them the towers never run in the
+    trace, inference sees none of their linears and leaves every one whole (a tiny LLaVA's
+    vision tower and projector were 0% split). A fake forward does not read the values, so the
+    ids need no placeholders for the features: the dataflow is the same. Only a tower whose
+    config says it is there (`_PLACEHOLDERS`, and a sub-config of its modality) is fed, and no
+    vision tower whose forward takes the images' patch grid (`_LAYOUT`: Qwen2-VL's
+    ``image_grid_thw``, 35 image-text-to-text models): its code reads those values, which a
+    fake forward has not, and its pixels are flattened patches, not [batch, channels, height,
+    width], so that trace keeps to the ids as before."""
+    if not any(_read(config, p) is not None for p in _PLACEHOLDERS):
+        return []
+    out = []
+    layout = [n for n in params if n.startswith("image_") and any(w in n for w in _LAYOUT)]
+    if (
+        getattr(config, "vision_config", None) is not None
+        and "pixel_values" in params
+        and not layout
+    ):
+        out.append("pixel_values")
+    if getattr(config, "audio_config", None) is not None:
+        out += [n for n in _TOWER_INPUTS[1:] if n in params][:1]
+    return out
 
 
 def _dummy_names(model: nn.Module) -> list[str]:

@@ -4,7 +4,8 @@ In order: parameter entries first (an expert tensor sharded by its own entry), t
 object per named module and ``Replicate()`` for every other module with parameters (mixed plain
 and DTensor parameters break ``clip_grad_norm_``, FSDP2 and DCP), all through one
 ``parallelize_module`` call; then the parent swaps for children read directly, the plan's
-fix-ups (`tpkit.plan.fixups`), and the re-tying of tied parameters. Each style object is built
+fix-ups (`tpkit.plan.fixups`), the re-tying of tied parameters, and `LocalReplicated` on the
+model (replicated parameters local for its whole forward, wherever model code reads them). Each style object is built
 with its final options (`StyleOptions`): nothing changes it afterwards.
 """
 
@@ -30,6 +31,7 @@ from tpkit.styles import (
     read_directly,
     style_of,
 )
+from tpkit.styles.base import LocalReplicated
 
 __all__ = ["StyleOptions", "apply_plan", "tied_groups"]
 
@@ -106,6 +108,7 @@ def apply_plan(
         shared = first_mod._parameters[first_name]
         for mod, pname in group[1:]:
             mod._parameters[pname] = shared
+    LocalReplicated().install(model)  # a replicated parameter read outside its module's forward
     return styles
 
 

@@ -76,6 +76,11 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
+def _slice_tensors(s: slice) -> bool:
+    """Whether a slice has a tensor for a bound (a value tree_flatten does not look into)."""
+    return any(isinstance(b, torch.Tensor) for b in (s.start, s.stop, s.step))
+
+
 def _size(obj: Any) -> int:
     """Elements of all the tensors in ``obj``."""
     return sum(t.numel() for t in _tensors(obj))
@@ -148,6 +153,8 @@ class ShadowValues(TorchFunctionMode):
         def swap(v: Any) -> Any:
             if isinstance(v, torch.Tensor):
                 return inputs[id(v)]
+            if isinstance(v, slice):
+                return self._slice(v)
             return "cpu" if isinstance(v, torch.device) and v.type == "meta" else v
 
         kwargs = {k: "cpu" if k == "device" and str(v) == "meta" else v for k, v in kwargs.items()}
@@ -197,6 +204,9 @@ class ShadowValues(TorchFunctionMode):
 
         def swap(v: Any) -> Any:
             nonlocal found
+            if isinstance(v, slice) and _slice_tensors(v):
+                found = True
+                return self._slice(v)
             integer = isinstance(v, torch.Tensor) and not (
                 v.is_floating_point() or v.is_complex() or v.dtype == torch.bool
             )
@@ -208,6 +218,22 @@ class ShadowValues(TorchFunctionMode):
 
         swapped = tree_map(swap, (args, kwargs))
         return swapped if found else None
+
+    def _slice(self, s: slice) -> slice:
+        """A slice whose bounds are tensors (BLT's patcher: ``starts[:, : mask.sum(1).max()]``)
+        with each bound's value: its shadow's, or, with none, no bound at all (the whole
+        extent, as an unknown mask stands in as all-True)."""
+
+        def bound(b: Any) -> Any:
+            if not isinstance(b, torch.Tensor):
+                return b
+            value = self.shadow.get(b) if b.numel() == 1 else None
+            if value is None:
+                return None
+            with unset_fake_temporarily():
+                return int(value.item())
+
+        return slice(bound(s.start), bound(s.stop), bound(s.step))
 
     def _made(self, name: str, func, out: Any, args: tuple, kwargs: dict) -> None:
         """A tensor made from nothing (``torch.zeros``, ``arange``) gets its real value as its

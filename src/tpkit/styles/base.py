@@ -39,6 +39,7 @@ from tpkit.plan.layout import ParamLayout, param_layout
 
 __all__ = [
     "RECORD",
+    "LocalReplicated",
     "ParentSwap",
     "ReplicateGradAllReduceStyle",
     "ReplicateStyle",
@@ -171,6 +172,9 @@ class TPStyle(ParallelStyle):
     name = "replicate"
     grad_allreduce = False  # every step, not only under SP (replicated_with_grad_allreduce)
     read_by_parent = False  # its parent may read its local parameters without calling it
+    # its replicated parameters may be local for the whole model's forward (`LocalReplicated`):
+    # only styles whose local parameter is `_local` and nothing else, per call
+    local_in_model = False
 
     def __init__(self, *, sp: Any = None, compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -319,6 +323,7 @@ class ReplicateStyle(TPStyle):
     """Replicated parameters (``Replicate()`` DTensors), local compute: Y = f(X; W)."""
 
     name = "replicate"
+    local_in_model = True
 
 
 class ReplicateGradAllReduceStyle(TPStyle):
@@ -327,6 +332,7 @@ class ReplicateGradAllReduceStyle(TPStyle):
 
     name = "replicated_with_grad_allreduce"
     grad_allreduce = True
+    local_in_model = True
 
 
 class ParentSwap(TPStyle):
@@ -338,6 +344,81 @@ class ParentSwap(TPStyle):
     @property
     def layout_style(self) -> str:
         return "replicate"
+
+
+class LocalReplicated:
+    """The model's replicated parameters as local tensors for the span of its forward.
+
+    A style swaps a module's parameters for their local tensors only while that module's own
+    ``forward`` runs. Model code also reads parameters elsewhere: a parent reads a child's or
+    grandchild's weight (MobileBERT's head: ``x @ cat([decoder.weight.t(), dense.weight])``),
+    a bare ``nn.Parameter`` of a module is read in its parent's forward (Perceiver's latents),
+    a module's table is read through a method other than ``forward`` (Gemma-4's per-layer
+    inputs). There the parameter is still a ``Replicate()`` DTensor, and the first op mixing it
+    with a plain activation raises "got mixed torch.Tensor and DTensor". Installed on the model
+    `apply_plan` split (a forward pre-hook and an always-called forward hook), this swaps every
+    replicated parameter of a plainly replicated module (`TPStyle.local_in_model`) for its local
+    tensor when the model's forward starts and back when it ends, so every such read sees the
+    same plain tensor the unsharded model would, wherever it happens.
+
+    Exact, gradients included: the local tensor is the module style's own `TPStyle._local`
+    (``to_local`` with an autograd edge to the DTensor, f where the plan all-reduces the
+    gradient: a replicated parameter on split activations, `ReplicateGradAllReduceStyle`), taken
+    once per parameter per forward, so a read anywhere accumulates into the same DTensor
+    gradient as a read in the module's forward. Between forwards the parameters are DTensors
+    again: optimizers, ``state_dict``, ``clip_grad_norm_``, FSDP2 and DCP see no change.
+
+    Left to the module's own hooks: sharded parameters (a rank's shard read outside its module
+    would be a different number; the plan keeps such reads whole, `tpkit.plan.fallback`),
+    modules under sequence parallelism (whether their gradient is all-reduced is decided per
+    block, at call time), parameters that are not ``Replicate()`` on the TP mesh when the
+    forward starts (FSDP2's sharded ones, unsharded by their block's own hook), and a forward
+    run outside the model's (a block recomputed under activation checkpointing).
+    """
+
+    def __init__(self) -> None:
+        self._slots: list[tuple[nn.Module, str, TPStyle]] | None = None
+        self._saved: list[list[tuple[nn.Module, str, DTensor, torch.Tensor]]] = []
+
+    def install(self, model: nn.Module) -> None:
+        """Register the hooks on ``model`` (its forward pre-hook first in line after FSDP's)."""
+        model.register_forward_pre_hook(self._pre_hook, prepend=True)
+        model.register_forward_hook(self._post_hook, always_call=True)
+
+    def _eligible(self, model: nn.Module) -> list[tuple[nn.Module, str, TPStyle]]:
+        if self._slots is None:
+            slots = []
+            for module in model.modules():
+                style = style_of(module)
+                if style is None or not style.local_in_model or style.sp is not None:
+                    continue
+                slots.extend((module, n) + (style,) for n in module._parameters)
+            self._slots = slots
+        return self._slots
+
+    def _pre_hook(self, model: nn.Module, args: tuple) -> None:
+        grad = torch.is_grad_enabled()
+        saved = []
+        local_of: dict[int, torch.Tensor] = {}  # a tied parameter: one local tensor
+        for module, name, style in self._eligible(model):
+            p = module._parameters.get(name)
+            if not isinstance(p, DTensor) or p.device_mesh != style.mesh:
+                continue
+            if not all(pl.is_replicate() for pl in p.placements):
+                continue
+            local = local_of.get(id(p))
+            if local is None:
+                local = local_of[id(p)] = style._local(p, grad)
+            module._parameters[name] = local
+            saved.append((module, name, p, local))
+        self._saved.append(saved)
+
+    def _post_hook(self, model: nn.Module, args: tuple, output: Any) -> None:
+        if not self._saved:
+            return
+        for module, name, p, local in self._saved.pop():
+            if module._parameters.get(name) is local:  # not replaced meanwhile (FSDP2)
+                module._parameters[name] = p
 
 
 def _extra_repr_with_style(module: nn.Module) -> str:

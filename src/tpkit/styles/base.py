@@ -173,7 +173,8 @@ class TPStyle(ParallelStyle):
     grad_allreduce = False  # every step, not only under SP (replicated_with_grad_allreduce)
     read_by_parent = False  # its parent may read its local parameters without calling it
     # its replicated parameters may be local for the whole model's forward (`LocalReplicated`):
-    # only styles whose local parameter is `_local` and nothing else, per call
+    # only styles whose local parameter is `_local` and nothing else, per call. Read from the
+    # class's own dict: a subclass that changes `_swap_in` (LoRA's row lora_B) must declare it.
     local_in_model = False
 
     def __init__(self, *, sp: Any = None, compute_dtype: torch.dtype | None = None) -> None:
@@ -390,7 +391,9 @@ class LocalReplicated:
             slots = []
             for module in model.modules():
                 style = style_of(module)
-                if style is None or not style.local_in_model or style.sp is not None:
+                if style is None or style.sp is not None:
+                    continue
+                if not type(style).__dict__.get("local_in_model", False):  # not inherited
                     continue
                 slots.extend((module, n) + (style,) for n in module._parameters)
             self._slots = slots

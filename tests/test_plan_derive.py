@@ -268,8 +268,8 @@ def test_a_whole_group_takes_its_per_head_norms_along():
     gathered), and so must q_norm's gradient stay whole (an all-reduce would double it)."""
     model = _meta_qwen3(heads=3, kv_heads=3)
     plan = infer_plan(model)
-    attention = [g for g in plan.groups if "model.layers.*.self_attn.o_proj" in g["modules"]]
-    assert "model.layers.*.self_attn.q_norm" in attention[0]["modules"]
+    attention = [g for g in plan.groups if "model.layers.*.self_attn.o_proj" in g.modules]
+    assert "model.layers.*.self_attn.q_norm" in attention[0].modules
     validate(model, plan, 2)
     # its split heads fail the tp=2 dry run: gathered, the norm sees whole heads
     assert plan.style_for("model.layers.0.self_attn.q_proj")[0] == "colwise_gather_output"

@@ -19,7 +19,7 @@ from torch import nn
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.dryrun import dry_run
 from tpkit.plan.layout import kind_of, param_layout, param_styles
-from tpkit.plan.spec import Plan, matches
+from tpkit.plan.spec import Group, Plan, matches
 from tpkit.plan.trace import trace
 
 __all__ = ["complete_grad_allreduce", "complete_tied_layers", "complete_with_inferred"]
@@ -27,7 +27,7 @@ __all__ = ["complete_grad_allreduce", "complete_tied_layers", "complete_with_inf
 
 def complete_with_inferred(
     model: nn.Module, plan: Plan, inferred: Plan, example=None, tp: int = 2
-) -> list:
+) -> list[Group]:
     """Add to ``plan`` (in place) every group of ``inferred`` that ``plan`` leaves whole: none of
     its modules or their ancestors named by ``plan``, and a tp dry run still passing with it
     (transformers' plans skip MLA's down projections, routers' shared MLPs, hybrid layers...).
@@ -42,17 +42,17 @@ def complete_with_inferred(
                 return True
         return False
 
-    def add(target: Plan, group: dict) -> None:
-        for pattern in group["modules"]:
+    def add(target: Plan, group: Group) -> None:
+        for pattern in group.modules:
             target.set(pattern, inferred[pattern], "inferred", inferred.args.get(pattern))
-        for owner in group["owners"]:
+        for owner in group.owners:
             for key in inferred.owner_fixups(owner):
                 target.fixups[key] = inferred.fixups[key]
         target.groups.append(group)
 
     added = []
     for group in inferred.groups:
-        patterns = group["modules"]
+        patterns = group.modules
         if not all(p in inferred for p in patterns) or all(
             inferred[p] == "replicate" for p in patterns
         ):

@@ -2,8 +2,11 @@
 
 The steps, in order: pick the source (transformers' plan when it names a layer and a tp=2 dry
 run passes with it, else the inferred plan, or what ``"config"`` / ``"infer"`` force), merge the
-user's entries over it, complete it (`tpkit.plan.complete`), and settle the inferred groups the
-tp size does not divide (left replicated, with a note). Pure: no process group, meta is fine.
+user's entries over it, complete it (`tpkit.plan.complete`), and, given a tp size, settle it for
+that tp (`tpkit.plan.settle`: KV heads fewer than tp kept whole per rank, inferred groups tp does
+not divide gathered where a dry run at tp runs them, else kept whole, with a note). Under
+"auto", transformers' plan is swapped for the inferred one at a tp that does not divide its
+heads. Pure: no process group, meta is fine.
 """
 
 from __future__ import annotations
@@ -21,14 +24,13 @@ from tpkit.plan.complete import (
 )
 from tpkit.plan.dryrun import dry_run
 from tpkit.plan.fallback import fallback_plan, splits_anything
-from tpkit.plan.gathered import gather_group, gather_reduced_pairs
+from tpkit.plan.gathered import gather_reduced_pairs
 from tpkit.plan.hf import hf_plan
 from tpkit.plan.infer import infer_plan
 from tpkit.plan.inputs import input_embeddings, output_embeddings
-from tpkit.plan.kvheads import replicate_kv_heads
-from tpkit.plan.spec import WHOLE_STYLES, Plan, matches
+from tpkit.plan.settle import head_constraints, settle, settle_heads
+from tpkit.plan.spec import Plan, Source
 from tpkit.plan.trace import reuse_traces, trace
-from tpkit.plan.validate import head_constraints
 
 __all__ = ["MODES", "PlanLike", "check_plan_arg", "derive_plan"]
 
@@ -82,7 +84,9 @@ def derive_plan(
     output and that no entry names (Apertus's xIELU activation) get
     ``replicated_with_grad_allreduce``, and a linear or embedding left whole whose weight is
     tied to a split one computes with the split (`complete_tied_layers`). With ``tp_size``,
-    inferred groups it does not divide are left replicated with a note. ``example_inputs`` (a
+    the plan is settled for it (`tpkit.plan.settle`): inferred groups it does not divide are
+    gathered where a dry run at that tp runs them, else left replicated, with a note; KV heads
+    fewer than tp are kept whole per rank. ``example_inputs`` (a
     positional tuple or a kwargs dict) replaces the trace inputs made up from the model
     (`tpkit.plan.inputs`). Under "auto", a model whose dataflow cannot be traced, or whose
     inferred plan splits nothing, is split per layer (`tpkit.plan.fallback`), never refused.
@@ -97,10 +101,9 @@ def derive_plan(
         gather_reduced_pairs(model, out, example_inputs)  # reductions over split features
         out = complete_grad_allreduce(model, complete_tied_layers(model, out), example_inputs)
     if tp_size is not None and tp_size > 1:
-        replicate_kv_heads(model, out, tp_size)  # fewer KV heads than tp: not a refusal
         if plan == "auto":
             out = _config_plan_at(model, out, tp_size, example_inputs)
-        _settle_groups(model, out, tp_size, example_inputs)
+        settle(model, out, tp_size, lambda p, tp: dry_run(model, p, example_inputs, tp))
     return out
 
 
@@ -108,15 +111,19 @@ def _config_plan_at(model: nn.Module, plan: Plan, tp: int, example) -> Plan:
     """``plan`` (what "auto" chose), or the inferred plan when ``plan`` is transformers' and
     splits heads ``tp`` does not divide (Qwen2.5-0.5B's 14 heads at tp=4): transformers' entries
     are never rewritten, but the inferred plan's groups are, gathered where the heads do not
-    divide (`_settle_groups`), so "auto" still runs at that tp with the weights split."""
+    divide (`tpkit.plan.settle`), so "auto" still runs at that tp with the weights split. The
+    heads are read as settling lays them out (KV heads fewer than tp kept whole need not
+    divide)."""
+    laid = plan.copy()
+    settle_heads(model, laid, tp)
     config_owners = {
         t.name.rsplit(".", 1)[0]
-        for t in plan.resolve(model)
-        if t.kind == "module" and t.source == "config" and "." in t.name
+        for t in laid.resolve(model)
+        if t.kind == "module" and t.source == Source.CONFIG and "." in t.name
     }
     bad = [
         f"{label} of {owner}"
-        for owner, label, count in head_constraints(model, plan)
+        for owner, label, count in head_constraints(model, laid)
         if count % tp and owner in config_owners
     ]
     if not bad:
@@ -127,53 +134,12 @@ def _config_plan_at(model: nn.Module, plan: Plan, tp: int, example) -> Plan:
         return plan  # validation names the problem
     with reuse_traces():
         inferred = complete_grad_allreduce(model, complete_tied_layers(model, inferred), example)
-    replicate_kv_heads(model, inferred, tp)
     inferred.notes[type(model).__name__] = (
         f"transformers' base_model_tp_plan is not used at tp_size={tp}: tp does not divide "
         f"{bad[0]}; the inferred plan is, its groups tp does not divide gathered or whole (pass "
         "plan='config' to force transformers' plan)"
     )
     return inferred
-
-
-def _settle_groups(model: nn.Module, plan: Plan, tp: int, example) -> None:
-    """Each inferred group ``tp`` does not divide (3 heads at tp=2, 12 at tp=8) keeps its
-    weights split in the gathered form (`tpkit.plan.gathered`: columns gathered, the code
-    between on whole activations, so no count needs to divide) when a dry run at ``tp`` says
-    the model runs so; else it is replicated with the note (`Plan.settle_groups`)."""
-    undivided = plan.undivided_groups(tp) + _undivided_head_groups(model, plan, tp)
-    tried = {id(g): (g, why) for g, why in undivided}  # a group can fail both ways: try it once
-    for group, why in tried.values():
-        trial = plan.copy()
-        if gather_group(model, trial, group, why) and dry_run(model, trial, example, tp) is None:
-            gather_group(model, plan, group, why)
-    plan.settle_groups(tp)
-    for group, why in _undivided_head_groups(model, plan, tp):  # not gathered: replicated
-        plan.replicate_group(group, why)
-
-
-def _undivided_head_groups(model: nn.Module, plan: Plan, tp: int) -> list[tuple[dict, str]]:
-    """(group, why) for each inferred, still split group whose column layers' owner has a head
-    count ``tp`` does not divide (6 heads at tp=4: the tp=2 dry run of inference passed)."""
-    bad: dict[str, str] = {}
-    for owner, label, count in head_constraints(model, plan):
-        if count % tp:
-            bad.setdefault(owner, f"tp_size={tp} does not divide {label} of {owner}")
-    if not bad:
-        return []
-    parents = [(n, n.rsplit(".", 1)[0]) for n, _ in model.named_modules() if "." in n]
-    out = []
-    for group in plan.groups:
-        live = [p for p in group["modules"] if p in plan and plan.source(p) == "inferred"]
-        if len(live) != len(group["modules"]) or all(plan[p] in WHOLE_STYLES for p in live):
-            continue  # overridden by the user, or already whole
-        why = next(
-            (bad[parent] for p in live for n, parent in parents if parent in bad and matches(p, n)),
-            None,
-        )
-        if why is not None:
-            out.append((group, why))
-    return out
 
 
 def _user_plan(plan: PlanLike) -> Plan:
@@ -211,11 +177,12 @@ def _source_plan(model: nn.Module, mode: str, example, tp: int | None = None) ->
     except ValueError as exc:
         cause = exc.__cause__ or exc
         brief = f"{type(cause).__name__}: {cause}".splitlines()[0][:200]
-        return fallback_plan(model, f"the dataflow could not be traced ({brief})", tp)
+        why = f"the dataflow could not be traced ({brief})"
+        return fallback_plan(model, why, tp, example=example)
     if splits_anything(model, inferred):
         return inferred
     why = "the traced dataflow has no column/row pair to split"
-    fallback = fallback_plan(model, why, tp, _read_outside(model, example))
+    fallback = fallback_plan(model, why, tp, _read_outside(model, example), example=example)
     return fallback if splits_anything(model, fallback) else inferred
 
 
@@ -258,7 +225,7 @@ def _checked_config_plan(model: nn.Module, plan: Plan, example) -> Plan:
         if added:
             plan.notes[type(model).__name__] = (
                 "transformers' base_model_tp_plan leaves whole what the inferred plan splits: "
-                + ", ".join(g["modules"][-1] for g in added)
+                + ", ".join(g.modules[-1] for g in added)
                 + " (pass plan='config' for transformers' plan alone)"
             )
         return plan
@@ -278,6 +245,6 @@ def _names_a_layer(model: nn.Module, plan: Plan) -> bool:
     modules = dict(model.named_modules())
     for t in plan.resolve(model):
         owner = t.name.rsplit(".", 1)[0] if t.kind == "param" else t.name
-        if t.source == "config" and id(modules.get(owner)) not in vocab:
+        if t.source == Source.CONFIG and id(modules.get(owner)) not in vocab:
             return True
     return False

@@ -4,8 +4,10 @@ Each sharded parameter is swapped for a fake meta tensor of rank 0's shard shape
 fix-ups are applied as the real split applies them (`tpkit.plan.fixups`), and layers whose style
 gathers or slices change the widths they hand on (a gathered head, a row layer slicing its own
 input). If the model's code still runs, the plan fits it: nothing is allocated, computed or
-communicated, so derivation can try plans freely (transformers' plan, the inferred one, one with
-a group left whole) and validation can check a user's entries. A failure names the first error.
+communicated, so derivation and settling can try plans freely (transformers' plan, the inferred
+one, one with a group gathered or left whole) and validation can check a user's entries. A
+failure names the first error. The dry run only answers "does this plan run at tp?"; what to do
+when it does not is `tpkit.plan.settle`'s.
 """
 
 from __future__ import annotations
@@ -27,9 +29,7 @@ from tpkit.plan.fake import (
     quiet_fake_tensors,
     real_state,
 )
-from tpkit.plan.fixups import WIDTH_ATTRS, apply_fixups
-from tpkit.plan.gathered import gather_group
-from tpkit.plan.kvheads import replicate_kv_heads
+from tpkit.plan.fixups import apply_fixups
 from tpkit.plan.layout import (
     chunk_offset,
     in_width,
@@ -39,13 +39,13 @@ from tpkit.plan.layout import (
     param_layout,
     param_layouts,
 )
+from tpkit.plan.settle import lay_out
 from tpkit.plan.shadow import ShadowValues, needs_values
 from tpkit.plan.spec import Plan
 
-__all__ = ["dry_run", "fewest_replicated"]
+__all__ = ["dry_run"]
 
 _NOTHING_LEARNED = "<nothing learned>"
-_RESHAPE = "is invalid for input of size"  # torch's error for a view that does not fit
 
 
 def dry_run(model: nn.Module, plan: Plan, example: tuple | Mapping | None, tp: int) -> str | None:
@@ -138,8 +138,7 @@ def _dry_run_once(
 ) -> str | None:
     """None when a forward with ``rank``'s shapes runs, else the error in brief."""
     plan = plan.copy()
-    replicate_kv_heads(model, plan, tp)  # as derivation lays the plan out for this tp
-    plan.settle_groups(tp)  # what tp does not divide is validation's to report
+    lay_out(model, plan, tp)  # as settling lays the plan out for this tp, before any trial
     shapes = _shard_shapes(model, plan, tp, rank)
     undo, hooks, running = (lambda: None), [], []
     try:  # every temporary change is made inside, so the finally undoes all of them
@@ -227,79 +226,3 @@ def _widen(full: int, kernel_dims: int = 0):
         return output
 
     return hook
-
-
-def fewest_replicated(model: nn.Module, plan: Plan, example, tp: int = 2) -> Plan:
-    """``plan`` when it passes a tp dry run; else the plan with the fewest of its inferred groups
-    left replicated that makes the model's code run (a global head count read where no fix-up
-    reaches, a split output fed to a layer that needs it whole, like LFM2's short convolution),
-    each noted with the error. Groups are replicated one more at a time (attention groups
-    first) until the dry run passes, then each is given back its split if it still passes;
-    last, each one left whole is gathered instead (`tpkit.plan.gathered`) where that runs."""
-    error = dry_run(model, plan, example, tp)
-    if error is None:
-        return plan
-    if _RESHAPE in error or "AssertionError" in error:
-        # the code merges heads to a width read off its input (merge_heads), or also checks
-        # that input against a width attribute (FSMT: ``assert embed_dim == self.embed_dim``)
-        further = None
-        for repaired in (_with_merged_heads(model, plan), _with_merged_heads(model, plan, True)):
-            if repaired is None:
-                continue
-            repaired_error = dry_run(model, repaired, example, tp)
-            if repaired_error is None:
-                return repaired
-            if repaired_error != error and further is None:
-                further = (repaired, repaired_error)
-        if further is not None:  # it got further: keep it, replicate what still fails
-            plan, error = further
-    why = f"a dry run of the split forward failed: {error}"
-
-    def trial(replicated: list[int], gathered: tuple[int, ...] = ()) -> Plan:
-        out = plan.copy()
-        for i in replicated:
-            if i not in gathered or not gather_group(model, out, plan.groups[i], why):
-                out.replicate_group(plan.groups[i], why)
-        return out
-
-    order = sorted(range(len(plan.groups)), key=lambda i: not plan.groups[i]["owners"])
-    chosen: list[int] = []
-    for i in order:
-        chosen.append(i)
-        if dry_run(model, trial(chosen), example, tp) is None:
-            break
-    else:
-        return trial(chosen)  # nothing split runs: everything stays replicated, noted
-    for i in list(chosen[:-1]):
-        rest = [j for j in chosen if j != i]
-        if dry_run(model, trial(rest), example, tp) is None:
-            chosen = rest
-    gathered: tuple[int, ...] = ()  # then each kept whole keeps its weights split if it runs
-    for i in chosen:
-        gatherable = gather_group(model, plan.copy(), plan.groups[i], why)
-        if gatherable and dry_run(model, trial(chosen, (*gathered, i)), example, tp) is None:
-            gathered = (*gathered, i)
-    return trial(chosen, gathered)
-
-
-def _with_merged_heads(model: nn.Module, plan: Plan, keep_widths: bool = False) -> Plan | None:
-    """``plan`` with a ``merge_heads`` fix-up on every inferred group's owner: the widths its
-    row-parallel modules read (see `tpkit.plan.fixups`); None when no group has one. With
-    ``keep_widths`` the owners' width attributes are no longer divided (head counts still
-    are): the code reads them only to check its input."""
-    out, added = plan.copy(), False
-    for group in plan.groups:
-        widths = set()
-        for name, mod in model.named_modules():
-            hit = plan.style_for(name)
-            kind = kind_of(mod)
-            if hit and kind and style_spec(hit[0]).shard == "in" and hit[1] in group["modules"]:
-                widths.add(in_width(mod, kind))
-        for owner in group.get("owners", []):
-            for key in out.owner_fixups(owner) if widths else []:
-                fix = {**out.fixups[key], "merge_heads": sorted(widths)}
-                if keep_widths:
-                    fix["divide"] = [a for a in fix.get("divide", []) if a not in WIDTH_ATTRS]
-                out.fixups[key] = fix
-                added = True
-    return out if added else None

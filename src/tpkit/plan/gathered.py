@@ -36,7 +36,7 @@ from torch import nn
 
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.layout import kind_of
-from tpkit.plan.spec import Plan, matches
+from tpkit.plan.spec import Group, Plan, matches
 from tpkit.plan.trace import STREAM, Node, generic, trace
 
 __all__ = ["GATHERED", "gather_group", "gather_reduced_pairs", "gathered_pairs"]
@@ -52,7 +52,7 @@ def gathered_pairs(
     candidates: Mapping[str, set[str]],
     styles: dict[str, str],
     why: dict[str, str],
-) -> tuple[list[dict[str, Any]], dict[str, str]]:
+) -> tuple[list[Group], dict[str, str]]:
     """Groups for the row linears (``candidates``: row -> its column sources, before pairing
     removed any) that pairing left whole: sources gathered, rows splitting their whole input.
     Styles are written into ``styles``; returns the groups and a note per module. A component
@@ -89,7 +89,7 @@ def gathered_pairs(
         for m in sorted(sources | rows):
             why.pop(m, None)
             notes[m] = _note(m in rows, reason)
-        groups.append({"modules": sorted(sources) + sorted(rows), "owners": [], "counts": {}})
+        groups.append(Group((*sorted(sources), *sorted(rows))))
     return groups, notes
 
 
@@ -116,7 +116,7 @@ def _reads_whole(node: Node, styles: Mapping[str, str], sources: set[str]) -> bo
     return True
 
 
-def gather_group(model: nn.Module, plan: Plan, group: Mapping[str, Any], why: str) -> bool:
+def gather_group(model: nn.Module, plan: Plan, group: Group, why: str) -> bool:
     """Turn one inferred group of ``plan`` (in place) into its gathered form: colwise ->
     ``colwise_gather_output``, rowwise -> ``rowwise_split_input``, a per-head norm between
     them and a depthwise conv replicated (they now see whole activations), the owners' head
@@ -124,7 +124,7 @@ def gather_group(model: nn.Module, plan: Plan, group: Mapping[str, Any], why: st
     and ``plan`` untouched, when a member is anything else (see the module docstring)."""
     modules = dict(model.named_modules())
     new: dict[str, str] = {}
-    for pattern in group["modules"]:
+    for pattern in group.modules:
         style = plan.get(pattern)
         hits = [m for n, m in modules.items() if n and matches(pattern, n)]
         if style is None or not hits:
@@ -139,7 +139,7 @@ def gather_group(model: nn.Module, plan: Plan, group: Mapping[str, Any], why: st
         plan.set(pattern, style, plan.source(pattern))
         if style in GATHERED.values():
             plan.notes[pattern] = _note(style == GATHERED["rowwise"], why)
-    for owner in group.get("owners", []):
+    for owner in group.owners:
         for key in plan.owner_fixups(owner):
             plan.fixups.pop(key)
     return True

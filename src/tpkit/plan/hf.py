@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from tpkit.plan.inputs import input_embeddings, output_embeddings
-from tpkit.plan.spec import Plan, matches
+from tpkit.plan.spec import Plan, Source, matches
 
 __all__ = ["hf_plan"]
 
@@ -78,7 +78,7 @@ def hf_plan(model: nn.Module) -> Plan | None:
     if isinstance(embed, nn.Embedding):
         for name, module in model.named_modules():
             if module is embed and not any(name == join(k) for k in base_entries):
-                plan.set(name, "vocab_parallel", "config")
+                plan.set(name, "vocab_parallel", Source.CONFIG)
                 break
     modules = dict(model.named_modules())
     for key, style in base_entries.items():
@@ -97,13 +97,13 @@ def hf_plan(model: nn.Module) -> Plan | None:
                 style = "packed_colwise"
         if style == "mla_kv_a_proj":  # one entry per module: the width may differ per layer
             for name in (n for n in modules if matches(join(key), n)):
-                plan.set(name, style, "config", _mla_tail(model, modules, name))
+                plan.set(name, style, Source.CONFIG, _mla_tail(model, modules, name))
             continue
-        plan.set(join(key), style, "config")
+        plan.set(join(key), style, Source.CONFIG)
     for cls in reversed(type(model).__mro__):
         for key, style in (getattr(cls, "_tp_plan", None) or {}).items():
             if isinstance(key, str):
-                plan.set(key, style, "class")
+                plan.set(key, style, Source.CLASS)
     _gathered_head(model, plan, embed)
     return plan
 
@@ -123,4 +123,4 @@ def _gathered_head(model: nn.Module, plan: Plan, embed: nn.Module | None) -> Non
         hit = plan.style_for(names.get(id(embed), ""))
         if hit is None or hit[0] != "vocab_parallel":
             return
-    plan.set(name, "colwise_gather_output", "class")
+    plan.set(name, "colwise_gather_output", Source.CLASS)

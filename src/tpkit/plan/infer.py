@@ -33,31 +33,91 @@ From the trace's tags:
   rest straight into the rank's heads (MLA's ``kv_a_proj_with_mqa``: [kv latent | rope key]) gets
   ``tail_grad_allreduce`` with the rest's width: each rank's gradient for it is partial.
 
-Each column/row pair is a *group* with the counts that must divide tp (features, heads);
-derivation turns an inferred group that does not divide into replicated entries with a note
-(`Plan.settle_groups`), and a group whose split the model's code cannot run (a dry run on fake
-tensors) likewise (`tpkit.plan.dryrun.fewest_replicated`).
+Each column/row pair is a *group* (`tpkit.plan.spec.Group`) with the counts that must divide
+tp (features, heads); settling (`tpkit.plan.settle`) gathers an inferred group that does not
+divide, or keeps it whole with a note, and a group whose split the model's code cannot run (a
+dry run on fake tensors) likewise (`tpkit.plan.settle.fewest_replicated`).
+
+The passes share one `Draft`: what the trace says (nodes, pairs) and what the passes decide so
+far (styles, style arguments, fix-ups, notes, groups); each pass takes it and fills it in.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
 
-from tpkit.plan.dryrun import fewest_replicated
+from tpkit.plan.dryrun import dry_run
 from tpkit.plan.experts import expert_groups
 from tpkit.plan.fake import REAL_TRACE_MAX_PARAMS
 from tpkit.plan.fixups import HEAD_ATTRS, WIDTH_ATTRS
 from tpkit.plan.gathered import gathered_pairs
 from tpkit.plan.inputs import input_embeddings, output_embeddings
 from tpkit.plan.layout import in_width, kind_of, param_layouts
-from tpkit.plan.spec import Plan
+from tpkit.plan.settle import fewest_replicated
+from tpkit.plan.spec import Group, Plan, Source
 from tpkit.plan.ssm import ssm_groups
 from tpkit.plan.trace import STREAM, Node, has_mixed_blocks, same_type_blocks, trace
 
-__all__ = ["generic_name", "infer_plan"]
+__all__ = ["Draft", "generic_name", "infer_plan"]
+
+
+@dataclass
+class Draft:
+    """Inference in progress, per concrete module name: the trace it reads and what its passes
+    have decided so far. Each pass takes the draft and fills it in; `Draft.plan` turns it into
+    the `Plan` (names collapsed to ``*`` patterns where every layer agrees).
+
+    Styles set by one pass are not overwritten by a later one (``name in styles`` means taken),
+    and ``why`` holds why a module stays whole until it is styled after all (then its reason
+    is dropped)."""
+
+    info: dict[str, Any]  # the trace (`tpkit.plan.trace.trace`)
+    styles: dict[str, str] = field(default_factory=dict)  # module or parameter -> style
+    args: dict[str, dict] = field(default_factory=dict)  # module -> style arguments
+    fixups: dict[str, dict] = field(default_factory=dict)  # owner -> per-rank fix-ups
+    why: dict[str, str] = field(default_factory=dict)  # module -> why it stays whole
+    notes: dict[str, str] = field(default_factory=dict)  # module -> note (gathered pairs)
+    groups: list[Group] = field(default_factory=list)
+    exclude: set[str] = field(default_factory=set)  # kept out of pairing (vocabulary)
+    candidates: dict[str, set[str]] = field(default_factory=dict)  # row -> column sources
+    rows: dict[str, set[str]] = field(default_factory=dict)  # the pairs kept, row -> columns
+
+    @property
+    def nodes(self) -> dict[str, Node]:
+        return self.info["nodes"]
+
+    def add_groups(self, groups: list[Group] | list[dict[str, Any]]) -> None:
+        """Append groups, plain ``{modules, owners, counts}`` dicts (experts, SSM) typed."""
+        self.groups.extend(Group.from_dict(g) for g in groups)
+
+    def extend_group(self, i: int, module: str, owner: str | None = None) -> None:
+        """Group ``i`` with ``module`` (and ``owner``, when it is new) added."""
+        g = self.groups[i]
+        owners = g.owners if owner is None or owner in g.owners else (*g.owners, owner)
+        self.groups[i] = replace(g, modules=(*g.modules, module), owners=owners)
+
+    def plan(self, model: nn.Module) -> Plan:
+        """The inferred `Plan` (source "inferred"), before settling."""
+        all_names = [n for n, _ in model.named_modules()]
+        all_names += [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        notes = dict(self.notes)
+        notes.update(
+            (name, f"replicated: {reason}")
+            for name, reason in self.why.items()
+            if name not in self.styles or self.styles[name] == "replicate"
+        )
+        plan = Plan()
+        collapsed_args = _collapse(self.args, all_names)
+        for pattern, style in _collapse(self.styles, all_names).items():
+            plan.set(pattern, style, Source.INFERRED, collapsed_args.get(pattern))
+        plan.fixups.update(_collapse(_common_head_inputs(self.fixups), all_names))
+        plan.notes.update(_collapse(notes, all_names))
+        plan.groups.extend(_collapse_groups(self.groups))
+        return plan
 
 
 def _row_candidates(nodes: dict[str, Node], exclude: set[str]) -> dict[str, set[str]]:
@@ -179,11 +239,11 @@ def _trace_for_inference(model: nn.Module, example) -> dict[str, Any]:
         ) from exc
 
 
-def _vocabulary(model: nn.Module, styles: dict[str, str]) -> set[str]:
+def _vocabulary(model: nn.Module, draft: Draft) -> None:
     """Input embedding (and every module sharing its weight) vocab-parallel, the output head
     gathered; a parameter tied to one of them elsewhere (BERT's ``cls.predictions.bias``) laid
-    out the same way by its own entry. Returns the modules excluded from pairing."""
-    exclude: set[str] = set()
+    out the same way by its own entry. The modules styled are excluded from pairing."""
+    styles, exclude = draft.styles, draft.exclude
     modules = dict(model.named_modules())
     embed, head = input_embeddings(model), output_embeddings(model)
     embed_weight = getattr(embed, "weight", None)
@@ -207,18 +267,18 @@ def _vocabulary(model: nn.Module, styles: dict[str, str]) -> set[str]:
         for name, pname in tied:
             if vocab and name not in exclude:
                 styles[f"{name}.{pname}"] = vocab[0]
-    return exclude
 
 
-def _bags(model: nn.Module, styles: dict[str, str], why: dict[str, str]) -> None:
+def _bags(model: nn.Module, draft: Draft) -> None:
     """Every ``nn.EmbeddingBag`` (a recommender's tables) split by columns, its output gathered
     (``colwise_embedding_gather``: exact for every bag mode). One with ``max_norm`` stays whole:
     its in-place renormalisation reads each row's norm over all the columns."""
+    styles = draft.styles
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.EmbeddingBag) or name in styles:
             continue
         if mod.max_norm is not None:
-            why[name] = f"max_norm={mod.max_norm} renormalises each row over all its columns"
+            draft.why[name] = f"max_norm={mod.max_norm} renormalises each row over all its columns"
         else:
             styles[name] = "colwise_embedding_gather"
 
@@ -227,9 +287,7 @@ def _bags(model: nn.Module, styles: dict[str, str], why: dict[str, str]) -> None
 TABLE_SHARE = 0.01
 
 
-def _tables(
-    model: nn.Module, nodes: dict[str, Node], styles: dict, why: dict, groups: list
-) -> None:
+def _tables(model: nn.Module, draft: Draft) -> None:
     """Every other large id-fed ``nn.Embedding`` split too. One that looks up its own first
     input (a seq2seq decoder's vocabulary in FSMT, Gemma-3n's per-layer tables, a third of the
     model) is vocab-parallel, exact like the input embedding (masked lookup, all-reduced). One
@@ -239,11 +297,12 @@ def _tables(
     under `TABLE_SHARE` of the parameters stays whole; so do tied weights, a weight read
     outside the table's forward, ``max_norm`` (rows renormalised over all their columns) and
     sparse gradients."""
+    styles = draft.styles
     total = sum(p.numel() for p in model.parameters() if p.ndim >= 2)
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
-    for name, node in nodes.items():
+    for name, node in draft.nodes.items():
         mod = model.get_submodule(name)
         if node.kind != "embedding" or name in styles or node.src or node.read_outside:
             continue
@@ -252,8 +311,8 @@ def _tables(
         if counts.get(id(mod.weight), 0) > 1 or mod.weight.numel() < TABLE_SHARE * total:
             continue
         styles[name] = "vocab_parallel" if node.ids_first else "colwise_embedding_gather"
-        why.pop(name, None)
-        groups.append({"modules": [name], "owners": [], "counts": {}})  # for shipped plans
+        draft.why.pop(name, None)
+        draft.groups.append(Group((name,)))  # for shipped plans
 
 
 def _column_style(node: Node) -> str:
@@ -262,8 +321,9 @@ def _column_style(node: Node) -> str:
     return {2: "packed_colwise", 3: "packed_qkv_colwise"}.get(node.split, "colwise")
 
 
-def _group(model, info, r, cols, styles, fixups) -> dict[str, Any]:
+def _group(model: nn.Module, draft: Draft, r: str, cols: set[str]) -> Group:
     """Styles, fix-ups and counts for one row linear ``r`` and its column sources."""
+    info, styles, fixups = draft.info, draft.styles, draft.fixups
     nodes, modules = info["nodes"], dict(model.named_modules())
     pair = sorted(cols) + [r]
     counts = {}
@@ -291,7 +351,7 @@ def _group(model, info, r, cols, styles, fixups) -> dict[str, Any]:
         for conv in _channel_convs(modules[owner], owner, widths, info, styles):
             styles[conv] = "channelwise"
             pair.append(conv)
-    return {"modules": pair, "owners": sorted(owners & set(fixups)), "counts": counts}
+    return Group(tuple(pair), tuple(sorted(owners & set(fixups))), counts)
 
 
 def _channel_convs(owner: nn.Module, name: str, widths: set[int], info: dict, styles: dict):
@@ -312,30 +372,31 @@ def _channel_convs(owner: nn.Module, name: str, widths: set[int], info: dict, st
         yield full
 
 
-def _tails(model, nodes, rows, groups, styles, args, why) -> None:
+def _tails(model: nn.Module, draft: Draft) -> None:
     """A replicated linear whose output is cut unevenly, its first part into a column linear and
     the rest elsewhere (MLA's kv_a_proj_with_mqa: [kv latent | rope key], the rope key broadcast
     straight to the rank's heads): that rest gets a partial gradient on each rank, so its
     gradient is all-reduced (``tail_grad_allreduce``). When the cut does not show which part
     feeds the column linear, its groups stay whole."""
+    nodes, styles, groups = draft.nodes, draft.styles, draft.groups
     modules = dict(model.named_modules())
-    columns = {c for cols in rows.values() for c in cols}
+    columns = {c for cols in draft.rows.values() for c in cols}
     for name, v in nodes.items():
         if name in styles or not v.uneven or not v.consumers or not v.consumers <= columns:
             continue
         feeds = [in_width(modules[c], nodes[c].kind) for c in v.consumers]
         if len(v.cuts) >= 2 and len(feeds) == 1 and feeds[0] == v.cuts[0]:
             styles[name] = "tail_grad_allreduce"
-            args[name] = {"tail": v.out - v.cuts[0]}
-            for g in groups:
-                if v.consumers & set(g["modules"]):
-                    g["modules"].append(name)
+            draft.args[name] = {"tail": v.out - v.cuts[0]}
+            for i, g in enumerate(groups):
+                if v.consumers & set(g.modules):
+                    draft.extend_group(i, name)
             continue
         for g in groups:
-            if v.consumers & set(g["modules"]):
-                for m in g["modules"]:
+            if v.consumers & set(g.modules):
+                for m in g.modules:
                     styles[m] = "replicate"
-                    why[m] = f"{name} also feeds the split heads directly, not through them"
+                    draft.why[m] = f"{name} also feeds the split heads directly, not through them"
 
 
 def _role(modules: dict[str, nn.Module], name: str) -> tuple:
@@ -346,12 +407,13 @@ def _role(modules: dict[str, nn.Module], name: str) -> tuple:
     return (grand, type(modules.get(parent)).__name__, child)
 
 
-def _unreached_like_siblings(model, nodes, styles, groups, why, fixups) -> None:
+def _unreached_like_siblings(model: nn.Module, draft: Draft) -> None:
     """Modules the trace never ran are split like a sibling that did: experts (128 of
     NLLB-MoE's, with 21 trace tokens routed round-robin) by name up to their numbers, a
     decoder-only model's unused cross-attention like its self-attention (`_role`); same class
     and weight shape. They join that sibling's group, so what settles it settles them."""
     key = lambda n: re.sub(r"(?<=[._])\d+(?=\.|$)", "#", n)  # noqa: E731 - expert_2, not fc2
+    nodes, styles, fixups = draft.nodes, draft.styles, draft.fixups
     modules = dict(model.named_modules())
     reached = [n for n in styles if n in nodes and (nodes[n].src or nodes[n].consumers)]
     ran = {key(n): n for n in reached}
@@ -366,15 +428,14 @@ def _unreached_like_siblings(model, nodes, styles, groups, why, fixups) -> None:
         if tuple(a.weight.shape) != tuple(b.weight.shape):
             continue
         styles[name] = styles[twin]
-        why.pop(name, None)
+        draft.why.pop(name, None)
         owner, twin_owner = name.rpartition(".")[0], twin.rpartition(".")[0]
         if twin_owner in fixups and owner not in fixups:
             fixups[owner] = dict(fixups[twin_owner])  # the heads it divides, as its twin's
-        for g in groups:
-            if twin in g["modules"]:
-                g["modules"].append(name)
-                if owner in fixups and twin_owner in g["owners"] and owner not in g["owners"]:
-                    g["owners"].append(owner)
+        for i, g in enumerate(draft.groups):
+            if twin in g.modules:
+                joins = owner in fixups and twin_owner in g.owners
+                draft.extend_group(i, name, owner if joins else None)
 
 
 def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> Plan:
@@ -408,45 +469,30 @@ def _sharded(model: nn.Module, plan: Plan) -> int:
 
 
 def _infer_once(model: nn.Module, example_inputs) -> Plan:
-    """`infer_plan` for one reading of the stream."""
-    info = _trace_for_inference(model, example_inputs)
-    nodes: dict[str, Node] = info["nodes"]
-    styles: dict[str, str] = {}
-    args: dict[str, dict] = {}
-    exclude = _vocabulary(model, styles)
-    candidates = _row_candidates(nodes, exclude)
-    rows, why = _pairs(nodes, exclude, candidates)
-    _bags(model, styles, why)
-    groups: list[dict] = []
-    fixups: dict[str, dict] = {}
-    for r, cols in rows.items():
-        groups.append(_group(model, info, r, cols, styles, fixups))
-    _tails(model, nodes, rows, groups, styles, args, why)
-    groups.extend(expert_groups(model, info, exclude, styles, why))
-    _unreached_like_siblings(model, nodes, styles, groups, why, fixups)
+    """`infer_plan` for one reading of the stream: the passes over one `Draft`, then settled at
+    tp=2 where the model's code cannot run the split (`tpkit.plan.settle.fewest_replicated`)."""
+    draft = Draft(_trace_for_inference(model, example_inputs))
+    _vocabulary(model, draft)
+    draft.candidates = _row_candidates(draft.nodes, draft.exclude)
+    draft.rows, draft.why = _pairs(draft.nodes, draft.exclude, draft.candidates)
+    _bags(model, draft)
+    for r, cols in draft.rows.items():
+        draft.groups.append(_group(model, draft, r, cols))
+    _tails(model, draft)
+    draft.add_groups(expert_groups(model, draft.info, draft.exclude, draft.styles, draft.why))
+    _unreached_like_siblings(model, draft)
     mixers, mixer_groups = ssm_groups(model)  # Mamba-1 mixers: split by channels
     for name, style in mixers.items():
-        styles[name] = style
-        why.pop(name, None)
-    groups.extend(mixer_groups)
-    _tables(model, nodes, styles, why, groups)
-    gathered, notes = gathered_pairs(model, nodes, candidates, styles, why)
-    groups.extend(gathered)
-    notes.update(
-        (name, f"replicated: {reason}")
-        for name, reason in why.items()
-        if name not in styles or styles[name] == "replicate"
+        draft.styles[name] = style
+        draft.why.pop(name, None)
+    draft.add_groups(mixer_groups)
+    _tables(model, draft)
+    gathered, draft.notes = gathered_pairs(
+        model, draft.nodes, draft.candidates, draft.styles, draft.why
     )
-    all_names = [n for n, _ in model.named_modules()]
-    all_names += [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    plan = Plan()
-    collapsed_args = _collapse(args, all_names)
-    for pattern, style in _collapse(styles, all_names).items():
-        plan.set(pattern, style, "inferred", collapsed_args.get(pattern))
-    plan.fixups.update(_collapse(_common_head_inputs(fixups), all_names))
-    plan.notes.update(_collapse(notes, all_names))
-    plan.groups.extend(_collapse_groups(groups))
-    return fewest_replicated(model, plan, example_inputs)
+    draft.groups.extend(gathered)
+    runs = lambda plan, tp: dry_run(model, plan, example_inputs, tp)  # noqa: E731
+    return fewest_replicated(model, draft.plan(model), runs)
 
 
 def _owner_fixups(owner: nn.Module, widths: set[int], info: dict, owner_name: str) -> dict:
@@ -528,15 +574,12 @@ def _common_head_inputs(fixups: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
-def _collapse_groups(groups: list[dict]) -> list[dict]:
-    seen: dict[tuple, dict] = {}
+def _collapse_groups(groups: list[Group]) -> list[Group]:
+    """One group per layer kind: names to ``*`` patterns, the first layer's group kept."""
+    seen: dict[tuple, Group] = {}
     for g in groups:
-        key = tuple(generic_name(m) for m in g["modules"])
+        key = tuple(generic_name(m) for m in g.modules)
         if key not in seen:
-            counts = {re.sub(r"\.\d+\.", ".*.", k + ".")[:-1]: v for k, v in g["counts"].items()}
-            seen[key] = {
-                "modules": list(key),
-                "owners": [generic_name(o) for o in g["owners"]],
-                "counts": counts,
-            }
+            counts = {re.sub(r"\.\d+\.", ".*.", k + ".")[:-1]: v for k, v in g.counts.items()}
+            seen[key] = Group(key, tuple(generic_name(o) for o in g.owners), counts)
     return list(seen.values())

@@ -9,11 +9,13 @@ head each add a partial weight gradient (their own queries' share), summed by an
 This is vLLM's layout. The attention module's code is told it has one KV head per rank
 (``set`` fix-ups: ``num_key_value_groups`` = local query heads).
 
-Pure: it rewrites plan entries, fix-ups and inferred groups for one tp size.
+Pure: it rewrites plan entries, fix-ups and inferred groups for one tp size. When to is
+`tpkit.plan.settle`'s (`settle_heads`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -128,10 +130,12 @@ def _owner_fixups(plan: Plan, owner: str, module: nn.Module, model: nn.Module, t
 def _drop_counts(plan: Plan, pattern: str, owner: str) -> None:
     """An inferred group holding the projection no longer needs tp to divide the KV heads or
     the projection's width."""
-    for group in plan.groups:
-        if pattern in group["modules"]:
-            group["counts"] = {
+    kv_labels = tuple(f".{a}" for a in KV_ATTRS)
+    for i, group in enumerate(plan.groups):
+        if pattern in group.modules:
+            counts = {
                 label: n
-                for label, n in group["counts"].items()
-                if not (label.endswith(tuple(f".{a}" for a in KV_ATTRS)) or pattern in label)
+                for label, n in group.counts.items()
+                if not (label.endswith(kv_labels) or pattern in label)
             }
+            plan.groups[i] = replace(group, counts=counts)

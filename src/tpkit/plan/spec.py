@@ -8,26 +8,97 @@ merging a user plan after a derived one overrides it entry by entry.
 Besides styles a plan carries, keyed by module pattern: the style's arguments (``args``), the
 per-rank fix-ups its modules' code needs (``fixups``, applied by `tpkit.plan.fixups`), why a module
 stays replicated (``notes``) and each inferred column/row group with the counts tp must divide
-(``groups``). Pure data: no process group, no collectives.
+(``groups``, typed `Group`s). Each entry records where it came from (`Source`). Pure data: no
+process group, no collectives; what a plan becomes at one tp size is `tpkit.plan.settle`'s.
 """
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from tpkit.plan.catalogue import canonical_style, style_spec
+from tpkit.plan.catalogue import canonical_style
 
-# members of a group that no count needs to divide: replicated, or the gathered pair's styles
-WHOLE_STYLES = frozenset({"replicate", "colwise_gather_output", "rowwise_split_input"})
+__all__ = ["Group", "Plan", "Source", "Target", "matches"]
 
-__all__ = ["WHOLE_STYLES", "Plan", "Target", "matches"]
+
+class Source(enum.StrEnum):
+    """Where a plan entry came from. A `str` (``Source.USER == "user"``), so it prints, sorts,
+    serialises and compares as the plain names always did; an unknown name is refused when an
+    entry is set, instead of silently never matching a check such as "is this the user's?"."""
+
+    USER = "user"  # the user's dict / Plan / YAML: never rewritten, validation reports it
+    CONFIG = "config"  # transformers' base_model_tp_plan
+    CLASS = "class"  # transformers' class-level _tp_plan (the output head)
+    INFERRED = "inferred"  # tpkit.plan.infer, from the traced dataflow: settled for tp
+    FALLBACK = "fallback"  # tpkit.plan.fallback, each layer on its own
+
+    @classmethod
+    def of(cls, value: str) -> Source:
+        """``value`` as a `Source`, with the known names in the error when it is none."""
+        try:
+            return cls(value)
+        except ValueError:
+            known = ", ".join(repr(s.value) for s in cls)
+            raise ValueError(f"Unknown plan entry source {value!r}; use one of {known}.") from None
+
+
+@dataclass(frozen=True)
+class Group:
+    """One inferred group of modules split together (a column/row pair with what rides along:
+    per-head norms, per-head parameters, depthwise convs, an MLA tail; a fused-experts module;
+    a Mamba mixer), so that settling (`tpkit.plan.settle`) changes it as one: gathered, or
+    kept whole, never half split.
+
+    - ``modules``: its plan patterns (the column sources first, then the rows, then the rest);
+    - ``owners``: the patterns whose fix-ups belong to it (an attention's head counts), dropped
+      when it stops being split by heads;
+    - ``counts``: ``label -> number`` tp must divide for the split (``"output features of
+      ...q_proj"``, ``"model.layers.*.self_attn.num_heads"``).
+
+    Frozen: a rewrite makes a new Group (`dataclasses.replace`), so plans copied from one
+    another never change each other's groups. ``counts`` is copied on construction and never
+    changed in place. `to_dict` / `from_dict` round-trip it through plain data (YAML, JSON)."""
+
+    modules: tuple[str, ...]
+    owners: tuple[str, ...] = ()
+    counts: Mapping[str, int] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "modules", tuple(self.modules))
+        object.__setattr__(self, "owners", tuple(self.owners))
+        object.__setattr__(self, "counts", dict(self.counts))
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"modules": [...], "owners": [...], "counts": {...}}``: plain, YAML-safe data."""
+        return {
+            "modules": list(self.modules),
+            "owners": list(self.owners),
+            "counts": dict(self.counts),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Group | Mapping[str, Any]) -> Group:
+        """A Group from `to_dict`'s form (``owners`` and ``counts`` optional); a Group as is."""
+        if isinstance(data, Group):
+            return data
+        unknown = set(data) - {"modules", "owners", "counts"}
+        if unknown or "modules" not in data:
+            raise ValueError(
+                f"A plan group is {{modules: [...], owners: [...], counts: {{...}}}}; got keys "
+                f"{sorted(map(str, data))}."
+            )
+        counts = {str(k): int(v) for k, v in (data.get("counts") or {}).items()}
+        return cls(
+            tuple(map(str, data["modules"])), tuple(map(str, data.get("owners") or ())), counts
+        )
 
 
 @lru_cache(maxsize=4096)
@@ -48,7 +119,7 @@ class Target:
     name: str  # module name, or module name + "." + parameter name
     style: str
     pattern: str
-    source: str
+    source: Source
     kind: str  # "module" or "param"
 
 
@@ -63,18 +134,19 @@ class Plan(Mapping[str, str]):
       divided by tp when the plan is applied, and per-head inputs sliced to the rank's heads
       (dim 0 = batch*heads, dim 1 = heads);
     - ``notes``: why a module stays replicated (shown by `explain`);
-    - ``groups``: each inferred column/row pair with the counts that must divide tp, so that
-      derivation can leave a pair that does not divide replicated instead of failing.
+    - ``groups``: each inferred group (`Group`) with the counts that must divide tp, so that
+      settling (`tpkit.plan.settle`) can gather a group that does not divide, or keep it
+      whole, instead of failing.
     """
 
-    def __init__(self, entries: Mapping[str, str] | None = None, source: str = "user"):
+    def __init__(self, entries: Mapping[str, str] | None = None, source: str = Source.USER):
         self._styles: dict[str, str] = {}
-        self._sources: dict[str, str] = {}
+        self._sources: dict[str, Source] = {}
         self._index: dict[tuple[int, str], list[tuple[int, str]]] | None = None  # style_for's
         self.args: dict[str, dict[str, Any]] = {}
         self.fixups: dict[str, dict[str, Any]] = {}
         self.notes: dict[str, str] = {}
-        self.groups: list[dict[str, Any]] = []
+        self.groups: list[Group] = []
         for pattern, style in (entries or {}).items():
             self.set(pattern, style, source)
 
@@ -92,21 +164,22 @@ class Plan(Mapping[str, str]):
         return f"Plan({self._styles!r})"
 
     def set(
-        self, pattern: str, style: str, source: str = "user", args: Mapping | None = None
+        self, pattern: str, style: str, source: str = Source.USER, args: Mapping | None = None
     ) -> None:
         """Add or replace one entry; a replaced entry keeps its position in the order."""
         self._styles[pattern] = canonical_style(style)
-        self._sources[pattern] = source
+        self._sources[pattern] = Source.of(source)
         self._index = None
         if args:
             self.args[pattern] = dict(args)
         else:
             self.args.pop(pattern, None)
 
-    def source(self, pattern: str) -> str:
+    def source(self, pattern: str) -> Source:
+        """Where the entry ``pattern`` came from."""
         return self._sources[pattern]
 
-    def merged(self, other: Mapping[str, str] | Plan, source: str = "user") -> Plan:
+    def merged(self, other: Mapping[str, str] | Plan, source: str = Source.USER) -> Plan:
         """A copy of self overridden entry by entry by ``other`` (whose entries then win)."""
         out = self.copy()
         for p, style in other.items():
@@ -145,59 +218,11 @@ class Plan(Mapping[str, str]):
                 out.update(fix)
         return out
 
-    def replicate_group(self, group: Mapping[str, Any], why: str) -> None:
-        """Leave one inferred column/row group replicated (its modules and fix-ups), noting why."""
-        for pattern in group["modules"]:
-            self.set(pattern, "replicate", self._sources.get(pattern, "inferred"))
-            self.notes[pattern] = f"replicated: {why}"
-        for owner in group.get("owners", []):
-            for key in self.owner_fixups(owner):
-                self.fixups.pop(key)
-
     def owner_fixups(self, owner: str) -> list[str]:
         """The fix-up keys an inferred group's ``owner`` pattern covers: itself, and the layers
         it stands for whose fix-ups differ from their siblings' and so stayed concrete (MiniMax's
         one lightning-attention layer under ``model.layers.*.self_attn``)."""
         return [k for k in self.fixups if k == owner or matches(owner, k)]
-
-    def settle_groups(self, tp_size: int) -> list[str]:
-        """Replicate every inferred group ``tp_size`` does not divide (e.g. 3 heads at tp=2) so
-        the rest of the model is still split; return the reasons written as notes. User and
-        transformers entries are never changed: what they ask and tp does not divide is an
-        error for validation to report. (`tpkit.plan.derive_plan` first tries each such group
-        gathered, which needs the model; what is left is replicated here.)"""
-        written = []
-        for group, why in self.undivided_groups(tp_size):
-            self.replicate_group(group, why)
-            written.append(why)
-        return written
-
-    def undivided_groups(self, tp_size: int) -> list[tuple[dict, str]]:
-        """(group, why) for each inferred group still split by a count ``tp_size`` does not
-        divide; groups a user or transformers overrode, and whole ones (replicated or gathered),
-        are not."""
-        out = []
-        for group in self.groups:
-            live = [p for p in group["modules"] if p in self and self.source(p) == "inferred"]
-            if len(live) != len(group["modules"]) or all(self[p] in WHOLE_STYLES for p in live):
-                continue  # overridden by the user, or already whole
-            bad = [
-                f"{label} = {n}"
-                for label, n in group["counts"].items()
-                if n % tp_size and not self._uneven_width_ok(label)
-            ]
-            if bad:
-                out.append((group, f"tp_size={tp_size} does not divide " + ", ".join(bad)))
-        return out
-
-    def _uneven_width_ok(self, label: str) -> bool:
-        """A group's width count (``output features of up_proj``) need not divide tp when its
-        module's style splits exactly into torch.chunk sizes (plain colwise / rowwise); head
-        counts and packed parts always must."""
-        for prefix in ("output features of ", "input features of "):
-            if label.startswith(prefix) and label[len(prefix) :] in self._styles:
-                return style_spec(self._styles[label[len(prefix) :]]).uneven_ok
-        return False
 
     # -- resolution ------------------------------------------------------------------------
     def style_for(self, name: str) -> tuple[str, str] | None:
@@ -247,7 +272,7 @@ class Plan(Mapping[str, str]):
         return dict(self._styles)
 
     @classmethod
-    def from_dict(cls, entries: Mapping[str, Any], source: str = "user") -> Plan:
+    def from_dict(cls, entries: Mapping[str, Any], source: str = Source.USER) -> Plan:
         """``{pattern: style}``, or ``{plan: {...}, args: {...}, fixups: {...}, notes: {...}}``."""
         extra = entries
         if "plan" in entries and isinstance(entries["plan"], Mapping):
@@ -272,7 +297,7 @@ class Plan(Mapping[str, str]):
         return yaml.safe_dump(data, sort_keys=False)
 
     @classmethod
-    def from_yaml(cls, text_or_path: str | Path, source: str = "user") -> Plan:
+    def from_yaml(cls, text_or_path: str | Path, source: str = Source.USER) -> Plan:
         """Read ``{plan: {pattern: style}}`` (or a flat mapping) from YAML text or a file path."""
         import yaml
 

@@ -3,7 +3,7 @@
 Each problem becomes one line of a single ``ValueError`` that names the module, the numbers and
 the fix, so a bad configuration is one clear error on all ranks instead of a reshape crash in
 forward or a hang in a collective. Pure: nothing here changes the plan or the model (derivation
-settles what it may change, `tpkit.plan.derive`), and nothing communicates.
+settles what it may change, `tpkit.plan.settle`), and nothing communicates.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from torch import nn
 
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.dryrun import dry_run
-from tpkit.plan.fixups import HEAD_ATTRS
 from tpkit.plan.inputs import output_embeddings
-from tpkit.plan.kvheads import KV_ATTRS, head_counts
+from tpkit.plan.kvheads import head_counts
 from tpkit.plan.layout import param_layouts
-from tpkit.plan.spec import Plan
+from tpkit.plan.settle import head_constraints
+from tpkit.plan.spec import Plan, Source
 from tpkit.plan.trace import repeated_blocks, trace
 
 __all__ = ["checkpoint_problems", "head_constraints", "problems", "validate"]
@@ -89,7 +89,7 @@ def problems(
     found += _max_norm_problems(model, plan)
     if not found:
         found += _user_dataflow_problems(model, plan, tp_size, example_inputs)
-    user = any(plan.source(p) == "user" for p in plan)  # then dry-run at tp_size just above
+    user = any(plan.source(p) == Source.USER for p in plan)  # then dry-run at tp_size just above
     if not found and tp_size != 2 and not user:
         found += _tp_dataflow_problems(model, plan, tp_size, example_inputs, fix)
     return found
@@ -145,39 +145,6 @@ def _constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:
     return out
 
 
-def head_constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:
-    """(owner, label, count): the head counts of every module whose projections the plan splits
-    by output, each of which tp must divide."""
-    modules = dict(model.named_modules())
-    owners: dict[str, nn.Module] = {}
-    kv_whole: set[str] = set()  # attentions whose KV heads are replicated (plan.kvheads)
-    for t in plan.resolve(model):
-        if t.kind == "module" and style_spec(t.style).splits_output and "." in t.name:
-            parent = t.name.rsplit(".", 1)[0]
-            owners.setdefault(parent, modules[parent])
-            if t.style == "colwise_replicated_heads":
-                kv_whole.add(parent)
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    out, seen = [], set()
-    for name, module in owners.items():
-        sources = [module]
-        if any(k in name.rsplit(".", 1)[-1].lower() for k in ("attn", "attention")):
-            # configs hold the model's head counts for every module that keeps a reference
-            # to them (an MLP's config has num_attention_heads too): attention modules only
-            sources += [getattr(module, "config", None), config]
-        for src in sources:
-            for attr in HEAD_ATTRS:
-                value = _read(src, attr)
-                if name in kv_whole and attr in KV_ATTRS:
-                    continue  # whole KV heads, each on tp / kv ranks: replicated_heads_problems
-                if isinstance(value, int) and value > 0 and (attr, value) not in seen:
-                    seen.add((attr, value))
-                    out.append((name, f"{attr}={value}", value))
-    return out
-
-
 def _replicated_heads_problems(model: nn.Module, plan: Plan, tp: int) -> list[str]:
     """colwise_replicated_heads gives each rank one whole KV head: tp must be a multiple of the
     KV heads, and tp must divide the attention's query heads."""
@@ -196,18 +163,6 @@ def _replicated_heads_problems(model: nn.Module, plan: Plan, tp: int) -> list[st
             )
             break
     return out
-
-
-def _read(obj: object, attr: str) -> object:
-    """``getattr(obj, attr, None)``, also None where a heterogeneous transformers config refuses
-    a global read of a per-layer attribute (it raises a RuntimeError); the per-layer value is on
-    the layer's module or its own config, which are read too."""
-    if obj is None:
-        return None
-    try:
-        return getattr(obj, attr, None)
-    except RuntimeError:
-        return None
 
 
 def _fixup_constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:
@@ -236,7 +191,7 @@ def _device_map_problems(model: nn.Module) -> list[str]:
 
 
 def _pattern_problems(model: nn.Module, plan: Plan) -> list[str]:
-    user = [p for p in plan.unmatched(model) if plan.source(p) == "user"]
+    user = [p for p in plan.unmatched(model) if plan.source(p) == Source.USER]
     return [
         f"plan pattern {p!r} (style {plan[p]!r}) matches no module or parameter of "
         f"{type(model).__name__}; check the name against `tpkit plan` or model.named_modules()."
@@ -403,7 +358,7 @@ def _user_dataflow_problems(
     whole activation. Found by one forward on fake tensors with rank 0's shard shapes (no
     memory, no collectives), only when the user named a module: derived plans are checked when
     they are made."""
-    user = [p for p in plan if plan.source(p) == "user"]
+    user = [p for p in plan if plan.source(p) == Source.USER]
     if not user:
         return []
     error = dry_run(model, plan, example, tp_size)

@@ -1,0 +1,302 @@
+"""Settling: what a plan becomes so that it runs at one tp size. Every such decision is here.
+
+A derived plan splits what the dataflow allows; at a given tp some of it cannot run split:
+
+- an attention with fewer KV heads than tp (2 at tp=4, MQA's 1 at tp=2): each KV head is kept
+  whole on the tp / kv ranks whose queries read it (`settle_heads`; the rewrite is
+  `tpkit.plan.kvheads`), when tp is a multiple of the KV heads and divides the query heads;
+- an inferred group whose counts tp does not divide (3 heads at tp=2, 12 at tp=8): gathered
+  (`tpkit.plan.gathered`: weights still split, column outputs all-gathered, the code between
+  on whole activations, so no count needs to divide) where a dry run at tp says the model runs
+  so, else kept whole with a note (`settle_groups`);
+- a group the model's code cannot run split at all (a global head count read where no fix-up
+  reaches, a split output fed to a layer that needs it whole): the heads merged to the rank's
+  width in the reshape that does not fit (``merge_heads``), else the fewest groups kept whole,
+  each gathered instead where that runs (`fewest_replicated`, inference's last step, at tp=2).
+
+User and transformers entries are never changed: what they ask and tp does not divide is an
+error for validation to report. Only inferred groups are settled.
+
+Settling asks, it does not simulate: every "does this run?" goes to the ``dry_run`` callable
+it is given (``(plan, tp) -> None`` when the model runs, else the error in brief;
+`tpkit.plan.dryrun.dry_run` bound to the model and its inputs). The dry run in turn lays a
+plan out as settling would before any trial (`lay_out`), so both agree. Pure: no process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from tpkit.plan.catalogue import style_spec
+from tpkit.plan.fixups import HEAD_ATTRS, WIDTH_ATTRS
+from tpkit.plan.gathered import gather_group
+from tpkit.plan.kvheads import KV_ATTRS, replicate_kv_heads
+from tpkit.plan.layout import in_width, kind_of
+from tpkit.plan.spec import Group, Plan, Source, matches
+
+__all__ = [
+    "WHOLE_STYLES",
+    "DryRun",
+    "fewest_replicated",
+    "head_constraints",
+    "keep_whole",
+    "lay_out",
+    "merged_heads",
+    "settle",
+    "settle_groups",
+    "settle_heads",
+    "undivided_groups",
+]
+
+#: ``(plan, tp) -> None`` when the model runs with ``plan`` at ``tp``, else the error in brief
+DryRun = Callable[[Plan, int], str | None]
+
+#: members of a group that no count needs to divide: replicated, or the gathered pair's styles
+WHOLE_STYLES = frozenset({"replicate", "colwise_gather_output", "rowwise_split_input"})
+
+_RESHAPE = "is invalid for input of size"  # torch's error for a view that does not fit
+
+
+def settle(model: nn.Module, plan: Plan, tp: int, dry_run: DryRun) -> None:
+    """``plan`` (in place) made to run at ``tp``: KV heads fewer than tp kept whole per rank
+    (`settle_heads`), then each inferred group tp does not divide gathered or kept whole
+    (`settle_groups`)."""
+    if tp <= 1:
+        return
+    settle_heads(model, plan, tp)
+    settle_groups(model, plan, tp, dry_run)
+
+
+def settle_heads(model: nn.Module, plan: Plan, tp: int) -> list[str]:
+    """Attentions with fewer KV heads than ``tp``, where tp is a multiple of them and divides
+    the query heads: their K/V projections become ``colwise_replicated_heads`` (one whole KV
+    head per rank, `tpkit.plan.kvheads`) instead of a refusal; returns the attentions changed.
+    Where the condition fails the KV counts stay in their group's counts, and `settle_groups`
+    settles the group."""
+    return replicate_kv_heads(model, plan, tp)
+
+
+def settle_groups(model: nn.Module, plan: Plan, tp: int, dry_run: DryRun) -> None:
+    """Each inferred group ``tp`` does not divide (a count of `Group.counts`, or a head count of
+    its column layers' owner: 6 heads at tp=4 where only tp=2 was dry-run) keeps its weights
+    split in the gathered form when a dry run at ``tp`` says the model runs so; else it is kept
+    whole (replicated) with a note saying which count tp does not divide."""
+    undivided = undivided_groups(plan, tp) + _undivided_head_groups(model, plan, tp)
+    tried = {id(g): (g, why) for g, why in undivided}  # a group can fail both ways: try it once
+    for group, why in tried.values():
+        trial = plan.copy()
+        if gather_group(model, trial, group, why) and dry_run(trial, tp) is None:
+            gather_group(model, plan, group, why)
+    for group, why in undivided_groups(plan, tp):
+        keep_whole(plan, group, why)
+    for group, why in _undivided_head_groups(model, plan, tp):  # not gathered: whole
+        keep_whole(plan, group, why)
+
+
+def lay_out(model: nn.Module, plan: Plan, tp: int) -> None:
+    """``plan`` (in place) as settling lays it out before anything is tried, with no dry run:
+    KV heads settled, every inferred group ``tp`` does not divide kept whole. What the dry run
+    simulates, so that a trial of one group is not failed by another that settling would
+    have kept whole anyway."""
+    if tp > 1:
+        settle_heads(model, plan, tp)
+    for group, why in undivided_groups(plan, tp):
+        keep_whole(plan, group, why)
+
+
+def keep_whole(plan: Plan, group: Group, why: str) -> None:
+    """Leave one inferred group replicated (its modules, and its owners' fix-ups dropped), each
+    module noted with why."""
+    for pattern in group.modules:
+        plan.set(pattern, "replicate", plan.source(pattern) if pattern in plan else Source.INFERRED)
+        plan.notes[pattern] = f"replicated: {why}"
+    for owner in group.owners:
+        for key in plan.owner_fixups(owner):
+            plan.fixups.pop(key)
+
+
+def _live(plan: Plan, group: Group) -> bool:
+    """The group is still inferred (no user or transformers entry overrode a member) and split
+    (not every member whole already)."""
+    live = [p for p in group.modules if p in plan and plan.source(p) == Source.INFERRED]
+    return len(live) == len(group.modules) and not all(plan[p] in WHOLE_STYLES for p in live)
+
+
+def undivided_groups(plan: Plan, tp: int) -> list[tuple[Group, str]]:
+    """(group, why) for each inferred group still split by a count ``tp`` does not divide;
+    groups a user or transformers overrode, and whole ones (replicated or gathered), are not."""
+    out = []
+    for group in plan.groups:
+        if not _live(plan, group):
+            continue
+        bad = [
+            f"{label} = {n}"
+            for label, n in group.counts.items()
+            if n % tp and not _uneven_width_ok(plan, label)
+        ]
+        if bad:
+            out.append((group, f"tp_size={tp} does not divide " + ", ".join(bad)))
+    return out
+
+
+def _uneven_width_ok(plan: Plan, label: str) -> bool:
+    """A group's width count (``output features of up_proj``) need not divide tp when its
+    module's style splits exactly into torch.chunk sizes (plain colwise / rowwise); head counts
+    and packed parts always must."""
+    for prefix in ("output features of ", "input features of "):
+        if label.startswith(prefix) and label[len(prefix) :] in plan:
+            return style_spec(plan[label[len(prefix) :]]).uneven_ok
+    return False
+
+
+def _undivided_head_groups(model: nn.Module, plan: Plan, tp: int) -> list[tuple[Group, str]]:
+    """(group, why) for each inferred, still split group whose column layers' owner has a head
+    count ``tp`` does not divide (6 heads at tp=4: the tp=2 dry run of inference passed)."""
+    bad: dict[str, str] = {}
+    for owner, label, count in head_constraints(model, plan):
+        if count % tp:
+            bad.setdefault(owner, f"tp_size={tp} does not divide {label} of {owner}")
+    if not bad:
+        return []
+    parents = [(n, n.rsplit(".", 1)[0]) for n, _ in model.named_modules() if "." in n]
+    out = []
+    for group in plan.groups:
+        if not _live(plan, group):
+            continue
+        why = next(
+            (
+                bad[parent]
+                for p in group.modules
+                for n, parent in parents
+                if parent in bad and matches(p, n)
+            ),
+            None,
+        )
+        if why is not None:
+            out.append((group, why))
+    return out
+
+
+def head_constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:
+    """(owner, label, count): the head counts of every module whose projections the plan splits
+    by output, each of which tp must divide (KV heads kept whole per rank excepted)."""
+    modules = dict(model.named_modules())
+    owners: dict[str, nn.Module] = {}
+    kv_whole: set[str] = set()  # attentions whose KV heads are replicated (plan.kvheads)
+    for t in plan.resolve(model):
+        if t.kind == "module" and style_spec(t.style).splits_output and "." in t.name:
+            parent = t.name.rsplit(".", 1)[0]
+            owners.setdefault(parent, modules[parent])
+            if t.style == "colwise_replicated_heads":
+                kv_whole.add(parent)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    out, seen = [], set()
+    for name, module in owners.items():
+        sources = [module]
+        if any(k in name.rsplit(".", 1)[-1].lower() for k in ("attn", "attention")):
+            # configs hold the model's head counts for every module that keeps a reference
+            # to them (an MLP's config has num_attention_heads too): attention modules only
+            sources += [getattr(module, "config", None), config]
+        for src in sources:
+            for attr in HEAD_ATTRS:
+                value = _read(src, attr)
+                if name in kv_whole and attr in KV_ATTRS:
+                    continue  # whole KV heads, each on tp / kv ranks: replicated_heads_problems
+                if isinstance(value, int) and value > 0 and (attr, value) not in seen:
+                    seen.add((attr, value))
+                    out.append((name, f"{attr}={value}", value))
+    return out
+
+
+def _read(obj: object, attr: str) -> object:
+    """``getattr(obj, attr, None)``, also None where a heterogeneous transformers config refuses
+    a global read of a per-layer attribute (it raises a RuntimeError)."""
+    if obj is None:
+        return None
+    try:
+        return getattr(obj, attr, None)
+    except RuntimeError:
+        return None
+
+
+def fewest_replicated(model: nn.Module, plan: Plan, dry_run: DryRun, tp: int = 2) -> Plan:
+    """``plan`` when it passes a tp dry run; else the plan with the fewest of its inferred groups
+    left replicated that makes the model's code run (a global head count read where no fix-up
+    reaches, a split output fed to a layer that needs it whole, like LFM2's short convolution),
+    each noted with the error. A reshape that does not fit is first tried with the heads
+    merged to the rank's width (`merge_heads`). Groups are replicated one more at a time
+    (attention groups first) until the dry run passes, then each is given back its split if it
+    still passes; last, each one left whole is gathered instead (`tpkit.plan.gathered`) where
+    that runs."""
+    error = dry_run(plan, tp)
+    if error is None:
+        return plan
+    if _RESHAPE in error or "AssertionError" in error:
+        # the code merges heads to a width read off its input (merge_heads), or also checks
+        # that input against a width attribute (FSMT: ``assert embed_dim == self.embed_dim``)
+        further = None
+        for repaired in (merged_heads(model, plan), merged_heads(model, plan, True)):
+            if repaired is None:
+                continue
+            repaired_error = dry_run(repaired, tp)
+            if repaired_error is None:
+                return repaired
+            if repaired_error != error and further is None:
+                further = (repaired, repaired_error)
+        if further is not None:  # it got further: keep it, replicate what still fails
+            plan, error = further
+    why = f"a dry run of the split forward failed: {error}"
+    groups = plan.groups
+
+    def trial(whole: list[int], gathered: tuple[int, ...] = ()) -> Plan:
+        out = plan.copy()
+        for i in whole:
+            if i not in gathered or not gather_group(model, out, groups[i], why):
+                keep_whole(out, groups[i], why)
+        return out
+
+    order = sorted(range(len(groups)), key=lambda i: not groups[i].owners)
+    chosen: list[int] = []
+    for i in order:
+        chosen.append(i)
+        if dry_run(trial(chosen), tp) is None:
+            break
+    else:
+        return trial(chosen)  # nothing split runs: everything stays replicated, noted
+    for i in list(chosen[:-1]):
+        rest = [j for j in chosen if j != i]
+        if dry_run(trial(rest), tp) is None:
+            chosen = rest
+    gathered: tuple[int, ...] = ()  # then each kept whole keeps its weights split if it runs
+    for i in chosen:
+        gatherable = gather_group(model, plan.copy(), groups[i], why)
+        if gatherable and dry_run(trial(chosen, (*gathered, i)), tp) is None:
+            gathered = (*gathered, i)
+    return trial(chosen, gathered)
+
+
+def merged_heads(model: nn.Module, plan: Plan, keep_widths: bool = False) -> Plan | None:
+    """``plan`` with a ``merge_heads`` fix-up on every inferred group's owner: the widths its
+    row-parallel modules read (see `tpkit.plan.fixups`); None when no group has one. With
+    ``keep_widths`` the owners' width attributes are no longer divided (head counts still
+    are): the code reads them only to check its input."""
+    out, added = plan.copy(), False
+    for group in plan.groups:
+        widths = set()
+        for name, mod in model.named_modules():
+            hit = plan.style_for(name)
+            kind = kind_of(mod)
+            if hit and kind and style_spec(hit[0]).shard == "in" and hit[1] in group.modules:
+                widths.add(in_width(mod, kind))
+        for owner in group.owners:
+            for key in out.owner_fixups(owner) if widths else []:
+                fix = {**out.fixups[key], "merge_heads": sorted(widths)}
+                if keep_widths:
+                    fix["divide"] = [a for a in fix.get("divide", []) if a not in WIDTH_ATTRS]
+                out.fixups[key] = fix
+                added = True
+    return out if added else None

@@ -14,7 +14,7 @@ from benchmarks.common import (
     timing_figures,
 )
 from benchmarks.suites import Suite, failed_rows, ok
-from benchmarks.systems import GLOO, without_shm
+from benchmarks.systems import GLOO, PLAIN_ALL, all_cores, on_all_cores, without_shm
 
 
 def run(ctx, systems):
@@ -33,6 +33,11 @@ def run(ctx, systems):
             m = ok(systems)["tpkit"].model
             logits[GLOO] = without_shm(lambda: m(input_ids=x, use_cache=False).logits.float())
             fns[GLOO] = lambda: without_shm(lambda: m(input_ids=x, use_cache=False))
+        if "plain" in fns and ctx.tp > 1:  # the limit: the same model on all cores, one process
+            m = ok(systems)["plain"].model
+            got = on_all_cores(ctx, lambda: m(input_ids=x, use_cache=False).logits.float())
+            logits[PLAIN_ALL] = got if got is not None else logits["plain"]
+            fns[PLAIN_ALL] = lambda: on_all_cores(ctx, lambda: m(input_ids=x, use_cache=False))
         times = time_interleaved(fns, spec["repeats"], spec["warmup"], ctx.sync)
     med = {n: median(t) for n, t in times.items()}
     tokens = x.numel()
@@ -50,10 +55,14 @@ def run(ctx, systems):
                 "max_abs_diff": diff,
                 "repeats": len(t),
                 "note": getattr(ok(systems).get(name), "note", "")
-                or ("every collective on gloo" if name == GLOO else ""),
+                or ("every collective on gloo" if name == GLOO else "")
+                or (_ALL_CORES_NOTE.format(all_cores()) if name == PLAIN_ALL else ""),
             }
         )
     return rows
+
+
+_ALL_CORES_NOTE = "one process, {} threads (rank 0; the other ranks idle)"
 
 
 def goals(rows):
@@ -70,6 +79,8 @@ SUITE = Suite(
         ("min_ms", "min ms", "ms"),
         ("tokens_per_s", "tokens/s", "int"),
         ("vs_plain", "÷ unsharded", "x"),
+        ("vs_plain_all", "÷ plain, all cores", "x"),
+        ("vs_plain_all_iqr", "÷ plain, all cores, IQR", "range"),
         ("vs_transformers", "÷ transformers TP", "x"),
         ("vs_transformers_iqr", "÷ transformers TP, IQR of rounds", "range"),
         ("vs_transformers_verdict", "vs transformers TP", "str"),
@@ -82,6 +93,8 @@ SUITE = Suite(
         "of per-round ratios within one run (`(min)`: ratio of best times): < 1 means faster. "
         + NOISE
         + " At tp=2 the unsharded model runs a full copy on each rank at once (one core each), so "
-        "`÷ unsharded` is the TP speed-up's inverse."
+        "`÷ unsharded` is the TP speed-up's inverse. `plain, all cores` is the limit on one host: "
+        "the unsharded model in one process with one thread per core (rank 0, the other ranks "
+        "idle), in the same rounds; `÷ plain, all cores` is what TP costs against it."
     ),
 )

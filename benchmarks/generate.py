@@ -15,7 +15,7 @@ from benchmarks.common import (
     time_interleaved,
 )
 from benchmarks.suites import Suite, failed_rows, ok
-from benchmarks.systems import GLOO, without_shm
+from benchmarks.systems import GLOO, PLAIN_ALL, all_cores, on_all_cores, without_shm
 
 
 def _generate(model, prompt, n):
@@ -53,6 +53,12 @@ def run(ctx, systems):
             tokens[GLOO] = without_shm(lambda: _generate(m, prompt, n))
             fns[(GLOO, "first")] = lambda: without_shm(lambda: _generate(m, prompt, 1))
             fns[(GLOO, "all")] = lambda: without_shm(lambda: _generate(m, prompt, n))
+        if "plain" in tokens and ctx.tp > 1:  # the limit: one process on all cores
+            m = ok(systems)["plain"].model
+            got = on_all_cores(ctx, lambda: _generate(m, prompt, n))
+            tokens[PLAIN_ALL] = got if got is not None else tokens["plain"]
+            fns[(PLAIN_ALL, "first")] = lambda: on_all_cores(ctx, lambda: _generate(m, prompt, 1))
+            fns[(PLAIN_ALL, "all")] = lambda: on_all_cores(ctx, lambda: _generate(m, prompt, n))
         times = time_interleaved(fns, spec["gen_repeats"], spec["gen_warmup"], ctx.sync)
     med = {k: median(v) for k, v in times.items()}
     tps, rounds = {}, {}
@@ -72,12 +78,19 @@ def run(ctx, systems):
                 "total_ms": med[(name, "all")] * 1e3,
                 "decode_tok_s": tps[name],
                 "decode_vs_plain": paired_ratio(rounds[name], rounds.get("plain")),
+                "decode_vs_plain_all": paired_ratio(rounds[name], rounds.get(PLAIN_ALL)),
+                "decode_vs_plain_all_iqr": ratio_spread(rounds[name], rounds.get(PLAIN_ALL))
+                if name != PLAIN_ALL
+                else None,
                 "decode_vs_transformers": paired_ratio(rounds[name], rounds.get("transformers")),
                 **_spread(rounds, name),
                 "ttft_vs_transformers": paired_ratio(
                     times[(name, "first")], times.get(("transformers", "first"))
                 ),
                 "same_tokens_as_plain": same,
+                "note": f"one process, {all_cores()} threads (rank 0; the other ranks idle)"
+                if name == PLAIN_ALL
+                else "",
                 "repeats": len(times[(name, "all")]),
             }
         )
@@ -96,7 +109,22 @@ def _spread(rounds: dict[str, list[float]], name: str) -> dict:
 
 
 def goals(rows):
-    return [
+    limit = [
+        goal_row(
+            "decode tokens/s, tpkit tp=2 / plain on all cores (issue 30)",
+            r["dtype"],
+            r["decode_vs_plain_all"],
+            0.90,
+            below=False,
+            spread=r.get("decode_vs_plain_all_iqr"),
+        )
+        for r in rows
+        if r["system"] == "tpkit"
+        and r["tp"] == 2
+        and r["status"] == "ok"
+        and r.get("decode_vs_plain_all") is not None
+    ]
+    return limit + [
         goal_row(
             "decode tokens/s, tpkit / transformers TP at tp=2 (issue 5)",
             r["dtype"],
@@ -123,6 +151,8 @@ SUITE = Suite(
         ("total_ms", "total ms", "ms"),
         ("decode_tok_s", "decode tok/s", "f1"),
         ("decode_vs_plain", "tok/s ÷ unsharded", "x"),
+        ("decode_vs_plain_all", "tok/s ÷ plain, all cores", "x"),
+        ("decode_vs_plain_all_iqr", "÷ plain, all cores, IQR", "range"),
         ("decode_vs_transformers", "tok/s ÷ transformers TP", "x"),
         ("decode_vs_transformers_iqr", "IQR of rounds", "range"),
         ("decode_vs_transformers_verdict", "vs transformers TP", "str"),
@@ -136,6 +166,8 @@ SUITE = Suite(
         "transformers TP` says `better`/`worse` only when it lies wholly above/below 1.00. tpkit's "
         "collectives take the same-host shared-memory path by default (`tpkit.dist.shm`); "
         "`tpkit, shm off` is the same model with it off (every collective on gloo), in the same "
-        "rounds. `same tokens` compares the greedy sequences with the unsharded model's."
+        "rounds. `plain, all cores`: the unsharded model in one process with one thread per core "
+        "(rank 0, the other ranks idle), the limit on one host. `same tokens` compares the greedy "
+        "sequences with the unsharded model's."
     ),
 )

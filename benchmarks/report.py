@@ -35,7 +35,7 @@ def fmt(value: Any, kind: str) -> str:
 
 
 def _order(row: dict[str, Any]) -> tuple:
-    order = [*ALL_SYSTEMS[:2], "tpkit_gloo", *ALL_SYSTEMS[2:]]
+    order = [ALL_SYSTEMS[0], "plain_all", ALL_SYSTEMS[1], "tpkit_gloo", *ALL_SYSTEMS[2:]]
     sys_rank = order.index(row["system"]) if row["system"] in order else 99
     return (row["dtype"], row["tp"], sys_rank)
 

@@ -14,7 +14,7 @@ from benchmarks.common import (
     timing_figures,
 )
 from benchmarks.suites import Suite, failed_rows, ok
-from benchmarks.systems import GLOO, training, without_shm
+from benchmarks.systems import GLOO, PLAIN_ALL, all_cores, on_all_cores, training, without_shm
 
 
 def run(ctx, systems):
@@ -36,6 +36,12 @@ def run(ctx, systems):
             step, _ = stack.enter_context(training(ok(systems)["tpkit"], lr=0.0))
             without_shm(lambda f=step: f(x))
             fns[GLOO] = lambda f=step: without_shm(lambda: f(x))
+        if "plain" in fns and ctx.tp > 1:
+            # the limit: the unsharded model on all cores in one process, stepped by its own AdamW
+            # at lr=0 (the same work; the plain row's weights and `loss after` stay its own)
+            step, _ = stack.enter_context(training(ok(systems)["plain"], lr=0.0))
+            on_all_cores(ctx, lambda f=step: f(x))
+            fns[PLAIN_ALL] = lambda f=step: on_all_cores(ctx, lambda: f(x))
         times = time_interleaved(fns, spec["step_repeats"], spec["step_warmup"], ctx.sync)
     med = {n: median(t) for n, t in times.items()}
     for name, t in times.items():
@@ -50,6 +56,8 @@ def run(ctx, systems):
                 "repeats": len(t),
                 "note": "every collective on gloo; AdamW at lr=0 (the same work)"
                 if name == GLOO
+                else f"one process, {all_cores()} threads (rank 0); AdamW at lr=0"
+                if name == PLAIN_ALL
                 else "",
             }
         )
@@ -70,6 +78,8 @@ SUITE = Suite(
         ("min_ms", "min ms", "ms"),
         ("tokens_per_s", "tokens/s", "int"),
         ("vs_plain", "÷ unsharded", "x"),
+        ("vs_plain_all", "÷ plain, all cores", "x"),
+        ("vs_plain_all_iqr", "÷ plain, all cores, IQR", "range"),
         ("vs_transformers", "÷ transformers TP", "x"),
         ("vs_transformers_iqr", "÷ transformers TP, IQR of rounds", "range"),
         ("vs_transformers_verdict", "vs transformers TP", "str"),
@@ -80,6 +90,8 @@ SUITE = Suite(
         "Median wall time of `zero_grad(); model(input_ids=x, labels=x).loss.backward(); "
         "AdamW.step()` on batch × seq tokens, systems interleaved; the first step (which allocates "
         "the optimizer state) is not timed. Every system starts from the same weights and sees "
-        "the same batch, so `loss after` should agree across systems. " + NOISE
+        "the same batch, so `loss after` should agree across systems. `plain, all cores`: the "
+        "unsharded model in one process on every core (rank 0, the other ranks idle), the "
+        "limit on one host. " + NOISE
     ),
 )

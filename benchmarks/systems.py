@@ -9,6 +9,7 @@ the ``tensor-parallel`` package builds its own `System` in `benchmarks.tp_packag
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,32 @@ LABELS = {
     "transformers": "transformers TP",
     "tensor_parallel": "tensor-parallel 2.0.0",
     "tpkit_gloo": "tpkit, shm off",
+    "plain_all": "plain, all cores",
 }
+
+PLAIN_ALL = "plain_all"  # the unsharded model in one process on every core: the limit on one host
+
+
+def all_cores() -> int:
+    """The cores this process may run on (what one plain process would use)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def on_all_cores(ctx: Ctx, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0 with one thread per core (`all_cores`), the other ranks idle (they
+    wait at the timing barrier, blocked, not spinning): one plain process using the whole host,
+    measured in the same rounds as the TP systems. Returns None on the other ranks."""
+    if ctx.rank != 0:
+        return None
+    before = torch.get_num_threads()
+    torch.set_num_threads(all_cores())
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
 
 
 GLOO = "tpkit_gloo"  # the tpkit model with tpkit.dist.shm's fast path off: every collective on gloo

@@ -267,7 +267,7 @@ def _count_collectives(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
     import tpkit.dist.comm as comm
 
     counts = {"all_reduce": 0, "all_gather": 0}
-    reduce_, gather = comm.all_reduce_, comm.all_gather_parts
+    reduce_, gather, gather_last = comm.all_reduce_, comm.all_gather_parts, comm.shm_gather_last
 
     def counted_reduce(*a, **k):
         counts["all_reduce"] += 1
@@ -277,12 +277,19 @@ def _count_collectives(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
         counts["all_gather"] += 1
         return gather(*a, **k)
 
+    def counted_gather_last(*a, **k):  # the shared-memory gather straight into the result
+        out = gather_last(*a, **k)
+        counts["all_gather"] += out is not None  # None: it falls back to all_gather_parts
+        return out
+
     comm.all_reduce_, comm.all_gather_parts = counted_reduce, counted_gather
+    comm.shm_gather_last = counted_gather_last
     try:
         with torch.no_grad():
             model(x)
     finally:
         comm.all_reduce_, comm.all_gather_parts = reduce_, gather
+        comm.shm_gather_last = gather_last
     return counts
 
 

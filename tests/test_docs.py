@@ -21,7 +21,18 @@ ARCH = DOCS / "architecture.md"
 # rooms outside the core: the core never imports them (the package __init__ wires them in)
 OUTER = ("tpkit.integrations", "tpkit.cli")
 # the subpackages (a room each), and what each of the lower ones may import
-ROOMS = ("plan", "styles", "quant", "integrations", "cli", "dist", "training", "guards", "io", "pool")
+ROOMS = (
+    "plan",
+    "styles",
+    "quant",
+    "integrations",
+    "cli",
+    "dist",
+    "training",
+    "guards",
+    "io",
+    "pool",
+)
 FLOOR = ("tpkit.compat", "tpkit.config", "tpkit.log")
 LOWER = {
     "dist": FLOOR,

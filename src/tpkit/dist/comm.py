@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from tpkit.compat import resolve_process_group
-from tpkit.dist.shm import OP_NAMES, shm_all_gather, shm_all_reduce, shm_ready
+from tpkit.dist.shm import OP_NAMES, shm_all_gather, shm_all_reduce, shm_gather_last, shm_ready
 
 __all__ = ["all_gather_parts", "all_reduce_", "copy_to_tp", "gather_from_tp", "reduce_from_tp"]
 
@@ -128,8 +128,12 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 def _gather_last(x: torch.Tensor, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-    width = max(sizes)
     x = x.contiguous()
+    if not torch.compiler.is_compiling() and dist.all_gather is _TORCH_ALL_GATHER:
+        out = shm_gather_last(x, sizes, group)  # straight into the result: no pad, no cat
+        if out is not None:
+            return out
+    width = max(sizes)
     if x.shape[-1] < width:
         x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
     parts = all_gather_parts(x, group)

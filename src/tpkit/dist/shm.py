@@ -39,7 +39,9 @@ Safety, in order:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import select
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -47,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from tpkit import config
 from tpkit.compat import group_timeout
 from tpkit.dist.timeouts import tpkit_timeout
 
@@ -60,14 +63,17 @@ __all__ = [
     "shm_all_reduce",
     "shm_counts",
     "shm_enabled",
+    "shm_gather_last",
     "shm_ready",
+    "threads_per_rank",
 ]
 
 _SHM_CHANNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> channel | None
+_LAST: list = [None, None]  # (weak reference to the group last looked up, its channel)
 _READY: dict[str, bool] = {}  # group name -> its channel is up (read while torch.compile traces)
 _COUNTS = {"all_reduce": 0, "all_gather": 0}
 _OBSERVERS: list[Callable[[str, int], None]] = []
-_ENV_ON = os.environ.get("TPKIT_CPU_SHM_ALLREDUCE", "1") != "0"  # what each group votes
+_ENV_ON = config.shm()  # read at import on purpose: what each rank votes
 _STATE = {"on": _ENV_ON}  # the run-time switch (set_shm_enabled), checked after the vote
 
 
@@ -129,14 +135,12 @@ class ShmChannel:
 
     def _exchange(self) -> None:
         """Post to every peer, then wait until every peer has posted for this call."""
-        import select
-
         for fd in self.wr:
             os.write(fd, self.me)
         pending, r = self.pending, self.r
-        while any(pending[i] == 0 for i in range(self.t) if i != r):
+        # (plain loops: this runs for every collective of a decode step, where Python counts)
+        while missing := [i for i in range(self.t) if i != r and pending[i] == 0]:
             if not select.select([self.rd], [], [], self.timeout)[0]:
-                missing = [i for i in range(self.t) if i != r and pending[i] == 0]
                 raise RuntimeError(
                     f"tpkit shm all-reduce: timed out after {self.timeout:g} s waiting for "
                     f"group rank(s) {missing}; a peer died or skipped this collective. The "
@@ -168,13 +172,46 @@ class ShmChannel:
         if self.t == 1:
             return x
         flat = x.view(-1)
+        fn = torch.add if op == "sum" else torch.maximum
+        if (
+            x.numel() * x.element_size() <= self.SLOT
+        ):  # one piece (every decode step's): no generator
+            slots = self._slots(x.numel() * x.element_size(), x.dtype)
+            slots[self.r].copy_(flat)
+            self._exchange()
+            self._reduce(fn, slots, flat)
+            return x
         for start, n, slots in self._pieces(x):
-            out = flat[start : start + n]
-            fn = torch.add if op == "sum" else torch.maximum
-            fn(slots[0], slots[1], out=out)  # elementwise in rank order: fast in any dtype
-            for i in range(2, self.t):
-                fn(out, slots[i], out=out)
+            self._reduce(fn, slots, flat[start : start + n])
         return x
+
+    def _reduce(self, fn, slots: torch.Tensor, out: torch.Tensor) -> None:
+        fn(slots[0], slots[1], out=out)  # elementwise in rank order: fast in any dtype
+        for i in range(2, self.t):
+            fn(out, slots[i], out=out)
+
+    def all_gather_last(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+        """Every rank's contiguous ``x`` (last dim ``sizes[rank]``, the leading dims the same
+        everywhere) concatenated along the last dim, written straight into the result: no
+        stacked copy, no padding, no ``torch.cat`` (for a forward's logits, 4 x 128 x 32000
+        float32, that was 3 extra passes over 65 MB). Slot rows are ``max(sizes)`` wide and a
+        piece is whole rows; None (the caller gathers otherwise) when one row exceeds a slot."""
+        width, total = max(sizes), sum(sizes)
+        rows = math.prod(x.shape[:-1])
+        per = self.SLOT // (width * x.element_size())
+        if per == 0 or rows == 0:
+            return None
+        out = torch.empty((*x.shape[:-1], total), dtype=x.dtype)
+        src, dst = x.view(rows, sizes[self.r]), out.view(rows, total)
+        offsets = [sum(sizes[:i]) for i in range(self.t)]
+        for a in range(0, rows, per):
+            n = min(per, rows - a)
+            slots = self._slots(n * width * x.element_size(), x.dtype).view(self.t, n, width)
+            slots[self.r, :, : sizes[self.r]].copy_(src[a : a + n])
+            self._exchange()
+            for i, (off, w) in enumerate(zip(offsets, sizes)):
+                dst[a : a + n, off : off + w].copy_(slots[i, :, :w])
+        return out
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's contiguous ``x`` (same shape everywhere), stacked in rank order (a copy)."""
@@ -226,6 +263,22 @@ def _host_id() -> tuple[str, str]:
     return socket.gethostname(), boot
 
 
+def threads_per_rank(local_ranks: int, cores: int | None = None) -> int:
+    """Intra-op threads for each of ``local_ranks`` ranks sharing this host's ``cores`` (default:
+    the CPUs this process may run on): ``cores // local_ranks``, at least 1. The policy for a launcher (``torch.set_num_threads`` in each rank): torchrun's
+    default of 1 thread per rank leaves cores idle where there are more cores than ranks (tp=2 on
+    16 cores would use 2), and more than ``cores // ranks`` oversubscribes, where every OpenMP
+    barrier of one rank then waits on a thread the other rank's work displaced, and every
+    collective waits on the slowest rank. On a 2-core host at tp=2 it is 1, which is what the
+    measured ratios against one process on both cores (issue 30) used."""
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_ranks))
+
+
 def prepare_shm(group: ProcessGroup | None) -> bool:
     """Take ``group``'s decision now (a collective: call it on every rank of the group), so its
     first forward issues no setup collectives; whether the group uses shared memory."""
@@ -236,11 +289,16 @@ def _shm_channel(group: ProcessGroup | None) -> ShmChannel | None:
     """The group's channel, or None for gloo: decided once, by every rank together."""
     if not dist.is_initialized():
         return None
+    last = _LAST[0]
+    if group is not None and last is not None and last() is group:
+        return _LAST[1]  # the group of the previous call (every call of a decode step's)
     key = group if group is not None else dist.group.WORLD
     if not isinstance(key, dist.ProcessGroup):  # not a group: let torch.distributed say so
         return None
     try:
-        return _SHM_CHANNELS[key]
+        channel = _SHM_CHANNELS[key]
+        _LAST[:] = [weakref.ref(key), channel]
+        return channel
     except KeyError:
         pass
     t = dist.get_world_size(group)
@@ -302,9 +360,27 @@ def shm_all_gather(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor 
     return None if ch is None else ch.all_gather(x)
 
 
-def _channel_for(x: torch.Tensor, group: ProcessGroup | None, kind: str) -> ShmChannel | None:
+def shm_gather_last(
+    x: torch.Tensor, sizes: list[int], group: ProcessGroup | None
+) -> torch.Tensor | None:
+    """Every rank's contiguous CPU ``x`` concatenated along the last dim (this rank's width
+    ``sizes[rank]``, uneven allowed), written straight into the result (`ShmChannel.all_gather_last`),
+    or None when the fast path does not apply (as `shm_all_reduce`; also when one row of
+    ``max(sizes)`` values exceeds a slot)."""
+    if x.ndim == 0 or max(sizes) * x.element_size() > ShmChannel.SLOT:
+        return None
+    # decided on what is the same on every rank: the leading dims and the widest part (a rank
+    # whose part is empty takes the path with the others, or they would wait for it)
+    padded = math.prod(x.shape[:-1]) * max(sizes) * x.element_size()
+    ch = _channel_for(x, group, "all_gather", padded)
+    return None if ch is None else ch.all_gather_last(x, sizes)
+
+
+def _channel_for(
+    x: torch.Tensor, group: ProcessGroup | None, kind: str, nbytes: int | None = None
+) -> ShmChannel | None:
     """The channel ``kind`` of ``x`` takes (counted), or None when the fast path does not apply."""
-    nbytes = x.numel() * x.element_size()
+    nbytes = x.numel() * x.element_size() if nbytes is None else nbytes
     if not _eligible(x, nbytes):
         return None
     ch = _shm_channel(group)

@@ -176,6 +176,10 @@ class TPStyle(ParallelStyle):
     # only styles whose local parameter is `_local` and nothing else, per call. Read from the
     # class's own dict: a subclass that changes `_swap_in` (LoRA's row lora_B) must declare it.
     local_in_model = False
+    # True: with no grad and no sequence parallelism its hooks only swap in the local
+    # parameters, so a no-grad loop (generate) may swap once and run the module hook-free. Read
+    # from the class's own dict only: a subclass that changes a hook must declare it again.
+    nograd_identity = False
 
     def __init__(self, *, sp: Any = None, compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -325,6 +329,7 @@ class ReplicateStyle(TPStyle):
 
     name = "replicate"
     local_in_model = True
+    nograd_identity = True
 
 
 class ReplicateGradAllReduceStyle(TPStyle):
@@ -334,6 +339,7 @@ class ReplicateGradAllReduceStyle(TPStyle):
     name = "replicated_with_grad_allreduce"
     grad_allreduce = True
     local_in_model = True
+    nograd_identity = True
 
 
 class ParentSwap(TPStyle):
@@ -373,8 +379,9 @@ class LocalReplicated:
     would be a different number; the plan keeps such reads whole, `tpkit.plan.fallback`),
     modules under sequence parallelism (whether their gradient is all-reduced is decided per
     block, at call time), parameters that are not ``Replicate()`` on the TP mesh when the
-    forward starts (FSDP2's sharded ones, unsharded by their block's own hook), and a forward
-    run outside the model's (a block recomputed under activation checkpointing).
+    forward starts (FSDP2's sharded ones, unsharded by their block's own hook), a forward
+    run outside the model's (a block recomputed under activation checkpointing), and a model
+    run under ``torch.compile`` (the hook would break the graph).
     """
 
     def __init__(self) -> None:
@@ -400,8 +407,11 @@ class LocalReplicated:
         return self._slots
 
     def _pre_hook(self, model: nn.Module, args: tuple) -> None:
-        grad = torch.is_grad_enabled()
         saved = []
+        if torch.compiler.is_compiling():  # a graph break here; the modules' own hooks serve
+            self._saved.append(saved)
+            return
+        grad = torch.is_grad_enabled()
         local_of: dict[int, torch.Tensor] = {}  # a tied parameter: one local tensor
         for module, name, style in self._eligible(model):
             p = module._parameters.get(name)

@@ -44,6 +44,7 @@ class ColwiseStyle(TPStyle):
     X is the region's all-gathered input, whose backward reduce-scatters instead."""
 
     name = "colwise"
+    nograd_identity = True  # f is the identity without autograd
 
     def _prepare_input(self, module: nn.Module, args: tuple, kwargs: dict):
         sp = self.sp if self.sp is not None and self.sp.active else None
@@ -69,12 +70,14 @@ class PackedColwiseStyle(ColwiseStyle):
     code's ``chunk(2)`` still pairs this rank's gate rows with its up rows."""
 
     name = "packed_colwise"
+    nograd_identity = True
 
 
 class PackedQKVColwiseStyle(ColwiseStyle):
     """Colwise on a fused [q; k; v] (GPT-2's ``c_attn``): each of the 3 parts split separately."""
 
     name = "packed_qkv_colwise"
+    nograd_identity = True
 
 
 class ReplicatedHeadsColwiseStyle(ColwiseStyle):
@@ -84,6 +87,7 @@ class ReplicatedHeadsColwiseStyle(ColwiseStyle):
     a head each add their own queries' share (the others add zeros to its rows)."""
 
     name = "colwise_replicated_heads"
+    nograd_identity = True
     grad_allreduce = True
 
     def __init__(self, *, heads: int = 1, **options: Any) -> None:
@@ -227,6 +231,7 @@ class ChannelwiseStyle(TPStyle):
 
     name = "channelwise"
     read_by_parent = True
+    nograd_identity = True
 
 
 class RowwiseSplitInputStyle(RowwiseStyle):

@@ -466,6 +466,70 @@ def markdown_families(summary: dict, rows: list[dict]) -> str:
     return "\n".join([*lines, "", f"wall time: {summary['seconds']} s", "", *table[start:]])
 
 
+#: module names of a multimodal model's language side: what is not a tower (`tower_share`)
+_TEXT_SIDE = ("language_model", "text_model", "lm_head", "embed_tokens")
+
+
+def tower_share(model_type: str, class_name: str, tp: int = 2) -> dict:
+    """The tiny family model on meta, no ranks: the plan tp would use (`derive_plan`), the share
+    of its towers' >=2-D parameter elements it splits (a tower: every parameter outside the
+    language model, its embeddings and head, `_TEXT_SIDE`), the share of all of them, and
+    whether the trace kept to the text (`tpkit.plan.inputs.text_only`)."""
+    from tpkit.plan import derive_plan, param_layouts
+    from tpkit.plan import inputs as plan_inputs
+
+    model = build(model_type, class_name, device="meta")
+    plan = derive_plan(model, "auto", tp)
+    layouts = param_layouts(model, plan)
+    out = {"tower": 0, "tower_split": 0, "all": 0, "all_split": 0}
+    seen = set()
+    for name, p in model.named_parameters():
+        if p.ndim < 2 or id(p) in seen:
+            continue
+        seen.add(id(p))
+        split = p.numel() if layouts[name][1].sharded else 0
+        out["all"], out["all_split"] = out["all"] + p.numel(), out["all_split"] + split
+        if not any(part in name.split(".") for part in _TEXT_SIDE):
+            out["tower"], out["tower_split"] = out["tower"] + p.numel(), out["tower_split"] + split
+    text_only = getattr(plan_inputs, "_TEXT_ONLY", ())
+    return {
+        "tower_share": round(out["tower_split"] / out["tower"], 3) if out["tower"] else None,
+        "share": round(out["all_split"] / max(1, out["all"]), 3),
+        "tower_params": out["tower"],
+        "text_only": model in text_only,
+    }
+
+
+def towers(families: list[str], only: list[str] | None, out: Path, timeout: int) -> list[dict]:
+    """`tower_share` of every architecture of ``families`` (one process each, ``timeout`` s),
+    written to ``out`` (JSON) row by row; ``--towers`` on the command line."""
+    import subprocess
+
+    rows = []
+    for model_type, class_name, family in family_architectures(families):
+        if only and model_type not in only:
+            continue
+        row = {"architecture": model_type, "class": class_name, "family": family}
+        code = (
+            "import json, benchmarks.coverage as c; "
+            f"print('ROW', json.dumps(c.tower_share({model_type!r}, {class_name!r})))"
+        )
+        started = time.time()
+        try:
+            run = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+            )
+            found = [ln for ln in run.stdout.splitlines() if ln.startswith("ROW ")]
+            row.update(json.loads(found[-1][4:]) if found else {"error": _short(run.stderr)})
+        except subprocess.TimeoutExpired:
+            row["error"] = f"timeout {timeout} s"
+        row["s"] = round(time.time() - started, 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        out.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="model types to run (default: all)")
@@ -480,7 +544,17 @@ def main(argv: list[str] | None = None) -> int:
         help="the families report (coverage_families.*) over these Auto-class families",
     )
     parser.add_argument("--resume", action="store_true", help="keep the rows already written")
+    parser.add_argument(
+        "--towers",
+        type=Path,
+        help="write each --families architecture's tower share on meta (tp=2 plan) to this JSON",
+    )
+    parser.add_argument("--timeout", type=int, default=180, help="seconds per architecture")
     args = parser.parse_args(argv)
+    if args.towers:
+        names = None if not args.families or "all" in args.families else args.families
+        towers(names, args.only, args.towers, args.timeout)
+        return 0
     if args.markdown_only:
         stem = "coverage_families" if args.families else "coverage"
         data = json.loads((args.out / f"{stem}.json").read_text())

@@ -135,3 +135,57 @@ def vlm_generate(model_type: str, class_name: str, family: str) -> tuple[list, l
 def test_vlm_generate_with_an_image_gives_the_unsharded_tokens(ranks2):
     for want, got in ranks2.run(vlm_generate, *LLAVA):
         assert got == want
+
+
+# -- issue 29, continued: grid VLMs, CTC, audio-LLMs ------------------------------------------
+
+QWEN2_VL = ("qwen2_vl", "Qwen2VLForConditionalGeneration", "image-text-to-text")
+
+
+def test_grid_vlm_trace_inputs_agree():
+    """Pure: a grid VLM's made-up inputs are one image per row, flattened patches as wide as
+    channels x temporal x patch**2, the grid with real values and as many placeholders per row
+    as the tower gives features, marked in ``mm_token_type_ids``."""
+    from tests.tiny import build_family
+    from tpkit.plan.inputs import GRID_IMAGE, synthesize_inputs
+
+    model = build_family(*QWEN2_VL[:2], device="meta")
+    v = model.config.vision_config
+    _, kw = synthesize_inputs(model, 3, 7)
+    side = GRID_IMAGE * v.spatial_merge_size
+    assert kw["image_grid_thw"].tolist() == [[1, side, side]] * 3
+    width = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    assert tuple(kw["pixel_values"].shape) == (3 * side * side, width)
+    placeholders = (kw["input_ids"] == model.config.image_token_id).sum(-1)
+    assert placeholders.tolist() == [GRID_IMAGE**2] * 3
+    assert torch.equal(
+        kw["mm_token_type_ids"].bool(), kw["input_ids"] == model.config.image_token_id
+    )
+
+
+def test_qwen2_vl_vision_tower_split_tp2(ranks2):
+    r = _check(ranks2.run(family_parity, *QWEN2_VL))
+    tower = [n for n in r["sharded"] if n.startswith("model.visual.")]
+    for part in ("blocks.0.attn.qkv", "blocks.1.attn.proj", "blocks.0.mlp.fc1", "blocks.1.mlp.fc2"):
+        assert any(part in n for n in tower), (part, sorted(r["sharded"]))
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [
+        ("lfm2_vl", "Lfm2VlForConditionalGeneration", "image-text-to-text"),
+        ("mistral3", "Mistral3ForConditionalGeneration", "image-text-to-text"),
+    ],
+    ids=lambda a: a[0],
+)
+def test_naflex_and_pixtral_towers_split_tp2(ranks2, arch):
+    """LFM2-VL's NaFlex tower takes rows of patches with their ``spatial_shapes`` (the image
+    made up as [batch, channels, height, width] failed its trace: the tower was whole, 0%);
+    Mistral-3's Pixtral tower takes ``image_sizes``."""
+    r = _check(ranks2.run(family_parity, *arch))
+    assert any(n.startswith("model.vision_tower.") for n in r["sharded"]), sorted(r["sharded"])
+
+
+def test_ctc_encoder_split_tp2(ranks2):
+    r = _check(ranks2.run(family_parity, "wav2vec2", "Wav2Vec2ForCTC", "ctc"))
+    assert any(".encoder.layers.0.feed_forward." in n for n in r["sharded"]), sorted(r["sharded"])

@@ -466,8 +466,36 @@ def tiny_family_config(model_type: str, class_name: str | None = None):
             getattr(config, sub).use_cache = False
     if hasattr(config, "use_cache"):
         config.use_cache = False
+    _fit_family(config)
     config._attn_implementation = "eager"
     return config
+
+
+#: fields of a multimodal sub-config shrunk besides `SIZES` (a vision tower's block count)
+FAMILY_SIZES = {"depth": 2}
+
+
+def _fit_family(config) -> None:
+    """What a shrunk multimodal config needs besides `_shrink_tree`, by field name: a vision
+    tower's ``depth`` (32 blocks in Qwen2-VL's default) cut to `FAMILY_SIZES`, and a multimodal
+    rotary's ``mrope_section`` (the rotary half-dims given to time / height / width, [16, 24,
+    24] of a 128-wide head, the code's default where the config names none) scaled to the tiny
+    head (16 wide: [2, 3, 3]) wherever the config says it reads one."""
+    for sub in (getattr(config, n, None) for n in ("vision_config", "audio_config")):
+        for k, v in FAMILY_SIZES.items():
+            if sub is not None and isinstance(getattr(sub, k, None), int) and getattr(sub, k) > v:
+                setattr(sub, k, v)
+    text = getattr(config, "text_config", None) or config
+    rope = getattr(text, "rope_parameters", None)
+    reads = "mrope_section" in (getattr(type(text), "ignore_keys_at_rope_validation", None) or ())
+    if not isinstance(rope, dict) or not (reads or "mrope_section" in rope):
+        return
+    section = rope.get("mrope_section") or [16, 24, 24]
+    heads = getattr(text, "num_attention_heads", 4) or 4
+    half = (getattr(text, "head_dim", None) or text.hidden_size // heads) // 2
+    scaled = [s * half // sum(section) for s in section]
+    scaled[-1] += half - sum(scaled)
+    rope["mrope_section"] = scaled
 
 
 def build_family(model_type: str, class_name: str, device: str = "cpu"):
@@ -505,6 +533,8 @@ def family_inputs(model, family: str) -> dict:
     for k, v in made.items():
         if not isinstance(v, torch.Tensor):
             out[k] = v
+        elif v.device.type != "meta":  # values made up to agree (an image grid, its ids)
+            out[k] = _random_text(v, top, g) if k == "input_ids" else v.clone()
         elif v.dtype == torch.long:
             out[k] = torch.randint(3, top, tuple(v.shape), generator=g)
         else:
@@ -517,8 +547,9 @@ def family_inputs(model, family: str) -> dict:
         ),
         None,
     )
-    if token is not None and "pixel_values" in out and "input_ids" in out:
-        n = _image_tokens(model, out["pixel_values"])
+    placed = token is not None and "input_ids" in out and bool((out["input_ids"] == token).any())
+    if token is not None and "pixel_values" in out and "input_ids" in out and not placed:
+        n = _image_tokens(model, out["pixel_values"], out.get("image_sizes"))
         ids = out["input_ids"]
         per_row = n // ids.shape[0]
         image = torch.full((ids.shape[0], per_row), token, dtype=torch.long)
@@ -526,13 +557,25 @@ def family_inputs(model, family: str) -> dict:
     return out
 
 
-def _image_tokens(model, pixel_values) -> int:
+def _image_tokens(model, pixel_values, image_sizes=None) -> int:
     """Placeholder tokens the vision tower fills for ``pixel_values``: the rows of the
     features ``get_image_features`` returns (a tensor, a list per image, or their pooled output)."""
     import torch
 
+    sizes = {} if image_sizes is None else {"image_sizes": image_sizes}
     with torch.no_grad():
-        feats = model.get_image_features(pixel_values=pixel_values)
+        feats = model.get_image_features(pixel_values=pixel_values, **sizes)
     feats = getattr(feats, "pooler_output", feats)
     parts = [feats] if isinstance(feats, torch.Tensor) else list(feats)
     return sum(t.numel() // t.shape[-1] for t in parts)
+
+
+def _random_text(ids, top: int, g):
+    """Made-up ids with their text positions (the first id's value: `synthesize_inputs` fills
+    text with one id) drawn at random below ``top``, the placeholders and markers kept."""
+    import torch
+
+    out = ids.clone()
+    text = ids == ids[0, 0]
+    out[text] = torch.randint(3, top, (int(text.sum()),), generator=g)
+    return out

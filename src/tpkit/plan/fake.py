@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tpkit.compat import tree_map
-from tpkit.plan.inputs import synthesize_inputs
+from tpkit.plan.inputs import keep_value, synthesize_inputs
 
 __all__ = [
     "REAL_TRACE_MAX_PARAMS",
@@ -155,10 +155,18 @@ def fake_inputs(model: nn.Module, given: tuple | Mapping | None, fake: Any, real
         args, kwargs = tuple(given), {}
     if real:
         device = next(model.parameters()).device
-        convert = lambda t: torch.zeros_like(t, device=device)  # noqa: E731
-    else:
-        convert = lambda t: fake.from_tensor(t.to("meta"))  # noqa: E731
+        convert = lambda t: _real_input(t, device)  # noqa: E731
+    else:  # integer inputs keep their values for the shadow run (`inputs.keep_value`)
+        convert = lambda t: keep_value(fake.from_tensor(t.to("meta")), t)  # noqa: E731
     return tree_map(lambda t: convert(t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+
+
+def _real_input(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An input of a real forward: zeros, but an integer one with values keeps them (an image
+    grid and its placeholder ids must agree)."""
+    if t.device.type != "meta" and not (t.is_floating_point() or t.is_complex()):
+        return t.to(device)
+    return torch.zeros_like(t, device=device)
 
 
 @contextlib.contextmanager

@@ -14,17 +14,28 @@ forward runs here (a trace that fails on them falls back per layer, `tpkit.plan.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tpkit.plan.layout import in_width, kind_of
 
-__all__ = ["input_embeddings", "output_embeddings", "synthesize_inputs"]
+__all__ = [
+    "GRID_IMAGE",
+    "given_value",
+    "input_embeddings",
+    "keep_value",
+    "output_embeddings",
+    "synthesize_inputs",
+    "text_only",
+]
 
 #: the side of a made-up image when the config names none (ResNet, ConvNeXt): every stem and
 #: downsampling stage of those nets still leaves at least one pixel
@@ -43,6 +54,55 @@ _PLACEHOLDERS = (
 _LAYOUT = ("grid",)
 #: the inputs of a placeholder model's towers, each traced with the ids (`_tower_names`)
 _TOWER_INPUTS = ("pixel_values", "input_features", "input_values")
+#: a made-up grid image's side in merged patches (`_grid_inputs`): 2 x 2 tokens per image, each
+#: ``spatial_merge_size``**2 patches, one temporal patch; small whatever the model's size
+GRID_IMAGE = 2
+#: the grid argument's columns, by the ending of its name (`_grid_inputs`)
+_GRID_COLUMNS = {"_grid_thw": 3, "_grid_hw": 2}
+#: the forward argument of a NaFlex tower's per-image patch grid, [images, 2] (`_grid_inputs`)
+_SHAPES = "spatial_shapes"
+#: config attributes of the tokens that open / close an image (`_grid_inputs`), first found
+_IMAGE_START = ("vision_start_token_id", "image_start_token_id", "boi_token_id")
+_IMAGE_END = ("vision_end_token_id", "image_end_token_id", "eoi_token_id")
+#: models whose trace with tower inputs failed: their made-up inputs keep to the text from
+#: then on (`text_only`), for the trace and the dry run alike. Weak: an entry goes with its model.
+_TEXT_ONLY: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+#: fake tensor -> the values of the integer input it stands for (`keep_value`)
+_GIVEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def keep_value(fake: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """Record ``given``'s values for ``fake``, the fake tensor a forward gets in its place, when
+    ``given`` is an integer or boolean tensor that has values (not meta): token ids, an image
+    grid. Code that reads them (Qwen2-VL's rotary positions per image, a placeholder count) then
+    reads these values under `tpkit.plan.shadow.ShadowValues` instead of zeros, which would not
+    match the shapes of the other inputs. Returns ``fake``. Float inputs are never kept: their
+    values steer no shape, and a large one would hold memory for nothing."""
+    floating = given.is_floating_point() or given.is_complex()
+    if not floating and given.device.type != "meta":
+        _GIVEN[fake] = given.detach().cpu()
+    return fake
+
+
+def given_value(fake: torch.Tensor) -> torch.Tensor | None:
+    """The values `keep_value` recorded for ``fake``, else None."""
+    return _GIVEN.get(fake)
+
+
+@contextlib.contextmanager
+def text_only(model: nn.Module):
+    """Inside the block, and from then on if it exits cleanly, ``model``'s made-up inputs carry
+    no tower inputs (the ids alone, as before towers were traced): the trace's retry when a
+    forward with made-up images or audio fails, so one tower the made-up inputs do not fit
+    costs that tower's split, not the whole plan."""
+    _TEXT_ONLY.add(model)
+    try:
+        yield
+    except BaseException:
+        _TEXT_ONLY.discard(model)
+        raise
 
 
 def synthesize_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple, dict]:
@@ -108,7 +168,8 @@ def _model_inputs(model: nn.Module, config: Any, batch: int, seq: int) -> dict[s
     )
     if dual:  # CLIP, SigLIP, CLAP: both towers run in one forward, each needs its input
         names += [n for n in ("input_ids", "pixel_values", "input_features") if n in params]
-    names += _tower_names(config, params)
+    towers = model not in _TEXT_ONLY
+    names += _tower_names(config, params) if towers else []
     if getattr(config, "is_encoder_decoder", False) or "decoder_input_ids" in _required(params):
         names.append("decoder_input_ids")
     names += _required(params)
@@ -117,6 +178,12 @@ def _model_inputs(model: nn.Module, config: Any, batch: int, seq: int) -> dict[s
         value = _model_input(model, config, name, batch, seq)
         if value is not None:
             kwargs[name] = value
+    if towers:
+        kwargs.update(_grid_inputs(model, config, params, batch, seq))
+    pixels = kwargs.get("pixel_values")
+    if pixels is not None and pixels.ndim == 4 and _vision_takes(model, config, "image_sizes"):
+        # a Pixtral tower (Mistral-3) cuts each image to its size: the whole made-up image
+        kwargs["image_sizes"] = torch.tensor([list(pixels.shape[-2:])] * len(pixels))
     if "use_cache" in params or getattr(config, "use_cache", None) is not None:
         kwargs["use_cache"] = False
     return kwargs
@@ -137,6 +204,7 @@ def _tower_names(config: Any, params: dict[str, inspect.Parameter]) -> list[str]
         return []
     out = []
     layout = [n for n in params if n.startswith("image_") and any(w in n for w in _LAYOUT)]
+    layout += [n for n in params if n == _SHAPES]
     if (
         getattr(config, "vision_config", None) is not None
         and "pixel_values" in params
@@ -146,6 +214,101 @@ def _tower_names(config: Any, params: dict[str, inspect.Parameter]) -> list[str]
     if getattr(config, "audio_config", None) is not None:
         out += [n for n in _TOWER_INPUTS[1:] if n in params][:1]
     return out
+
+
+def _grid_inputs(
+    model: nn.Module, config: Any, params: dict[str, inspect.Parameter], batch: int, seq: int
+) -> dict[str, torch.Tensor]:
+    """A grid VLM's image inputs, consistent with each other (Qwen2-VL lineage: a forward that
+    takes ``image_grid_thw`` / ``image_grid_hw``): one image per row of `GRID_IMAGE` x
+    `GRID_IMAGE` merged patches; ``pixel_values`` as the flattened patches the tower takes,
+    [sum(t * h * w), channels * temporal_patch_size * patch_size**2] (meta); the grid with its
+    real values; ``input_ids`` with as many image placeholders per row as the tower gives
+    features (t * h * w / spatial_merge_size**2), between the image start / end tokens where
+    the config names them, and ``mm_token_type_ids`` marking them where the forward takes it.
+    The grid, ids and token types are small CPU tensors: their code reads their values (the
+    rotary positions per image, the attention's per-image lengths, the placeholder count), so
+    the fake forward is given them (`tpkit.plan.fake.fake_inputs` keeps the values of integer
+    inputs for `tpkit.plan.shadow.ShadowValues`). {} for any other model, or where the vision
+    config lacks a patch size."""
+    placeholder = next(
+        (
+            v
+            for p in ("image_token_id", "image_token_index")
+            if isinstance(v := _read(config, p), int)
+        ),
+        None,
+    )
+    vision = getattr(config, "vision_config", None)
+    grid = next(
+        (
+            (n, cols)
+            for n in params
+            for end, cols in _GRID_COLUMNS.items()
+            if n.startswith("image_") and n.endswith(end)
+        ),
+        None,
+    )
+    if grid is None and _SHAPES in params:  # NaFlex towers (LFM2-VL): rows of patches per image
+        grid = (_SHAPES, 2)
+    patch = _read(vision, "patch_size", "spatial_patch_size") if vision is not None else None
+    if placeholder is None or grid is None or "pixel_values" not in params:
+        return {}
+    if not isinstance(patch, int):
+        return {}
+    name, cols = grid
+    merge = _read(vision, "spatial_merge_size", "merge_size")
+    merge = merge if isinstance(merge, int) else getattr(config, "downsample_factor", None)
+    merge = merge if isinstance(merge, int) and merge > 0 else 1
+    temporal = _read(vision, "temporal_patch_size") if cols == 3 else None
+    temporal = temporal if isinstance(temporal, int) and temporal > 0 else 1
+    channels = _read(vision, "in_channels", "num_channels")
+    channels = channels if isinstance(channels, int) else 3
+    side = GRID_IMAGE * merge
+    thw = [1, side, side][-cols:]
+    patches, tokens = side * side, GRID_IMAGE * GRID_IMAGE
+    width = channels * temporal * patch * patch
+    start, end = (
+        next((v for a in attrs if isinstance(v := getattr(config, a, None), int)), None)
+        for attrs in (_IMAGE_START, _IMAGE_END)
+    )
+    image = [start] * (start is not None) + [placeholder] * tokens + [end] * (end is not None)
+    text = _text_id(config)
+    length = max(seq, len(image) + 2)
+    row = [text] + image + [text] * (length - len(image) - 1)
+    ids = torch.tensor([row] * batch, dtype=torch.long)
+    rows = (batch * patches,) if name != _SHAPES else (batch, patches)
+    out = {
+        "input_ids": ids,
+        "pixel_values": torch.zeros((*rows, width), dtype=_float_dtype(model), device="meta"),
+        name: torch.tensor([thw] * batch, dtype=torch.long),
+    }
+    if name == _SHAPES and "pixel_attention_mask" in params:
+        out["pixel_attention_mask"] = torch.ones((batch, patches), dtype=torch.bool)
+    if "mm_token_type_ids" in params:
+        out["mm_token_type_ids"] = (ids == placeholder).long()
+    return out
+
+
+def _vision_takes(model: nn.Module, config: Any, name: str) -> bool:
+    """Whether the vision tower's own forward (the module built from ``config.vision_config``)
+    takes ``name``: LLaVA's forward takes ``image_sizes`` too but its CLIP tower does not."""
+    vision = getattr(config, "vision_config", None)
+    for mod in model.modules():
+        if vision is not None and getattr(mod, "config", None) is vision:
+            return name in _params(mod)
+    return False
+
+
+def _text_id(config: Any) -> int:
+    """The smallest token id that no ``*_token_id`` / ``*_token_index`` of the config names:
+    text, not a placeholder or a marker."""
+    special = set()
+    for c in _configs(config):
+        for k, v in vars(c).items():
+            if isinstance(v, int) and k.endswith(("_token_id", "_token_index")):
+                special.add(v)
+    return next(i for i in range(len(special) + 1) if i not in special)
 
 
 def _dummy_names(model: nn.Module) -> list[str]:

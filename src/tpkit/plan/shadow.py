@@ -43,6 +43,7 @@ from tpkit.compat import (
     tree_map,
     unset_fake_temporarily,
 )
+from tpkit.plan.inputs import given_value
 
 __all__ = ["BUDGET", "LIMIT", "ShadowValues", "needs_values"]
 
@@ -128,11 +129,19 @@ class ShadowValues(TorchFunctionMode):
             weakref.finalize(value, self._freed, size)
         self.shadow[t] = value
 
+    def _shadowed(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` has a value; an input whose values the forward was given
+        (`tpkit.plan.inputs.keep_value`: ids, an image grid) gets them on first sight."""
+        value = given_value(t)
+        if value is not None and t not in self.shadow:
+            self._set(t, value)
+        return t in self.shadow
+
     def _freed(self, n: int) -> None:
         self.live -= n
 
     def _value(self, t: torch.Tensor) -> torch.Tensor | None:
-        if t in self.shadow:
+        if self._shadowed(t):
             return self.shadow[t]
         if t.numel() > LIMIT:
             return None
@@ -168,7 +177,7 @@ class ShadowValues(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        shadowed = any(t in self.shadow for t in _tensors((args, kwargs)))
+        shadowed = any(self._shadowed(t) for t in _tensors((args, kwargs)))
         try:
             out = func(*args, **kwargs)
         except Exception as exc:

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from tpkit.compat import FakeTensorMode, tree_flatten
 from tpkit.plan.fake import (
+    example_inputs,
     fake_friendly_experts,
     fake_inputs,
     meta_state,
@@ -34,6 +35,7 @@ from tpkit.plan.fake import (
     trace_batch,
     trace_one_row,
 )
+from tpkit.plan.inputs import text_only
 from tpkit.plan.layout import kind_of, out_width
 from tpkit.plan.reductions import reduced_dims
 from tpkit.plan.shadow import ShadowValues, needs_values
@@ -498,17 +500,15 @@ def trace(
     key = (id(model), _MIXED.get())
     if cache is not None and key in cache:
         return cache[key]
-    try:
+    if real:
         info = _TraceHooks(model).run(example, real)
-    except Exception as exc:
-        if real:
-            raise
-        if needs_values(exc):
-            info = _TraceHooks(model).run(example, real, values=True)  # data-dependent routing
-        elif example is None and trace_batch(model) > 1:
-            info = _one_row(model, exc)
-        else:
-            raise
+    elif example is not None:
+        info = _fake_trace(model, example)
+    else:
+        try:
+            info = _fake_trace(model, None)
+        except Exception as exc:  # noqa: BLE001 - model code may do anything on meta
+            info = _text_only(model, exc)
     if cache is not None:
         cache[key] = info
     return info
@@ -519,6 +519,35 @@ def _batch(model: nn.Module, example: tuple | Mapping | None) -> int:
     (per-head inputs are recognised as [batch * heads, ...], BLOOM's alibi)."""
     given = _tensors(example) if example is not None else []
     return int(given[0].shape[0]) if given and given[0].ndim else trace_batch(model)
+
+
+def _fake_trace(model: nn.Module, example: tuple | Mapping | None) -> dict[str, Any]:
+    """The fake trace: plainly; again with made-up values (`ShadowValues`) where the code read
+    one; with one row where the forward refused the made-up batch."""
+    try:
+        return _TraceHooks(model).run(example, False)
+    except Exception as exc:
+        if needs_values(exc):
+            return _TraceHooks(model).run(example, False, values=True)  # data-dependent code
+        if example is None and trace_batch(model) > 1:
+            return _one_row(model, exc)
+        raise
+
+
+def _text_only(model: nn.Module, first: Exception) -> dict[str, Any]:
+    """Trace again on the ids alone where the made-up inputs fed a multimodal model's towers
+    (`tpkit.plan.inputs.text_only`: images or audio its code does not take as made up): the
+    towers stay whole, the language model is still split, as before towers were traced. From
+    then on the model's made-up inputs (the dry run's too) keep to the text. The first error
+    is what a user sees if the text alone fails too, or if there were no tower inputs."""
+    towers = set(example_inputs(model)[1])
+    try:
+        with text_only(model):
+            if set(example_inputs(model)[1]) == towers:
+                raise first
+            return _fake_trace(model, None)
+    except Exception:
+        raise first from None
 
 
 def _one_row(model: nn.Module, first: Exception) -> dict[str, Any]:

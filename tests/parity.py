@@ -168,3 +168,38 @@ def assert_parity(results: list[dict], tol: float = 1e-5) -> None:
         assert r["logits"] <= tol, r
         assert r["grad"] <= tol * max(1.0, r["grad_scale"]), r
         assert not r["missing"], r
+
+
+def module_parity(ref: torch.nn.Module, model: torch.nn.Module, *args: Any) -> dict:
+    """Run on every rank: a plain module's output (one tensor) and every parameter gradient
+    (backward of a fixed random projection of the output; full tensors) of the split ``model``
+    against the unsharded ``ref`` on ``args``: max |diff| (``out``, ``grad``), the largest
+    reference output and gradient (``out_scale``, ``scale``: float32 sums in another order
+    differ relative to them), parameters with a gradient on one side only (``missing``)
+    and the number of parameters the split sharded (``sharded``)."""
+    outs = []
+    for m in (ref, model):
+        y = m(*args)
+        y = y.full_tensor() if isinstance(y, DTensor) else y
+        w = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+        (y * w).sum().backward()
+        outs.append(y.detach())
+    want = dict(ref.named_parameters())
+    grad, scale, missing, sharded = 0.0, 0.0, [], 0
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements):
+            sharded += 1
+        if (p.grad is None) != (want[name].grad is None):
+            missing.append(name)
+        elif p.grad is not None:
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            grad = max(grad, (g - want[name].grad).abs().max().item())
+            scale = max(scale, want[name].grad.abs().max().item())
+    return {
+        "out": (outs[0] - outs[1]).abs().max().item(),
+        "out_scale": outs[0].abs().max().item(),
+        "grad": grad,
+        "scale": scale,
+        "missing": missing,
+        "sharded": sharded,
+    }

@@ -22,7 +22,7 @@ from tpkit.plan.dryrun import dry_run
 from tpkit.plan.inputs import output_embeddings
 from tpkit.plan.kvheads import head_counts
 from tpkit.plan.layout import param_layouts
-from tpkit.plan.settle import head_constraints
+from tpkit.plan.settle import constraints, head_constraints
 from tpkit.plan.spec import Plan, Source
 from tpkit.plan.trace import repeated_blocks, trace
 
@@ -77,9 +77,9 @@ def problems(
         )
     if tp_size <= 1:
         return found
-    constraints = _constraints(model, plan) + _fixup_constraints(model, plan)
-    fix = _use(c[2] for c in constraints)
-    for owner, label, count in constraints:
+    found_constraints = [(c.owner, c.label, c.count) for c in constraints(model, plan)]
+    fix = _use(c[2] for c in found_constraints)
+    for owner, label, count in found_constraints:
         if count % tp_size:
             found.append(f"tp_size={tp_size} does not divide {label} of {owner}; {fix}.")
     found += _replicated_heads_problems(model, plan, tp_size)
@@ -127,24 +127,6 @@ def _tp_dataflow_problems(
     ]
 
 
-def _constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:
-    """(owner name, label, count) for every number that must be a multiple of tp_size."""
-    out: list[tuple[str, str, int]] = []
-    layouts = param_layouts(model, plan)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for full, (style, layout, _module) in layouts.items():
-        if not layout.sharded or style_spec(style).uneven_ok:
-            continue
-        size = params[full].shape[layout.dim]
-        what = "input features" if style_spec(style).shard == "in" else "output features"
-        if layout.split_factor > 1:
-            what = f"{what} per packed part ({layout.split_factor} parts)"
-            size //= layout.split_factor
-        out.append((f"{full} ({style})", f"the {what} ({size})", size))
-    out += head_constraints(model, plan)
-    return out
-
-
 def _replicated_heads_problems(model: nn.Module, plan: Plan, tp: int) -> list[str]:
     """colwise_replicated_heads gives each rank one whole KV head: tp must be a multiple of the
     KV heads, and tp must divide the attention's query heads."""
@@ -162,20 +144,6 @@ def _replicated_heads_problems(model: nn.Module, plan: Plan, tp: int) -> list[st
                 f"use a tp_size that does, or plain colwise when tp divides the KV heads."
             )
             break
-    return out
-
-
-def _fixup_constraints(model: nn.Module, plan: Plan) -> list[tuple[str, str, int]]:
-    out = []
-    if not plan.fixups:
-        return out
-    for name, module in model.named_modules():
-        for attr in plan.fixups_for(name).get("divide", []):
-            value = getattr(module, attr, None)
-            if not isinstance(value, int):
-                out.append((name, f"attribute {attr} (missing)", 0))
-            else:
-                out.append((name, f"{attr}={value}", value))
     return out
 
 

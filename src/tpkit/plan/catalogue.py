@@ -95,6 +95,9 @@ _BUILTIN = (
         "fused [gate; up]: each of the 2 parts split like colwise (strided)",
         shard="out",
         packed_parts=2,
+        # each part in torch.chunk sizes: rank r's [gate_r; up_r] still pairs under chunk(2),
+        # and the row layer it feeds takes the same chunks of the intermediate width
+        uneven_ok=True,
         aliases=("local_packed_colwise",),
     ),
     StyleSpec(
@@ -134,6 +137,7 @@ _BUILTIN = (
         shard="in",
         packed_parts=2,
         collective="all_reduce",
+        uneven_ok=True,  # transposed fused [gate | up]: as packed_colwise, by raw dims
     ),
     StyleSpec(
         "rowwise_feeds_split",

@@ -48,9 +48,10 @@ def expert_groups(
             )
             continue
         if entries:
-            inter = _fused_inter(mod)
+            counts = _fused_counts(name, mod, entries)
         elif name not in styles:
             entries, inter = bmm_experts(mod, info["module_inputs"].get(name, []))
+            counts = {f"intermediate size of {name}": inter}
         if entries:
             styles[name] = "moe_tp_experts"
             styles.update({f"{name}.{p}": style for p, style in entries.items()})
@@ -58,10 +59,31 @@ def expert_groups(
                 {
                     "modules": [name, *(f"{name}.{p}" for p in entries)],
                     "owners": [],
-                    "counts": {f"intermediate size of {name}": inter},
+                    "counts": counts,
                 }
             )
     return groups
+
+
+def _fused_counts(name: str, mod: nn.Module, entries: dict[str, str]) -> dict[str, int]:
+    """What tp must divide for fused experts, said truthfully so that settling keeps whole only
+    what an uneven split would get wrong. Each expert's intermediate width I is produced by the
+    up (and gate) projection and read by the down projection one channel at a time
+    (``act(gate) * up`` is elementwise), so a split of I into torch.chunk sizes is exact: a
+    packed [gate; up] is split per part (rank r: chunk r of gate and chunk r of up; its
+    ``chunk(2)`` still pairs them), down's I the same chunks. The counts name those parameters
+    (``output features of <up>``, ``input features of <down>``), whose styles the catalogue
+    marks uneven-ok. Interleaved gate/up (GPT-OSS: g0 u0 g1 u1 ...) split unevenly would cut a
+    pair: there I itself must divide."""
+    inter = _fused_inter(mod)
+    d = mod.__dict__
+    if d["has_gate"] and not d["is_concatenated"]:
+        return {f"intermediate size of {name}": inter}
+    up = "gate_up_proj" if d["has_gate"] else "up_proj"
+    return {
+        f"output features of {name}.{up}": inter,
+        f"input features of {name}.down_proj": inter,
+    }
 
 
 def fused_experts(mod: nn.Module) -> dict[str, str]:

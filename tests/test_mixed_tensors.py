@@ -267,12 +267,19 @@ def test_parity_tp2(ranks2, name):
     assert results[0]["split"], "nothing split: the check would prove nothing"
 
 
-@pytest.mark.xfail(
+#: Perceiver's made-up trace inputs fail (its ``inputs`` argument), so its plan is the per-layer
+#: fallback, which does not see the read (plan/inputs.py or plan/fallback.py, not inference)
+_FALLBACK_SPLITS = pytest.mark.xfail(
     strict=True,
-    reason="plan side (plan/infer.py, plan/complete.py, plan/fallback.py): a table read "
-    "outside its module's forward is still split (vocab_parallel), and the read sees a shard",
+    reason="plan/fallback.py: a table read outside its module's forward is still split "
+    "(vocab_parallel) when the model's dataflow cannot be traced, and the read sees a shard",
 )
-@pytest.mark.parametrize("name", sorted(WHOLE))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=_FALLBACK_SPLITS) if n == "perceiver" else n for n in sorted(WHOLE)],
+)
 def test_auto_plan_keeps_tables_read_outside_whole(ranks2, name):
     _check(ranks2.run(parity, name))
 

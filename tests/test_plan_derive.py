@@ -258,7 +258,10 @@ def test_a_failing_dry_run_gathers_only_the_groups_it_must():
     plan = infer_plan(build_tiny("olmo_hybrid", "OlmoHybridForCausalLM", device="meta"))
     assert plan.style_for("model.layers.0.linear_attn.q_proj")[0] == "colwise_gather_output"
     assert plan.style_for("model.layers.0.linear_attn.o_proj")[0] == "rowwise_split_input"
-    assert "dry run" in plan.notes["model.layers.*.linear_attn.q_proj"]
+    # q|k|v are concatenated into the short conv's channels: the trace sees the join (issue 28)
+    # before the dry run fails on it
+    note = plan.notes["model.layers.*.linear_attn.q_proj"]
+    assert "dry run" in note or "joined with others by cat()" in note, note
     assert plan.style_for("model.layers.0.mlp.gate_proj")[0] == "colwise"
     assert plan.style_for("model.layers.1.mlp.down_proj")[0] == "rowwise"
 

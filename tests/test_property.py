@@ -38,19 +38,7 @@ TOL = 1e-5
 #: generated features left out (xfail-like: the rest of the property still runs), each naming the
 #: bug that makes its split differ from the unsharded model; delete an entry once its bug is fixed
 #: and the property covers it again. Reproducers: the report of issue 28's property test.
-EXCLUDED: dict[str, str] = {
-    # plan/infer.py `_tails`: a replicated linear cut unevenly whose parts BOTH reach one column
-    # linear (split [12 | 14] -> silu(a) * b[..., :12] -> down) gets tail_grad_allreduce: the
-    # tail's gradient, already whole after the column's f, is summed again (x tp).
-    "gated_split": "bug: tail_grad_allreduce on a cut whose tail reaches the column linear",
-    "attention_fused_gqa": "bug: tail_grad_allreduce on a fused qkv cut [q | k | v], kv < heads",
-    # plan/infer.py pairs: cat([colwise a(x), colwise b(x)], -1) into a rowwise head: each rank
-    # holds [a_r | b_r], the head's rows are cut as [a | b] halves: wrong output, no error.
-    "cat": "bug: two column outputs concatenated into a row linear pair as if one",
-    # plan/trace.py read_outside: a parent reading its child's weight (`proj.weight.abs().mean()`)
-    # is not seen, the child is split rowwise and forward raises mixed torch.Tensor and DTensor.
-    "child_weight_statistic": "bug: a weight read outside its module's forward is split",
-}
+EXCLUDED: dict[str, str] = {}
 if os.environ.get("TPKIT_PROPERTY_ALL") == "1":  # every feature: to check a fix of the above
     EXCLUDED = {}
 

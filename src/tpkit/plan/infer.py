@@ -141,6 +141,12 @@ def _pairs(
     `_row_candidates`) that cannot be split."""
     why: dict[str, str] = {}
     rows = {r: set(srcs) for r, srcs in candidates.items()}
+    for r in [r for r in rows if nodes[r].read_outside]:
+        # code outside its forward computes with its weight (a parent's
+        # ``proj.weight.abs().mean()``): a shard there is a mixed-tensor error or a wrong number
+        why[r] = "its weight is read outside its own forward"
+        for c in sorted(rows.pop(r)):
+            why.setdefault(c, f"its output goes to {r}, whose weight is read outside its forward")
     for n, v in nodes.items():
         if n not in rows and n not in exclude and v.kind != "embedding":
             if STREAM in v.src and v.writer:
@@ -247,7 +253,15 @@ def _vocabulary(model: nn.Module, draft: Draft) -> None:
     modules = dict(model.named_modules())
     embed, head = input_embeddings(model), output_embeddings(model)
     embed_weight = getattr(embed, "weight", None)
+    nodes = draft.nodes
     for name, mod in modules.items():
+        if name in nodes and nodes[name].read_outside:
+            # a table read outside its forward (Gemma-4's pad row, Perceiver's decoder reading
+            # the input embedding, MobileBERT's head reading the tied decoder) stays whole: a
+            # split one reaches that code as a shard
+            draft.why[name] = "its weight is read outside its own forward"
+            exclude.add(name)
+            continue
         if (
             isinstance(mod, nn.Embedding)
             and embed_weight is not None
@@ -263,7 +277,7 @@ def _vocabulary(model: nn.Module, draft: Draft) -> None:
         for pname, p in mod.named_parameters(recurse=False):
             owners_of.setdefault(id(p), []).append((name, pname))
     for tied in owners_of.values():
-        vocab = [styles[n] for n, _ in tied if n in exclude]
+        vocab = [styles[n] for n, _ in tied if n in exclude and n in styles]
         for name, pname in tied:
             if vocab and name not in exclude:
                 styles[f"{name}.{pname}"] = vocab[0]
@@ -376,16 +390,27 @@ def _tails(model: nn.Module, draft: Draft) -> None:
     """A replicated linear whose output is cut unevenly, its first part into a column linear and
     the rest elsewhere (MLA's kv_a_proj_with_mqa: [kv latent | rope key], the rope key broadcast
     straight to the rank's heads): that rest gets a partial gradient on each rank, so its
-    gradient is all-reduced (``tail_grad_allreduce``). When the cut does not show which part
-    feeds the column linear, its groups stay whole."""
+    gradient is all-reduced (``tail_grad_allreduce``). The trace says which linears each part
+    reaches (`Node.cut_reach`): when every part reaches column linears only (a fused gate_up cut
+    [12 | 14], both parts into ``down``), their f already makes the gradient whole and the linear
+    stays plainly replicated; a tail that reaches a column linear too would be summed twice, so
+    then, or when the cut does not show which part feeds the column linear, its groups stay
+    whole."""
     nodes, styles, groups = draft.nodes, draft.styles, draft.groups
     modules = dict(model.named_modules())
     columns = {c for cols in draft.rows.values() for c in cols}
     for name, v in nodes.items():
         if name in styles or not v.uneven or not v.consumers or not v.consumers <= columns:
             continue
+        if len(v.cut_reach) == len(v.cuts) and all(r and r <= columns for r in v.cut_reach):
+            continue  # every part reaches column linears only: their f makes its gradient whole
         feeds = [in_width(modules[c], nodes[c].kind) for c in v.consumers]
-        if len(v.cuts) >= 2 and len(feeds) == 1 and feeds[0] == v.cuts[0]:
+        # the tail must reach no column linear: through one, its gradient is already whole
+        # after the column's f, and all-reducing it again counts it tp times
+        tail_free = len(v.cut_reach) == len(v.cuts) and not any(
+            reach & columns for reach in v.cut_reach[1:]
+        )
+        if len(v.cuts) >= 2 and len(feeds) == 1 and feeds[0] == v.cuts[0] and tail_free:
             styles[name] = "tail_grad_allreduce"
             draft.args[name] = {"tail": v.out - v.cuts[0]}
             for i, g in enumerate(groups):
@@ -421,6 +446,8 @@ def _unreached_like_siblings(model: nn.Module, draft: Draft) -> None:
     for name, node in nodes.items():
         twin = ran.get(key(name)) or by_role.get(_role(modules, name))
         if name in styles or node.src or node.consumers or node.writer or twin is None:
+            continue
+        if node.read_outside:  # never ran its forward, yet its weight was read: whole
             continue
         a, b = modules[name], modules[twin]
         if type(a) is not type(b) or getattr(a, "weight", None) is None:

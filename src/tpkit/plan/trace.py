@@ -71,6 +71,9 @@ class Node:
     cuts: list[int] = field(default_factory=list)  # sizes of the first uneven cut of its features
     ids_first: bool = False  # an embedding that looks up exactly its first input (its ids)
     read_outside: bool = False  # its weight is computed with outside its own forward
+    # per part of its first uneven cut (`cuts`), the linear-like modules that part's values reach
+    # before another linear: which consumer reads which part (`tpkit.plan.infer`'s tails)
+    cut_reach: list[set[str]] = field(default_factory=list)
     reduced: str = ""  # an op that reads across its split features ("" = none; see `tpkit.plan.reductions.REDUCTIONS`)
 
 
@@ -87,6 +90,9 @@ _ELEMENTWISE = frozenset(
     {"mul", "__mul__", "__rmul__", "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__"}
     | {"div", "__truediv__", "__rtruediv__", "__iadd__", "__imul__", "addcmul"}
 )
+
+# ops that join tensors along a dim (`_Tracer._join`)
+_JOINS = frozenset({"cat", "concat", "concatenate", "stack", "hstack"})
 
 # ops that cut a tensor along a dim -> position of that dim among their arguments
 _DIM_ARG = {
@@ -111,7 +117,11 @@ class _Tracer(TorchFunctionMode):
         self.origin: dict[int, tuple[str, int, bool]] = {}
         self.keep: list[torch.Tensor] = []  # ids stay unique while the trace runs
         self.active: list[str] = []  # linear-like modules whose forward is running
-        self.weights: dict[int, str] = {}  # id of a linear-like module's parameter -> module
+        # id of a linear-like module's parameter -> every module holding it (tied weights: a
+        # tied head's weight read by its embedding's lookup is read inside its own forward)
+        self.weights: dict[int, set[str]] = {}
+        # tensor -> (linear, part) of the first uneven cut of its features its values come from
+        self.parts: dict[int, frozenset[tuple[str, int]]] = {}
         self.first_input: dict[str, torch.Tensor] = {}  # module -> the first tensor it was given
         self.head_tables: set[str] = set()  # embeddings broadcast over a linear's heads
         self.where: list[str] = []  # the modules whose forward is running, innermost last
@@ -143,12 +153,13 @@ class _Tracer(TorchFunctionMode):
         # ``weight.device``), not the values
         reads_values = bool(_tensors(out))
         for t in inputs:
-            owner = self.weights.get(id(t))
-            if owner is not None and owner not in self.active and reads_values:
-                # another module computes with this weight (Mamba's dt_proj.weight): its
-                # layout must stay whole
-                self.nodes[owner].needs_whole = "its weight is read outside its own forward"
-                self.nodes[owner].read_outside = True
+            owners = self.weights.get(id(t), set())
+            if owners and not owners.intersection(self.active) and reads_values:
+                # another module computes with this weight (Mamba's dt_proj.weight, a parent's
+                # ``proj.weight.abs().mean()``): its layout must stay whole
+                for owner in owners:
+                    self.nodes[owner].needs_whole = "its weight is read outside its own forward"
+                    self.nodes[owner].read_outside = True
         # features flow through float tensors; an index or a mask (a router's top-k choice)
         # says where rows go, not what they hold
         feats = [t for t in inputs if t.is_floating_point() or t.is_complex()]
@@ -169,11 +180,42 @@ class _Tracer(TorchFunctionMode):
         outs = _tensors(out)
         for t in outs:
             self.set_tag(t, tags)
+        parts = frozenset().union(*(self.parts.get(id(t), frozenset()) for t in feats))
+        if parts:
+            for t in outs:
+                self.parts[id(t)] = parts
+        if name in _JOINS and args:
+            self._join(name, args, kwargs)
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
         followed = src is not None and (id(src) in self.origin or id(src) in self.seen)
         if followed and not self._reduction(name, args, kwargs, outs):
             self._follow_features(name, args, kwargs, out, outs)
         return out
+
+    def _join(self, name: str, args: tuple, kwargs: Mapping) -> None:
+        """``cat`` / ``stack`` of tensors along (or next to) a linear's features: each rank
+        would hold its slice of every piece side by side ([a_r | b_r]), not the slice of the
+        joined features a row linear's rows are cut by ([a | b] in halves), a wrong number with
+        no error. The linear's output is marked cut (`Node.uneven`), so its pair is gathered.
+        Joins along other dims (the sequence, a stack of experts summed over) change nothing."""
+        pieces = args[0] if isinstance(args[0], (list, tuple)) else ()
+        pieces = [t for t in pieces if isinstance(t, torch.Tensor)]
+        if len(pieces) < 2:
+            return
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        if name == "hstack":
+            dim = 1 if pieces[0].ndim > 1 else 0
+        stack = name == "stack"
+        for t in pieces:
+            if id(t) not in self.origin:
+                continue
+            lin, j, _ = self.origin[id(t)]
+            d = _norm_dim(int(dim), t.ndim + 1 if stack else t.ndim)
+            # a stack right before or after the features puts the pieces next to them, where a
+            # flatten lays them side by side or interleaves them
+            if d == j or (stack and d == j + 1):
+                node = self.nodes[lin]
+                node.uneven = node.uneven or f"its output is joined with others by {name}()"
 
     def _features(self, t: torch.Tensor) -> tuple[tuple[str, int, bool], dict]:
         """Where ``t``'s features are, and the table that says so (`origin` or `seen`)."""
@@ -283,6 +325,9 @@ class _Tracer(TorchFunctionMode):
                 node.uneven = node.uneven or f"its output is {name}-sliced unevenly by features"
                 if name != "narrow" and not node.cuts:
                     node.cuts = [int(t.shape[j]) for t in outs]
+                    node.cut_reach = [set() for _ in outs]
+                    for i, t in enumerate(outs):
+                        self.parts[id(t)] = frozenset({(lin, i)})
             return
         if name == "__getitem__":
             if not self._index_touches(args[1], src.ndim, j):
@@ -623,9 +668,10 @@ class _TraceHooks:
         tracer, nodes, name = self.tracer, self.nodes, self.names[id(mod)]
         tracer.where.append(name)
         if mod is self.model:  # parameters are (fake) tensors of the trace by now
-            tracer.weights = {
-                id(p): n for n in nodes for p in self.modules[n].parameters(recurse=False)
-            }
+            tracer.weights = {}
+            for n in nodes:
+                for p in self.modules[n].parameters(recurse=False):
+                    tracer.weights.setdefault(id(p), set()).add(n)
         if name in nodes:
             tracer.active.append(name)
         if self._is_stream_boundary(mod):
@@ -646,6 +692,9 @@ class _TraceHooks:
             nodes[name].src |= tags
             for src in tags & nodes.keys():
                 nodes[src].consumers.add(name)
+            for _, t in ins:
+                for lin, i in tracer.parts.get(id(t), ()):
+                    nodes[lin].cut_reach[i].add(name)
         elif any(True for _ in mod.parameters(recurse=False)):
             self._parameter_consumer(name, mod, tags)
 
@@ -670,6 +719,7 @@ class _TraceHooks:
         if name in self.nodes:
             tracer.active.pop()
             for t in _tensors(output)[:1]:
+                tracer.parts.pop(id(t), None)  # a cut's parts are followed to the next linear
                 tracer.set_tag(t, frozenset({name}))
                 tracer.origin[id(t)] = (name, t.ndim - 1, False)
         elif self._is_stream_boundary(mod):

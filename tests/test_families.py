@@ -189,3 +189,77 @@ def test_naflex_and_pixtral_towers_split_tp2(ranks2, arch):
 def test_ctc_encoder_split_tp2(ranks2):
     r = _check(ranks2.run(family_parity, "wav2vec2", "Wav2Vec2ForCTC", "ctc"))
     assert any(".encoder.layers.0.feed_forward." in n for n in r["sharded"]), sorted(r["sharded"])
+
+
+# -- issue 29, continued: audio-LLM towers, config-sized index arguments ----------------------
+
+QWEN2_AUDIO = ("qwen2_audio", "Qwen2AudioForConditionalGeneration", "audio-text-to-text")
+
+
+def test_audio_llm_trace_inputs_agree():
+    """Pure: an audio-LLM's made-up inputs are one whole audio per row, its feature mask all
+    ones, and as many audio placeholders per row as its tower gives features (measured: the
+    tiny Qwen2-Audio's 64 frames, conv stride 2 then pooling 2: 16), so the audio tower runs
+    in the trace instead of the text-only retry."""
+    from tests.tiny import build_family
+    from tpkit.plan.inputs import synthesize_inputs
+
+    model = build_family(*QWEN2_AUDIO[:2])
+    _, kw = synthesize_inputs(model, 3, 7)
+    frames = kw["input_features"].shape[-1]
+    assert kw["feature_attention_mask"].tolist() == [[1] * frames] * 3
+    with torch.no_grad():
+        x = torch.randn(tuple(kw["input_features"].shape))
+        n = model.model.audio_tower(x[:1]).last_hidden_state.shape[1]
+    assert n > 1
+    placeholders = (kw["input_ids"] == model.config.audio_token_id).sum(-1)
+    assert placeholders.tolist() == [n] * 3
+
+
+def test_qwen2_audio_tower_split_tp2(ranks2):
+    r = _check(ranks2.run(family_parity, *QWEN2_AUDIO))
+    tower = [n for n in r["sharded"] if n.startswith("model.audio_tower.")]
+    for part in ("layers.0.self_attn.q_proj", "layers.1.self_attn.out_proj", "layers.0.fc1"):
+        assert any(part in n for n in tower), (part, sorted(r["sharded"]))
+
+
+def test_xmod_full_size_without_a_default_language_is_traced():
+    """X-MOD's forward reads ``lang_ids`` (an index into ``config.languages``) and raises
+    without them unless a default language was set: the made-up inputs carry them, so the
+    full-size default config on meta is traced, not split per layer by the fallback."""
+    import transformers
+
+    from tpkit.plan import derive_plan
+    from tpkit.plan.inputs import synthesize_inputs
+
+    config = transformers.XmodConfig()
+    assert config.default_language is None
+    with torch.device("meta"):
+        model = transformers.XmodForMaskedLM(config)
+    _, kw = synthesize_inputs(model, 3, 7)
+    assert kw["lang_ids"].tolist() == [0, 0, 0]
+    plan = derive_plan(model, "auto", 2)
+    keys = sorted(plan.keys())
+    assert {str(plan.source(k)) for k in keys} == {"inferred"}, keys
+    assert "roberta.encoder.layer.*.output.dense" in keys, keys
+
+
+def test_full_width_audio_llm_on_meta_traces_its_tower():
+    """Qwen2-Audio at full width (one layer per side) on meta: 750 placeholders per audio,
+    and its forward selects the valid frames of [3, 750, 3584] features, too large to compute
+    for real in the shadow run: the selection's shape comes from the mask's value
+    (`ShadowValues._selected`), so the tower is traced instead of the text-only retry."""
+    import transformers
+
+    from tpkit.plan import derive_plan
+    from tpkit.plan import inputs as plan_inputs
+
+    config = transformers.Qwen2AudioConfig()
+    config.text_config.num_hidden_layers = 1
+    config.audio_config.encoder_layers = 1
+    with torch.device("meta"):
+        model = transformers.Qwen2AudioForConditionalGeneration(config)
+    _, kw = plan_inputs.synthesize_inputs(model, 3, 7)
+    assert (kw["input_ids"] == config.audio_token_id).sum(-1).tolist() == [750] * 3
+    keys = sorted(derive_plan(model, "auto", 2).keys())
+    assert any(k.startswith("model.audio_tower.layers.") and "fc1" in k for k in keys), keys

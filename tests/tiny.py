@@ -473,14 +473,21 @@ def tiny_family_config(model_type: str, class_name: str | None = None):
 
 #: fields of a multimodal sub-config shrunk besides `SIZES` (a vision tower's block count)
 FAMILY_SIZES = {"depth": 2}
+#: placeholder fields a default config leaves None (no audio could be given): set to a free
+#: id above the random text ids (`TEXT_IDS`), so the tower can run
+PLACEHOLDER_FIELDS = ("audio_token_id",)
 
 
 def _fit_family(config) -> None:
     """What a shrunk multimodal config needs besides `_shrink_tree`, by field name: a vision
-    tower's ``depth`` (32 blocks in Qwen2-VL's default) cut to `FAMILY_SIZES`, and a multimodal
+    tower's ``depth`` (32 blocks in Qwen2-VL's default) cut to `FAMILY_SIZES`, a placeholder
+    token the default config leaves None given an id (`PLACEHOLDER_FIELDS`), and a multimodal
     rotary's ``mrope_section`` (the rotary half-dims given to time / height / width, [16, 24,
     24] of a 128-wide head, the code's default where the config names none) scaled to the tiny
     head (16 wide: [2, 3, 3]) wherever the config says it reads one."""
+    for k in PLACEHOLDER_FIELDS:  # Voxtral's default config names no audio token
+        if k in vars(config) and getattr(config, k) is None:
+            setattr(config, k, TEXT_IDS)
     for sub in (getattr(config, n, None) for n in ("vision_config", "audio_config")):
         for k, v in FAMILY_SIZES.items():
             if sub is not None and isinstance(getattr(sub, k, None), int) and getattr(sub, k) > v:

@@ -8,8 +8,14 @@ language model, ``pixel_values`` for ViT / ResNet / ConvNeXt, ``input_values`` f
 model's ``main_input_name``, an overridden ``dummy_inputs`` and its forward's signature; the
 sizes from its config (image size and channels, the feature extractor's strides, mel bins) or,
 for a plain module, from its first layer's weight. transformers has no such helper beyond
-``dummy_inputs``, which gives only ``input_ids`` for most models. Pure: meta tensors only, no
-forward runs here (a trace that fails on them falls back per layer, `tpkit.plan.fallback`).
+``dummy_inputs``, which gives only ``input_ids`` for most models.
+
+A multimodal model's towers get inputs that agree with its ids: a grid VLM's patches and grid,
+an audio-LLM's features, feature mask and as many placeholders as its tower gives features;
+an index argument that a config's list of names sizes (X-MOD's ``lang_ids``) is given too.
+Pure: meta tensors and small CPU integer tensors; the one forward run here is an audio-LLM's
+audio features on fake tensors, once per model, to count its placeholders (`_audio_tokens`).
+A trace that fails on these inputs falls back per layer (`tpkit.plan.fallback`).
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from tpkit.compat import FakeTensorMode
 from tpkit.plan.layout import in_width, kind_of
 
 __all__ = [
@@ -64,6 +72,13 @@ _SHAPES = "spatial_shapes"
 #: config attributes of the tokens that open / close an image (`_grid_inputs`), first found
 _IMAGE_START = ("vision_start_token_id", "image_start_token_id", "boi_token_id")
 _IMAGE_END = ("vision_end_token_id", "image_end_token_id", "eoi_token_id")
+#: config attributes of an audio-LLM's audio placeholder token (`_audio_inputs`), first found
+_AUDIO_TOKEN = ("audio_token_id", "audio_token_index")
+#: an audio-LLM's placeholders per made-up audio, measured once per model (`_audio_tokens`)
+_AUDIO_TOKENS: weakref.WeakKeyDictionary[nn.Module, int | None] = weakref.WeakKeyDictionary()
+#: forward arguments named ``<stem>_ids`` that are not an index set by a config list
+#: (`_config_ids`): token, position and segment ids have their own rules or defaults
+_OWN_IDS = ("input", "position", "token_type", "decoder_input", "decoder_position", "cache")
 #: models whose trace with tower inputs failed: their made-up inputs keep to the text from
 #: then on (`text_only`), for the trace and the dry run alike. Weak: an entry goes with its model.
 _TEXT_ONLY: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -169,6 +184,8 @@ def _model_inputs(model: nn.Module, config: Any, batch: int, seq: int) -> dict[s
     if dual:  # CLIP, SigLIP, CLAP: both towers run in one forward, each needs its input
         names += [n for n in ("input_ids", "pixel_values", "input_features") if n in params]
     towers = model not in _TEXT_ONLY
+    if not towers:  # a tower input named by ``dummy_inputs`` (Voxtral's input_features) too
+        names = [n for n in names if n == main or n not in _TOWER_INPUTS]
     names += _tower_names(config, params) if towers else []
     if getattr(config, "is_encoder_decoder", False) or "decoder_input_ids" in _required(params):
         names.append("decoder_input_ids")
@@ -180,6 +197,8 @@ def _model_inputs(model: nn.Module, config: Any, batch: int, seq: int) -> dict[s
             kwargs[name] = value
     if towers:
         kwargs.update(_grid_inputs(model, config, params, batch, seq))
+        kwargs.update(_audio_inputs(model, config, params, batch, seq))
+    kwargs.update(_config_ids(config, params, batch))
     pixels = kwargs.get("pixel_values")
     if pixels is not None and pixels.ndim == 4 and _vision_takes(model, config, "image_sizes"):
         # a Pixtral tower (Mistral-3) cuts each image to its size: the whole made-up image
@@ -290,6 +309,156 @@ def _grid_inputs(
     return out
 
 
+def _audio_inputs(
+    model: nn.Module, config: Any, params: dict[str, inspect.Parameter], batch: int, seq: int
+) -> dict[str, torch.Tensor]:
+    """An audio-LLM's audio inputs, consistent with each other (Qwen2-Audio, Voxtral,
+    AudioFlamingo3, GLM-ASR: a config with an audio placeholder token and an ``audio_config``):
+    one whole made-up audio per row (``input_features`` as `_audio_features` makes them), its
+    feature mask all ones where the forward takes one (``feature_attention_mask``,
+    ``input_features_mask``), and ``input_ids`` with as many placeholders per row as the tower
+    gives features for one audio. That count is what the encoder's convs, pooling and the
+    projector's frame stacking leave, and no config rule gives it for every model, so it is
+    measured (`_audio_tokens`). The ids and the mask are CPU tensors with values: the forward
+    counts placeholders and mask lengths (`keep_value`). {} for any other model, or where the
+    count cannot be measured (the trace then keeps to the text, `text_only`)."""
+    token = next((v for a in _AUDIO_TOKEN if isinstance(v := getattr(config, a, None), int)), None)
+    if token is None or getattr(config, "audio_config", None) is None:
+        return {}
+    if "input_features" not in params or "input_ids" not in params:
+        return {}
+    features = _audio_features(model, config, batch)
+    if features is None or features.ndim != 3:
+        return {}
+    masks = [n for n in params if "feature" in n and n.endswith("mask")]
+    mask = torch.ones((batch, features.shape[-1]), dtype=torch.long)
+    if model not in _AUDIO_TOKENS:
+        one = {m: mask[:1].to("meta") for m in masks}
+        _AUDIO_TOKENS[model] = _audio_tokens(model, config, features[:1], one)
+    count = _AUDIO_TOKENS[model]
+    if not count:
+        return {}
+    text = _text_id(config)
+    length = max(seq, count + 2)
+    row = [text] + [token] * count + [text] * (length - count - 1)
+    out = {"input_ids": torch.tensor([row] * batch, dtype=torch.long), "input_features": features}
+    out.update(dict.fromkeys(masks, mask))
+    return out
+
+
+def _audio_tokens(
+    model: nn.Module, config: Any, features: torch.Tensor, masks: dict[str, torch.Tensor]
+) -> int | None:
+    """Placeholders for one made-up audio (``features``: one row, meta): the rows of the
+    features the model puts in their place, from one forward on fake tensors (no memory, no
+    compute, any size) of its ``get_audio_features`` (its ``pooler_output``: Voxtral stacks
+    four frames per feature there), else of its audio tower (the module built from
+    ``config.audio_config``: Qwen2-Audio scatters the tower's output itself). A boolean
+    selection of the valid frames reads as all of them (`_AllSelected`: the audio is whole).
+    None where that forward fails."""
+    get = getattr(model, "get_audio_features", None)
+    run: Any = None
+    if callable(get):
+        run, takes = get, _signature(get)
+    else:
+        audio = config.audio_config
+        tower = next((m for m in model.modules() if getattr(m, "config", None) is audio), None)
+        if tower is None:
+            return None
+        run, takes = tower, _params(tower)
+    kwargs = {k: v for k, v in masks.items() if k in takes}
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with _fake_state(model, fake), torch.no_grad(), fake, _AllSelected():
+            out = run(
+                fake.from_tensor(features), **{k: fake.from_tensor(v) for k, v in kwargs.items()}
+            )
+    except Exception:  # noqa: BLE001 - model code may do anything on fake tensors
+        return None
+    if not isinstance(out, torch.Tensor):
+        pooled = getattr(out, "pooler_output", None)
+        out = (
+            pooled if isinstance(pooled, torch.Tensor) else getattr(out, "last_hidden_state", None)
+        )
+    if not isinstance(out, torch.Tensor) or out.ndim < 2:
+        return None
+    return int(out.numel() // out.shape[-1])
+
+
+def _signature(fn: Any) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+@contextlib.contextmanager
+def _fake_state(model: nn.Module, fake: Any) -> Iterator[None]:
+    """Every parameter and buffer of ``model`` swapped for a fake meta tensor of its shape
+    inside the block (the measurement of `_audio_tokens`; `tpkit.plan.fake.meta_state` does
+    the same for the trace, which runs later and imports this module)."""
+    saved = []
+    for mod in model.modules():
+        for store in (mod._parameters, mod._buffers):
+            saved += [(store, k, v) for k, v in store.items() if v is not None]
+    memo: dict[int, torch.Tensor] = {}
+    try:
+        for store, k, v in saved:
+            if id(v) not in memo:
+                meta = fake.from_tensor(torch.empty(v.shape, dtype=v.dtype, device="meta"))
+                memo[id(v)] = nn.Parameter(meta, False) if isinstance(v, nn.Parameter) else meta
+            store[k] = memo[id(v)]
+        yield
+    finally:
+        for store, k, v in saved:
+            store[k] = v
+
+
+class _AllSelected(TorchFunctionMode):
+    """A tensor indexed by a boolean mask gives every row: ``x[mask]`` reads as ``x`` with the
+    mask's dims flattened. What a whole made-up audio's valid-frame mask selects, and a shape
+    a fake tensor cannot give (it has no values)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__getitem__ and len(args) == 2:
+            x, index = args
+            if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+                return x.reshape(-1, *x.shape[index.ndim :])
+        return func(*args, **kwargs)
+
+
+def _config_ids(
+    config: Any, params: dict[str, inspect.Parameter], batch: int
+) -> dict[str, torch.Tensor]:
+    """Index arguments that a config's list of names sizes: a forward argument ``<stem>_ids``
+    (not token, position or segment ids) where the config has a non-empty list, tuple or dict
+    of names (strings) whose attribute starts with the stem (X-MOD's ``lang_ids`` and
+    ``config.languages``; a list of numbers, an image size or mean, is no index): [batch]
+    zeros, the first name, with values (`keep_value`). Without them X-MOD's forward raises
+    unless a default language was set, and its trace on meta fell back per layer."""
+    out = {}
+    for name in params:
+        stem = name.removesuffix("_ids") if name.endswith("_ids") else ""
+        if not stem or stem in _OWN_IDS:
+            continue
+        named = any(
+            k.startswith(stem) and _names(v) for c in _configs(config) for k, v in vars(c).items()
+        )
+        if named:
+            out[name] = torch.zeros(batch, dtype=torch.long)
+    return out
+
+
+def _names(value: Any) -> bool:
+    """Whether ``value`` is a non-empty list, tuple or dict of strings (a dict: its keys)."""
+    return (
+        isinstance(value, (list, tuple, dict))
+        and bool(value)
+        and all(isinstance(v, str) for v in value)
+    )
+
+
 def _vision_takes(model: nn.Module, config: Any, name: str) -> bool:
     """Whether the vision tower's own forward (the module built from ``config.vision_config``)
     takes ``name``: LLaVA's forward takes ``image_sizes`` too but its CLIP tower does not."""
@@ -386,9 +555,14 @@ def _audio_features(model: nn.Module, config: Any, batch: int) -> torch.Tensor |
     """Fake ``input_features``: [batch, channels of the first Conv1d, frames], the frames its
     encoder's positions take back through the convs' strides (Whisper: 1500 positions x stride
     2 = the 3000 frames it insists on); else [batch, 64 frames, features per frame], the
-    layout of the conformer encoders (Parakeet, Wav2Vec2-BERT)."""
+    layout of the conformer encoders (Parakeet, Wav2Vec2-BERT). An audio-LLM's encoder without
+    learned positions (GLM-ASR's rotary one) gives its positions as the audio config's
+    ``max_position_embeddings``."""
     convs = [m for m in model.modules() if isinstance(m, nn.Conv1d)]
     positions = _read(config, "max_source_positions")
+    audio = getattr(config, "audio_config", None)
+    if positions is None and audio is not None:  # GLM-ASR's rotary Whisper encoder
+        positions = getattr(audio, "max_position_embeddings", None)
     dtype = _float_dtype(model)
     if convs and isinstance(positions, int):
         frames = positions * math.prod(int(c.stride[0]) for c in convs)

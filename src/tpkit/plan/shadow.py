@@ -186,6 +186,9 @@ class ShadowValues(TorchFunctionMode):
             ok, real, _ = self._real(func, args, kwargs)
             if ok:
                 return self._fake_of(real)
+            picked = self._selected(func, args)
+            if picked is not None:
+                return picked
             scalars = self._scalars(args, kwargs)
             if scalars is None:
                 raise
@@ -205,6 +208,18 @@ class ShadowValues(TorchFunctionMode):
                 if (name.endswith("_") or name == "__setitem__") and args:
                     self._set(args[0], _tensors(used)[0])
         return out
+
+    def _selected(self, func: Any, args: tuple) -> torch.Tensor | None:
+        """``x[mask]`` of an ``x`` too large to compute for real, by a mask with a value (an
+        audio-LLM's valid frames): a fake tensor of the shape the mask's true entries give."""
+        index = args[1] if func is torch.Tensor.__getitem__ and len(args) == 2 else None
+        if not isinstance(index, torch.Tensor) or index.dtype != torch.bool:
+            return None
+        if not self._shadowed(index):
+            return None
+        with unset_fake_temporarily():
+            count = int(self.shadow[index].sum())
+        return args[0].new_empty((count, *args[0].shape[index.ndim :]))
 
     def _scalars(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """``(args, kwargs)`` with every shadowed one-element integer tensor replaced by its

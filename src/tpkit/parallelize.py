@@ -223,7 +223,7 @@ def split(
         return model.to(dims.device) if device_ids else model
     sharded = dims.dp > 1 if o.sharded is None else o.sharded
     adapted: list[tuple[SplitExtension, Any]] = []
-    try:  # pure: a refusal puts back what the extensions adapted
+    try:  # no collective yet: a refusal puts back what the extensions adapted
         for e in every:
             if (a := e.adapt(model, o)) is not None:
                 adapted.append((e, a))
@@ -260,9 +260,8 @@ def split(
         if dims.tp > 1:
             sync_rng(tp_mesh)
             if dims.device.type == "cpu":  # decided now, so a first call under torch.compile
-                prepare_shm(
-                    tp_mesh.get_group()
-                )  # also finds the shared-memory path (tpkit.dist.shm)
+                # also finds the shared-memory path (tpkit.dist.shm)
+                prepare_shm(tp_mesh.get_group())
             mixed = param_dtype if fsdp_later else None
             _split_tp(model, the_plan, tp_mesh, o.sequence_parallel, o.loss_parallel, mixed)
     model._tpkit = TPState(

@@ -69,7 +69,9 @@ __all__ = [
 ]
 
 _SHM_CHANNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> channel | None
-_LAST: list = [None, None]  # (weak reference to the group last looked up, its channel)
+# (weak reference to the group last looked up, its channel): one tuple, replaced whole, so a
+# reader never pairs one group's reference with another's channel
+_LAST: tuple = (None, None)
 _READY: dict[str, bool] = {}  # group name -> its channel is up (read while torch.compile traces)
 _COUNTS = {"all_reduce": 0, "all_gather": 0}
 _OBSERVERS: list[Callable[[str, int], None]] = []
@@ -287,17 +289,18 @@ def prepare_shm(group: ProcessGroup | None) -> bool:
 
 def _shm_channel(group: ProcessGroup | None) -> ShmChannel | None:
     """The group's channel, or None for gloo: decided once, by every rank together."""
+    global _LAST
     if not dist.is_initialized():
         return None
-    last = _LAST[0]
+    last, last_channel = _LAST
     if group is not None and last is not None and last() is group:
-        return _LAST[1]  # the group of the previous call (every call of a decode step's)
+        return last_channel  # the group of the previous call (every call of a decode step's)
     key = group if group is not None else dist.group.WORLD
     if not isinstance(key, dist.ProcessGroup):  # not a group: let torch.distributed say so
         return None
     try:
         channel = _SHM_CHANNELS[key]
-        _LAST[:] = [weakref.ref(key), channel]
+        _LAST = (weakref.ref(key), channel)
         return channel
     except KeyError:
         pass

@@ -277,7 +277,7 @@ class TPStyle(ParallelStyle):
                 for m in module.children()
                 if read_directly(m)
                 for n, p in m._parameters.items()
-                if isinstance(p, DTensor)
+                if p is not None  # a DTensor or not at this moment (LocalReplicated): swap checks
             ]
         return self._nested
 
@@ -394,22 +394,38 @@ class LocalReplicated:
         model.register_forward_hook(self._post_hook, always_call=True)
 
     def _eligible(self, model: nn.Module) -> list[tuple[nn.Module, str, TPStyle]]:
+        """Every (module, name, style) whose parameter this may make local: each module holding
+        it has a plainly replicated style (`local_in_model`, not under sequence parallelism),
+        and, for a parameter held by several modules, all those styles make the same local
+        tensor (the same gradient all-reduce and compute dtype); any other parameter is left to
+        its modules' own hooks."""
         if self._slots is None:
-            slots = []
+            holders: dict[int, list[tuple[nn.Module, str, TPStyle | None]]] = {}
             for module in model.modules():
                 style = style_of(module)
-                if style is None or style.sp is not None:
+                ok = (
+                    style is not None
+                    and style.sp is None
+                    and type(style).__dict__.get("local_in_model", False)  # not inherited
+                )
+                for n, p in module._parameters.items():
+                    if p is not None:
+                        holders.setdefault(id(p), []).append((module, n, style if ok else None))
+            slots = []
+            for held in holders.values():
+                styles = [s for _, _, s in held]
+                if any(s is None for s in styles):
                     continue
-                if not type(style).__dict__.get("local_in_model", False):  # not inherited
+                if len({(s.grad_allreduce, s.compute_dtype) for s in styles}) > 1:
                     continue
-                slots.extend((module, n) + (style,) for n in module._parameters)
+                slots.extend(held)
             self._slots = slots
         return self._slots
 
     def _pre_hook(self, model: nn.Module, args: tuple) -> None:
-        saved = []
+        saved: list[tuple[nn.Module, str, DTensor, torch.Tensor]] = []
+        self._saved.append(saved)  # first: a raise below still leaves the post hook its list
         if torch.compiler.is_compiling():  # a graph break here; the modules' own hooks serve
-            self._saved.append(saved)
             return
         grad = torch.is_grad_enabled()
         local_of: dict[int, torch.Tensor] = {}  # a tied parameter: one local tensor
@@ -424,7 +440,6 @@ class LocalReplicated:
                 local = local_of[id(p)] = style._local(p, grad)
             module._parameters[name] = local
             saved.append((module, name, p, local))
-        self._saved.append(saved)
 
     def _post_hook(self, model: nn.Module, args: tuple, output: Any) -> None:
         if not self._saved:

@@ -28,7 +28,8 @@ def test_roles_answer_what_used_to_be_lists_of_column_styles():
     assert style_spec("rowwise").splits_input and style_spec("packed_rowwise").packed_parts == 2
     assert not style_spec("colwise_gather_output").splits_output  # gathered: whole output
     assert style_spec("vocab_parallel").uneven_ok and style_spec("colwise").uneven_ok
-    assert not style_spec("packed_colwise").uneven_ok  # each part split: chunks would mix them
+    assert style_spec("packed_colwise").uneven_ok  # each part in torch.chunk sizes
+    assert not style_spec("packed_qkv_colwise").uneven_ok  # whole heads per rank
     assert style_spec("mla_kv_a_proj").name == "tail_grad_allreduce"  # transformers' name
 
 

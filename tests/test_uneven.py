@@ -89,3 +89,42 @@ def test_parity_tp4(ranks4):
     for inter in (37, 5):  # 10, 10, 10, 7 and 2, 2, 1, 0 columns per rank
         overrides = {"intermediate_size": inter}
         _assert_parity(ranks4.run(tiny_parity, "llama", "LlamaForCausalLM", overrides))
+
+
+class _GatedPacked(torch.nn.Module):
+    """A fused [gate; up] linear whose half-width (5) tp=2 does not divide, read back with
+    chunk(2): each rank holds chunk r of gate and of up, so chunk(2) still pairs them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = torch.nn.Linear(8, 10)
+        self.down = torch.nn.Linear(5, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(torch.nn.functional.silu(gate) * up)
+
+
+def packed_uneven_parity() -> dict:
+    import copy
+
+    import tpkit
+    from tests.parity import module_parity
+
+    torch.manual_seed(0)
+    ref = _GatedPacked()
+    plan = {"gate_up": "packed_colwise", "down": "rowwise"}
+    model = tpkit.tensor_parallel(copy.deepcopy(ref), plan=plan)
+    x = torch.randn(2, 3, 8)
+    rows = model.gate_up.weight.to_local().shape[0]  # 3 + 3 on rank 0, 2 + 2 on rank 1
+    return {**module_parity(ref, model, x), "rows": rows}
+
+
+def test_packed_uneven_linear_parity(ranks2):
+    """packed_colwise is uneven-ok: a 2-D fused gate|up split per part in torch.chunk sizes
+    (3 and 2 rows of each half) gives the unsharded output and gradients."""
+    results = ranks2.run(packed_uneven_parity)
+    assert [r["rows"] for r in results] == [6, 4], results
+    for r in results:
+        assert not r["missing"], r
+        assert r["out"] <= 1e-5 and r["grad"] <= 1e-5 * max(1.0, r["scale"]), r

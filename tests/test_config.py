@@ -159,6 +159,31 @@ def test_modules_ask_config_and_share_its_errors(clean_env):
     assert not all_ranks_enabled()
 
 
+def test_bad_log_all_ranks_never_raises_inside_a_log_call(clean_env):
+    """A log call runs the rank filter on every rank but 0 only: a bad TPKIT_LOG_ALL_RANKS
+    raising there would fail one rank in the middle of a collective and hang the others. It is
+    refused where the logger is configured (import, every rank alike), and read as "every
+    rank" by a log call."""
+    import subprocess
+
+    from tpkit.log import all_ranks_enabled, get_logger
+
+    clean_env.setenv("RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "2")
+    clean_env.setenv("TPKIT_LOG_ALL_RANKS", "maybe")
+    assert all_ranks_enabled()
+    get_logger("tpkit.test").warning("still logged on rank 1")  # raised before the fix
+    record = logging.LogRecord("tpkit.test", logging.WARNING, __file__, 1, "m", None, None)
+    handlers = logging.getLogger("tpkit").handlers
+    assert handlers and all(h.filter(record) for h in handlers)  # let through on rank 1
+    assert record.rank_prefix == "[tpkit rank 1/2]"
+    run = subprocess.run(
+        [sys.executable, "-c", "import tpkit"], capture_output=True, text=True, check=False
+    )
+    assert run.returncode != 0
+    assert "TPKIT_LOG_ALL_RANKS='maybe'" in run.stderr
+
+
 @pytest.mark.parametrize(("value", "one_line"), [("0", True), ("", True), ("1", False)])
 def test_cli_traceback_follows_tpkit_debug(clean_env, capsys, tmp_path, value, one_line):
     """TPKIT_DEBUG=0 is off for the `tpkit` command as for the forward checks (it used to mean

@@ -33,8 +33,16 @@ def _rank_world() -> tuple[int, int]:
 
 
 def all_ranks_enabled() -> bool:
-    """TPKIT_LOG_ALL_RANKS, at call time (`tpkit.config.log_all_ranks`)."""
-    return config.log_all_ranks()
+    """TPKIT_LOG_ALL_RANKS, at call time (`tpkit.config.log_all_ranks`).
+
+    A bad value is refused when the logger is configured (at ``import tpkit``, on every rank
+    alike); set to a bad value later, it reads as "every rank" here instead of raising: this
+    runs inside a log call, on ranks other than 0 only, and an error raised on one rank in the
+    middle of a collective would hang the others."""
+    try:
+        return config.log_all_ranks()
+    except config.ConfigurationError:
+        return True
 
 
 class _RankFilter(logging.Filter):
@@ -55,6 +63,7 @@ def _configure_root() -> logging.Logger:
         handler.setFormatter(logging.Formatter("%(rank_prefix)s %(message)s"))
         root.addHandler(handler)
         root.setLevel(config.log_level())
+        config.log_all_ranks()  # a typo fails here, at import on every rank, not in a log call
         root.propagate = False  # the rank filter must decide; a root handler would not filter
         root._tpkit_configured = True
     return root

@@ -349,3 +349,42 @@ def test_shm_module_imports_without_a_process_group():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.split()[0] == "True", out.stdout
+
+
+def _huge_kib_at(address: int) -> int | None:
+    """AnonHugePages (KiB) of the mapping of this process that holds ``address``."""
+    from pathlib import Path
+
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(p, 16) for p in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return None
+
+
+def test_gathered_buffers_are_advised_huge_pages():
+    """`huge_empty` (the gathered logits' buffer) gives the tensor torch.empty would, its whole
+    2 MiB pages advised huge before the first write: where the kernel grants huge pages on
+    advice (Linux, THP ``always`` or ``madvise``, as on this project's machines), the mapping
+    holds huge pages after one fill, whatever THP_MEM_ALLOC_ENABLE says."""
+    from pathlib import Path
+
+    from tpkit.dist.pages import HUGE_PAGE, huge_empty
+
+    out = huge_empty((512, 32000), torch.float32)
+    assert out.shape == (512, 32000) and out.dtype == torch.float32 and out.is_contiguous()
+    out.fill_(1.0)
+    assert float(out.sum()) == 512 * 32000
+    small = huge_empty((3, 5), torch.bfloat16)  # below the threshold: plain torch.empty
+    assert small.shape == (3, 5) and small.dtype == torch.bfloat16
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    granted = thp.exists() and ("[always]" in thp.read_text() or "[madvise]" in thp.read_text())
+    if not granted:  # the advice is a no-op there: the tensor above is all there is to check
+        return
+    first_whole_page = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the advice splits the map
+    huge = _huge_kib_at(first_whole_page)
+    assert huge is not None and huge * 1024 >= HUGE_PAGE, huge

@@ -256,7 +256,7 @@ def _check(results: list[dict]) -> None:
 
 
 #: MobileBERT's head reads the decoder's weight, tied to the vocabulary table the derived plan
-#: splits; kept whole, the dry run leaves nothing else split either: only the xfail below.
+#: splits; kept whole, the dry run leaves nothing else split either: only the check below.
 PARITY = sorted(set(MODELS) - {"mobilebert"})
 
 
@@ -267,19 +267,7 @@ def test_parity_tp2(ranks2, name):
     assert results[0]["split"], "nothing split: the check would prove nothing"
 
 
-#: Perceiver's made-up trace inputs fail (its ``inputs`` argument), so its plan is the per-layer
-#: fallback, which does not see the read (plan/inputs.py or plan/fallback.py, not inference)
-_FALLBACK_SPLITS = pytest.mark.xfail(
-    strict=True,
-    reason="plan/fallback.py: a table read outside its module's forward is still split "
-    "(vocab_parallel) when the model's dataflow cannot be traced, and the read sees a shard",
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=_FALLBACK_SPLITS) if n == "perceiver" else n for n in sorted(WHOLE)],
-)
+@pytest.mark.parametrize("name", sorted(WHOLE))
 def test_auto_plan_keeps_tables_read_outside_whole(ranks2, name):
     _check(ranks2.run(parity, name))
 
@@ -298,3 +286,21 @@ def test_data_dependent_slice_traces_on_meta():
         model = transformers.BltForCausalLM(tiny_config("blt", "BltForCausalLM")).eval()
     plan = derive_plan(model, "auto", 2)
     assert not any("could not be traced" in n for n in plan.notes.values()), plan.notes
+
+
+def test_perceiver_made_up_inputs_trace():
+    """Perceiver's main input is ``inputs`` ("anything", by its docstring), which no name rule
+    knows: it is made up for the model's first layer (the text preprocessor's token table:
+    [batch, seq] ids), so the model is traced and inferred, not split per layer by the
+    fallback, and the table its decoder reads outside its forward stays whole."""
+    from tpkit.plan import derive_plan
+    from tpkit.plan.inputs import synthesize_inputs
+
+    model = _build("perceiver")
+    _, kw = synthesize_inputs(model, 3, SEQ)
+    assert kw["inputs"].shape == (3, SEQ) and kw["inputs"].dtype == torch.long
+    plan = derive_plan(model, "auto", 2)
+    keys = sorted(plan.keys())
+    assert {str(plan.source(k)) for k in keys} == {"inferred"}, keys
+    assert "perceiver.encoder.cross_attention.mlp.dense1" in keys, keys
+    assert not any("input_preprocessor.embeddings" in k for k in keys), keys

@@ -476,6 +476,14 @@ FAMILY_SIZES = {"depth": 2}
 #: placeholder fields a default config leaves None (no audio could be given): set to a free
 #: id above the random text ids (`TEXT_IDS`), so the tower can run
 PLACEHOLDER_FIELDS = ("audio_token_id",)
+#: fields of a vision / audio sub-config that give the width its features reach the text model
+#: with (Qwen3-VL's, GLM-4V's merger output): set to the text model's hidden size, which the
+#: placeholder embeddings they replace have (the shrunk default left 3584 / 4096 against 64)
+OUTPUT_WIDTHS = ("out_hidden_size",)
+#: endings of a vision sub-config's lists of block indexes (Qwen3-VL's deepstack taps at blocks
+#: 8, 16, 24): past the cut ``depth`` they name no block and their mergers never run, so they
+#: become the first blocks (`_fit_family`)
+LAYER_INDEXES = ("_indexes", "_indices")
 
 
 def _fit_family(config) -> None:
@@ -484,7 +492,14 @@ def _fit_family(config) -> None:
     token the default config leaves None given an id (`PLACEHOLDER_FIELDS`), and a multimodal
     rotary's ``mrope_section`` (the rotary half-dims given to time / height / width, [16, 24,
     24] of a 128-wide head, the code's default where the config names none) scaled to the tiny
-    head (16 wide: [2, 3, 3]) wherever the config says it reads one."""
+    head (16 wide: [2, 3, 3]) wherever the config says it reads one. A tower's output width
+    (`OUTPUT_WIDTHS`) follows the text model's hidden size, and its lists of block indexes
+    (`LAYER_INDEXES`) name blocks that are left."""
+    text = getattr(config, "text_config", None) or config
+    for sub in (getattr(config, n, None) for n in ("vision_config", "audio_config")):
+        for k in OUTPUT_WIDTHS:
+            if sub is not None and isinstance(getattr(sub, k, None), int):
+                setattr(sub, k, text.hidden_size)
     for k in PLACEHOLDER_FIELDS:  # Voxtral's default config names no audio token
         if k in vars(config) and getattr(config, k) is None:
             setattr(config, k, TEXT_IDS)
@@ -492,6 +507,11 @@ def _fit_family(config) -> None:
         for k, v in FAMILY_SIZES.items():
             if sub is not None and isinstance(getattr(sub, k, None), int) and getattr(sub, k) > v:
                 setattr(sub, k, v)
+        depth = getattr(sub, "depth", None) if sub is not None else None
+        for k, v in vars(sub).items() if isinstance(depth, int) else ():
+            layers = isinstance(v, list) and v and all(isinstance(i, int) for i in v)
+            if k.endswith(LAYER_INDEXES) and layers and max(v) >= depth:
+                setattr(sub, k, list(range(min(len(v), depth))))
     text = getattr(config, "text_config", None) or config
     rope = getattr(text, "rope_parameters", None)
     reads = "mrope_section" in (getattr(type(text), "ignore_keys_at_rope_validation", None) or ())
@@ -505,6 +525,28 @@ def _fit_family(config) -> None:
     rope["mrope_section"] = scaled
 
 
+def _fit_rotary_sections(model, config) -> bool:
+    """A multimodal rotary whose ``mrope_section`` its code defaults to ([16, 24, 24] in
+    PaddleOCR-VL, whose config names none, so `_fit_family` cannot see it) does not add up to
+    its tiny ``inv_freq`` (a 16-wide head's 8): the sections scaled to it, set in the text
+    config's ``rope_parameters`` for a rebuild. Read off the built modules (any module with
+    both attributes), never by architecture name. Whether anything was set."""
+    text = getattr(config, "text_config", None) or config
+    rope = getattr(text, "rope_parameters", None)
+    for mod in model.modules():
+        section, freq = getattr(mod, "mrope_section", None), getattr(mod, "inv_freq", None)
+        if not isinstance(section, list) or freq is None or not isinstance(rope, dict):
+            continue
+        half = freq.numel()
+        if sum(section) == half or "mrope_section" in rope:
+            continue
+        scaled = [s * half // sum(section) for s in section]
+        scaled[-1] += half - sum(scaled)
+        rope["mrope_section"] = scaled
+        return True
+    return False
+
+
 def build_family(model_type: str, class_name: str, device: str = "cpu"):
     """The tiny model of any family (`tiny_family_config`), float32, eval mode."""
     import torch
@@ -514,6 +556,10 @@ def build_family(model_type: str, class_name: str, device: str = "cpu"):
     torch.manual_seed(0)
     with torch.device(device):
         model = getattr(transformers, class_name)(config)
+    if _fit_rotary_sections(model, config):  # the sections its code defaults to, scaled
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = getattr(transformers, class_name)(config)
     if hasattr(model, "set_default_language"):
         model.set_default_language(next(iter(config.languages)))
     return model.float().eval()

@@ -43,6 +43,7 @@ __all__ = [
     "output_embeddings",
     "synthesize_inputs",
     "text_only",
+    "unflattened_patches",
 ]
 
 #: the side of a made-up image when the config names none (ResNet, ConvNeXt): every stem and
@@ -69,6 +70,9 @@ GRID_IMAGE = 2
 _GRID_COLUMNS = {"_grid_thw": 3, "_grid_hw": 2}
 #: the forward argument of a NaFlex tower's per-image patch grid, [images, 2] (`_grid_inputs`)
 _SHAPES = "spatial_shapes"
+#: the ending of a forward argument ``image_*`` that gives each image's merge size, [images]
+#: (VideoLLaMA-3's ``image_merge_sizes``: the processor's, no config field): `_grid_inputs`
+_MERGES = "merge_sizes"
 #: config attributes of the tokens that open / close an image (`_grid_inputs`), first found
 _IMAGE_START = ("vision_start_token_id", "image_start_token_id", "boi_token_id")
 _IMAGE_END = ("vision_end_token_id", "image_end_token_id", "eoi_token_id")
@@ -82,6 +86,9 @@ _OWN_IDS = ("input", "position", "token_type", "decoder_input", "decoder_positio
 #: models whose trace with tower inputs failed: their made-up inputs keep to the text from
 #: then on (`text_only`), for the trace and the dry run alike. Weak: an entry goes with its model.
 _TEXT_ONLY: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+#: grid VLMs whose tower failed on flattened patches and ran on them as [patches, channels,
+#: (temporal,) patch, patch] (`unflattened_patches`: PaddleOCR-VL's patch embedding)
+_UNFLAT: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 #: fake tensor -> the values of the integer input it stands for (`keep_value`)
@@ -117,6 +124,29 @@ def text_only(model: nn.Module):
         yield
     except BaseException:
         _TEXT_ONLY.discard(model)
+        raise
+
+
+@contextlib.contextmanager
+def unflattened_patches(model: nn.Module) -> Iterator[bool]:
+    """Inside the block, and from then on if it exits cleanly, a grid VLM's made-up patches are
+    [patches, channels, (temporal,) patch, patch] instead of flattened to one row each: the
+    trace's retry before `text_only`. The processors of the Qwen2-VL lineage flatten each
+    patch, PaddleOCR-VL's keeps it as an image its patch embedding reshapes as five dims, and
+    nothing in the model's config or signature says which (each tower's code does): the
+    layout that runs is the one kept. Yields whether the model has grid inputs at all (False:
+    nothing changed, no retry is worth a trace)."""
+    config = getattr(model, "config", None)
+    grid = config is not None and model not in _UNFLAT
+    grid = grid and bool(_grid_inputs(model, config, _params(model), 1, 1))
+    if not grid:
+        yield False
+        return
+    _UNFLAT.add(model)
+    try:
+        yield True
+    except BaseException:
+        _UNFLAT.discard(model)
         raise
 
 
@@ -195,6 +225,10 @@ def _model_inputs(model: nn.Module, config: Any, batch: int, seq: int) -> dict[s
         value = _model_input(model, config, name, batch, seq)
         if value is not None:
             kwargs[name] = value
+    if main not in kwargs and main in params:  # Perceiver's ``inputs``: what its first layer reads
+        first = _first_input(model, batch, seq)
+        if first is not None:
+            kwargs[main] = first[0]
     if towers:
         kwargs.update(_grid_inputs(model, config, params, batch, seq))
         kwargs.update(_audio_inputs(model, config, params, batch, seq))
@@ -286,7 +320,9 @@ def _grid_inputs(
     side = GRID_IMAGE * merge
     thw = [1, side, side][-cols:]
     patches, tokens = side * side, GRID_IMAGE * GRID_IMAGE
-    width = channels * temporal * patch * patch
+    width: tuple[int, ...] = (channels * temporal * patch * patch,)
+    if model in _UNFLAT:  # `unflattened_patches`
+        width = (channels, *([temporal] * (temporal > 1)), patch, patch)
     start, end = (
         next((v for a in attrs if isinstance(v := getattr(config, a, None), int)), None)
         for attrs in (_IMAGE_START, _IMAGE_END)
@@ -299,9 +335,12 @@ def _grid_inputs(
     rows = (batch * patches,) if name != _SHAPES else (batch, patches)
     out = {
         "input_ids": ids,
-        "pixel_values": torch.zeros((*rows, width), dtype=_float_dtype(model), device="meta"),
+        "pixel_values": torch.zeros((*rows, *width), dtype=_float_dtype(model), device="meta"),
         name: torch.tensor([thw] * batch, dtype=torch.long),
     }
+    for n in params:  # each image's merge size where the forward takes it
+        if n.startswith("image_") and n.endswith(_MERGES):
+            out[n] = torch.full((batch,), merge, dtype=torch.long)
     if name == _SHAPES and "pixel_attention_mask" in params:
         out["pixel_attention_mask"] = torch.ones((batch, patches), dtype=torch.bool)
     if "mm_token_type_ids" in params:
@@ -595,23 +634,37 @@ def _first_layer(model: nn.Module) -> tuple[str, nn.Module] | None:
     return ("conv", found["conv"]) if found else None
 
 
+def _first_input(model: nn.Module, batch: int, seq: int) -> tuple[torch.Tensor, str] | None:
+    """One meta tensor shaped for the model's first layer (`_first_layer`), and that layer's
+    kind: [batch, seq] ids for a token table, [batch, in_channels, side...] for a convolution,
+    [batch, seq, in_features] for a linear. None where it has none. A plain module's input,
+    and a transformers model's main input that no name rule knows (Perceiver's ``inputs``,
+    "anything" by its docstring: what its input preprocessor reads)."""
+    first = _first_layer(model)
+    if first is None:
+        return None
+    what, mod = first
+    dtype = mod.weight.dtype if mod.weight.is_floating_point() else torch.float32
+    if what == "ids":
+        return torch.zeros((batch, seq), dtype=torch.long, device="meta"), what
+    if what == "conv":
+        dims = mod.weight.ndim - 2
+        shape = (batch, mod.in_channels, *([max(seq, 8)] * dims))
+        return torch.zeros(shape, dtype=dtype, device="meta"), what
+    hidden = in_width(mod, kind_of(mod))
+    return torch.zeros((batch, seq, hidden), dtype=dtype, device="meta"), what
+
+
 def _module_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple, dict]:
     """A plain module's inputs: one tensor shaped for its first layer, or, for a bare block
     whose forward requires more (a Llama layer's rotary embeddings, a Bloom block's alibi and
     mask), every argument it requires by name, sized from its submodules."""
-    first = _first_layer(model)
+    first = _first_input(model, batch, seq)
     if first is None:
         raise ValueError(f"{type(model).__name__} has no Linear, Conv1D or Embedding to trace.")
-    what, mod = first
-    dtype = mod.weight.dtype if mod.weight.is_floating_point() else torch.float32
-    if what == "ids":
-        return (torch.zeros((batch, seq), dtype=torch.long, device="meta"),), {}
-    if what == "conv":
-        dims = mod.weight.ndim - 2
-        shape = (batch, mod.in_channels, *([max(seq, 8)] * dims))
-        return (torch.zeros(shape, dtype=dtype, device="meta"),), {}
-    hidden = in_width(mod, kind_of(mod))
-    x = torch.zeros((batch, seq, hidden), dtype=dtype, device="meta")
+    x, what = first
+    if what != "linear":
+        return (x,), {}
     params = _params(model)
     names = list(params)
     if not names:

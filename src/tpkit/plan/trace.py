@@ -35,7 +35,7 @@ from tpkit.plan.fake import (
     trace_batch,
     trace_one_row,
 )
-from tpkit.plan.inputs import text_only
+from tpkit.plan.inputs import text_only, unflattened_patches
 from tpkit.plan.layout import kind_of, out_width
 from tpkit.plan.reductions import reduced_dims
 from tpkit.plan.shadow import ShadowValues, needs_values
@@ -584,7 +584,11 @@ def _text_only(model: nn.Module, first: Exception) -> dict[str, Any]:
     (`tpkit.plan.inputs.text_only`: images or audio its code does not take as made up): the
     towers stay whole, the language model is still split, as before towers were traced. From
     then on the model's made-up inputs (the dry run's too) keep to the text. The first error
-    is what a user sees if the text alone fails too, or if there were no tower inputs."""
+    is what a user sees if the text alone fails too, or if there were no tower inputs. A grid
+    VLM's patches are tried unflattened first (`tpkit.plan.inputs.unflattened_patches`)."""
+    with contextlib.suppress(Exception), unflattened_patches(model) as grid:
+        if grid:
+            return _fake_trace(model, None)
     towers = set(example_inputs(model)[1])
     try:
         with text_only(model):

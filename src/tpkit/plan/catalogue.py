@@ -13,7 +13,8 @@ Pure data: no process group, no torch.distributed (plan/ must run on a laptop, o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "bind",
     "canonical_style",
     "implementation",
+    "packed_style",
     "register_spec",
     "style_spec",
 ]
@@ -240,6 +242,13 @@ _BUILTIN = (
         own_entries=True,
     ),
     StyleSpec(
+        "moe_reduced_input",
+        "replicate",
+        "a module with parameters inside moe_tp_experts that reads the experts' summed output "
+        "(Ergo's per-expert norm): its input all-reduced first, its gradient all-reduced",
+        collective="all_reduce",
+    ),
+    StyleSpec(
         "moe_identity_expert",
         "replicate",
         "an identity expert inside moe_tp_experts: input / tp (the experts' sum adds tp copies)",
@@ -270,6 +279,37 @@ _BUILTIN = (
 _SPECS: dict[str, StyleSpec] = {}
 _ALIASES: dict[str, str] = {}
 _IMPLS: dict[str, Any] = {}
+#: a packed style with its own number of parts: ``packed_colwise_x16`` (`packed_style`)
+_PARTS = re.compile(r"^(?P<base>\w+?)_x(?P<parts>\d+)$")
+_DERIVED: dict[str, str] = {}  # derived name -> the packed style it counts other parts of
+
+
+def packed_style(base: str, parts: int) -> str:
+    """The name of packed style ``base`` (``packed_colwise``, ``packed_rowwise``) with ``parts``
+    packed parts instead of its own: ``packed_colwise_x16``. One entry's split factor, carried by
+    its style name so that everything that reads a layout from a style (loading, checkpoints,
+    validation, the dry run, `tpkit plan`) agrees without another field: 2-D experts stored as
+    ``[E * F, H]`` and viewed per expert (DBRX) are ``E`` parts, each split like a column."""
+    spec = style_spec(base)
+    if spec.packed_parts < 2 or parts < 2:
+        raise ValueError(f"packed_style: {base!r} is not a packed style or parts={parts} < 2.")
+    name = spec.name if parts == spec.packed_parts else f"{spec.name}_x{parts}"
+    return canonical_style(name)
+
+
+def _derive(name: str) -> bool:
+    """Register ``<packed style>_x<parts>`` on first use (a plan read back from YAML names it
+    before any derivation ran); False for any other unknown name."""
+    m = _PARTS.match(name)
+    base = _ALIASES.get(m["base"], m["base"]) if m else ""
+    spec = _SPECS.get(base)
+    if spec is None or spec.packed_parts < 2 or int(m["parts"]) < 2:
+        return False
+    parts = int(m["parts"])
+    math = f"{base} with {parts} packed parts (experts stored [E * F, H]), each split separately"
+    register_spec(replace(spec, name=name, packed_parts=parts, aliases=(), math=math))
+    _DERIVED[name] = base
+    return True
 
 
 def register_spec(style: StyleSpec, implementation: Any = None, *, replace: bool = False) -> None:
@@ -298,7 +338,7 @@ def canonical_style(name: str) -> str:
             "tensor_parallel(model, sequence_parallel=True), which shards the norms and residual "
             "stream between blocks by sequence (tpkit.training.sequence_parallel)."
         )
-    if name not in _SPECS:
+    if name not in _SPECS and not _derive(name):
         raise ValueError(
             f"Unknown tensor-parallel style {name!r}; known styles: {', '.join(sorted(_SPECS))} "
             f"(aliases: {', '.join(sorted(_ALIASES))})."
@@ -318,6 +358,11 @@ def all_specs() -> list[StyleSpec]:
 def implementation(name: str) -> Any:
     """The class bound to a style name (`tpkit.styles` binds the built-in ones on import)."""
     name = canonical_style(name)
+    if name not in _IMPLS and _DERIVED.get(name) in _IMPLS:
+        # the base's class, laying its parameters out as the derived spec says (its name)
+        base = _IMPLS[_DERIVED[name]]
+        attrs = {"name": name, "__module__": base.__module__}
+        _IMPLS[name] = type(f"{base.__name__}_x{_SPECS[name].packed_parts}", (base,), attrs)
     if name not in _IMPLS:
         raise ValueError(f"style {name!r} has no implementation registered (import tpkit.styles).")
     return _IMPLS[name]

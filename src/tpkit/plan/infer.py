@@ -506,7 +506,9 @@ def _infer_once(model: nn.Module, example_inputs) -> Plan:
     for r, cols in draft.rows.items():
         draft.groups.append(_group(model, draft, r, cols))
     _tails(model, draft)
-    draft.add_groups(expert_groups(model, draft.info, draft.exclude, draft.styles, draft.why))
+    draft.add_groups(
+        expert_groups(model, draft.info, draft.exclude, draft.styles, draft.why, draft.fixups)
+    )
     _unreached_like_siblings(model, draft)
     mixers, mixer_groups = ssm_groups(model)  # Mamba-1 mixers: split by channels
     for name, style in mixers.items():

@@ -31,6 +31,7 @@ from tpkit.styles.combined import (
     AllReduceStyle,
     MoeExpertsStyle,
     MoeIdentityExpertStyle,
+    MoeReducedInputStyle,
     TailGradAllReduceStyle,
 )
 from tpkit.styles.conv import ConvColwiseStyle, ConvGatherStyle, ConvRowwiseStyle, NormChannelStyle
@@ -65,6 +66,7 @@ __all__ = [
     "GatherOutputStyle",
     "MoeExpertsStyle",
     "MoeIdentityExpertStyle",
+    "MoeReducedInputStyle",
     "PackedColwiseStyle",
     "PackedQKVColwiseStyle",
     "PackedRowwiseStyle",
@@ -109,6 +111,7 @@ for _cls in (
     AllReduceStyle,
     MoeExpertsStyle,
     MoeIdentityExpertStyle,
+    MoeReducedInputStyle,
     TailGradAllReduceStyle,
 ):
     bind(_cls.name, _cls)

@@ -1,4 +1,6 @@
-"""Session-wide rank groups: ``ranks2`` and ``ranks4`` start once and run many checks each."""
+"""Session-wide rank groups: ``ranks2``, ``ranks3`` and ``ranks4`` start once and run many checks
+each. Starting a group (spawned ranks importing torch and transformers) costs several seconds on
+2 cores: a module that starts its own group of a size named here pays that again."""
 
 from __future__ import annotations
 
@@ -24,6 +26,12 @@ def _group(world: int) -> RankGroup:
 @pytest.fixture(scope="session")
 def ranks2() -> RankGroup:
     return _group(2)
+
+
+@pytest.fixture(scope="session")
+def ranks3() -> RankGroup:
+    """tp=3: widths and head counts tp does not divide."""
+    return _group(3)
 
 
 @pytest.fixture(scope="session")

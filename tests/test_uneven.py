@@ -47,7 +47,7 @@ def test_codegen_fixed_qkv_groups_refused_at_tp3():
 
     model = _meta("codegen", "CodeGenForCausalLM", n_head=12, n_embd=192)
     validate(model, derive_plan(model, "auto", 2), 2)  # 2 of the 4 groups per rank: fine
-    plan = derive_plan(model, "auto", 3)
+    plan = derive_plan(model, "config", 3)  # "auto" gathers the attention instead
     with pytest.raises(ValueError) as info:
         validate(model, plan, 3)
     msg = str(info.value)

@@ -122,10 +122,14 @@ def _config_plan_at(model: nn.Module, plan: Plan, tp: int, example) -> Plan:
         if t.kind == "module" and t.source == Source.CONFIG and "." in t.name
     }
     bad = [
-        f"{label} of {owner}"
+        f"tp does not divide {label} of {owner}"
         for owner, label, count in head_constraints(model, laid)
         if count % tp and owner in config_owners
     ]
+    if not bad and config_owners and tp != 2:  # tp=2 was dry-run when the source was chosen
+        error = dry_run(model, laid, example, tp)  # the code may not fit (CodeGen's mp_num)
+        if error is not None and dry_run(model, Plan(), example, tp) is None:
+            bad = [f"its split fails a dry run ({error})"]
     if not bad:
         return plan
     try:
@@ -135,8 +139,8 @@ def _config_plan_at(model: nn.Module, plan: Plan, tp: int, example) -> Plan:
     with reuse_traces():
         inferred = complete_grad_allreduce(model, complete_tied_layers(model, inferred), example)
     inferred.notes[type(model).__name__] = (
-        f"transformers' base_model_tp_plan is not used at tp_size={tp}: tp does not divide "
-        f"{bad[0]}; the inferred plan is, its groups tp does not divide gathered or whole (pass "
+        f"transformers' base_model_tp_plan is not used at tp_size={tp}: {bad[0]}; the "
+        "inferred plan is, its groups that cannot split at tp gathered or whole (pass "
         "plan='config' to force transformers' plan)"
     )
     return inferred

@@ -8,16 +8,28 @@ communicated, so derivation and settling can try plans freely (transformers' pla
 one, one with a group gathered or left whole) and validation can check a user's entries. A
 failure names the first error. The dry run only answers "does this plan run at tp?"; what to do
 when it does not is `tpkit.plan.settle`'s.
+
+Running is not enough: a reshape can fit a shard and still cut it in the wrong place. CodeGen's
+``qkv_proj`` output is 4 fixed groups of [q | v | k] (``mp_num``), viewed as
+``(-1, 3 * embed_dim // 4)``: with ``embed_dim`` divided the view fits every shard, but each
+rank's groups are cut into quarters-of-groups and q, v and k read each other's features (no
+error, wrong numbers). So every fake dry run also compares its reshapes with those of the
+unsplit model's fake forward (`_cut_inside`): a shard's view may only have fewer of the outermost
+blocks a split last dim (a column layer's features) is viewed as, never blocks of another size;
+else it fails like a reshape that does not fit, and settling gathers or keeps that group whole.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from tpkit.compat import FakeTensorMode
 from tpkit.plan.catalogue import style_spec
@@ -46,6 +58,11 @@ from tpkit.plan.spec import Plan
 __all__ = ["dry_run"]
 
 _NOTHING_LEARNED = "<nothing learned>"
+#: the calls whose output shape says how a feature dim is cut into blocks
+_RESHAPES = frozenset({"view", "reshape", "unflatten", "flatten"})
+#: model -> (inputs, with shadow values) -> the unsplit fake forward's reshapes per module;
+#: weak, so an entry goes with its model
+_UNSPLIT: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 def dry_run(model: nn.Module, plan: Plan, example: tuple | Mapping | None, tp: int) -> str | None:
@@ -135,9 +152,13 @@ def _dry_run_once(
     real: bool,
     values: bool = False,
     rank: int = 0,
+    record: dict[str, list] | None = None,
 ) -> str | None:
-    """None when a forward with ``rank``'s shapes runs, else the error in brief."""
+    """None when a forward with ``rank``'s shapes runs, else the error in brief. A fake run
+    also fails where a reshape cuts the shards inside their blocks (`_cut_inside`); with
+    ``record`` (the unsplit reference run) it only fills it."""
     plan = plan.copy()
+    reshapes: dict[str, list] = {} if record is None else record
     lay_out(model, plan, tp)  # as settling lays the plan out for this tp, before any trial
     shapes = _shard_shapes(model, plan, tp, rank)
     undo, hooks, running = (lambda: None), [], []
@@ -153,9 +174,15 @@ def _dry_run_once(
                     model(*args, **kwargs)
             else:
                 shadow = ShadowValues(fake) if values else contextlib.nullcontext()
-                with meta_state(model, fake, shapes), fake_friendly_experts(model), fake, shadow:
+                recorder = _Reshapes(running, reshapes)
+                with (
+                    meta_state(model, fake, shapes),
+                    fake_friendly_experts(model),
+                    fake,
+                    shadow,
+                    recorder,
+                ):
                     model(*args, **kwargs)
-        return None
     except Exception as exc:  # noqa: BLE001 - whatever the model's code raises
         error = _brief(exc)
         inner = running[-1] if running else ""
@@ -164,6 +191,108 @@ def _dry_run_once(
         for h in hooks:
             h.remove()
         undo()
+    if real or record is not None:
+        return None
+    return _cut_inside(reshapes, _unsplit(model, example, values), tp, rank)
+
+
+class _Reshapes(TorchFunctionMode):
+    """Records each view / reshape as (input shape, output shape), per innermost running
+    module (``running``, kept by `_where`'s hooks), in ``out``."""
+
+    def __init__(self, running: list[str], out: dict[str, list]):
+        super().__init__()
+        self.running, self.out = running, out
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        tensors = args and isinstance(args[0], torch.Tensor) and isinstance(result, torch.Tensor)
+        if name in _RESHAPES and tensors:
+            where = self.running[-1] if self.running else ""
+            self.out.setdefault(where, []).append((tuple(args[0].shape), tuple(result.shape)))
+        return result
+
+
+def _unsplit(model: nn.Module, example, values: bool) -> dict[str, list] | None:
+    """The unsplit model's reshapes on the same fake inputs (cached per model and inputs);
+    None when that forward does not run (then nothing can be compared)."""
+    cache = _UNSPLIT.setdefault(model, {})
+    shapes = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+    key = (id(example), values, hash(shapes))  # a model changed since has other parameters
+    if key not in cache or cache[key][0] is not example:  # an id reused by other inputs
+        record: dict[str, list] = {}
+        error = _dry_run_once(model, Plan(), example, 1, real=False, values=values, record=record)
+        cache[key] = (example, None if error is not None else record)
+    return cache[key][1]
+
+
+def _cut_inside(
+    split: dict[str, list], unsplit: dict[str, list] | None, tp: int, rank: int
+) -> str | None:
+    """The first reshape of the split run that views a shard as blocks of another size than
+    the unsplit run's same reshape (see the module docstring), as an error; None when there is
+    none. Calls are matched per module, in order; a module whose calls differ in number or
+    rank is skipped (nothing to compare)."""
+    for where, calls in split.items():
+        ref = (unsplit or {}).get(where, [])
+        if len(ref) != len(calls):
+            continue
+        for (s_in, s_out), (u_in, u_out) in zip(calls, ref, strict=True):
+            if (s_in, s_out) != (u_in, u_out) and _cuts(u_in, u_out, s_in, s_out):
+                return (
+                    f"in {where}: a reshape cuts the split features inside their blocks: "
+                    f"{list(u_in)} -> {list(u_out)} unsplit, {list(s_in)} -> {list(s_out)} on "
+                    f"rank {rank} at tp={tp} (the shard is not a whole number of blocks)"
+                )
+    return None
+
+
+def _cuts(u_in: tuple, u_out: tuple, s_in: tuple, s_out: tuple) -> bool:
+    """The split view ``s_in -> s_out`` cuts a shard's last dim (a column layer's features, a
+    contiguous cut of them) into blocks of another size than the unsplit view ``u_in -> u_out``
+    does: the last dim, viewed as several dims, may only have fewer of the outermost blocks on
+    a shard (``(4, 144)`` as ``(2, 144)``, not ``(4, 72)``), and where the shard holds it whole,
+    the same blocks. Other dims are not judged (a head dim sliced per batch row is cut in
+    strides, which shapes cannot tell from a cut inside blocks), nor are shapes that do not
+    line up (another number of dims, zero sizes, the last dim merged with others)."""
+    if len(u_in) != len(s_in) or len(u_out) != len(s_out) or 0 in (*s_in, *s_out, *u_in):
+        return False
+    last = len(u_in) - 1
+    for gi, go in _groups(u_in, u_out):
+        if gi != [last] or math.prod(s_out[j] for j in go) != s_in[last]:
+            continue  # another group, the last dim merged with others, or grouped otherwise
+        d_out = [j for j in go if u_out[j] != s_out[j]]
+        if u_in[last] == s_in[last] or len(d_out) != 1:
+            return bool(d_out)  # whole, viewed otherwise; or blocks of several sizes changed
+        return math.prod(u_out[go[0] : d_out[0]]) != 1  # the cut is not of the outer blocks
+    return False
+
+
+def _groups(a: tuple, b: tuple) -> list[tuple[list[int], list[int]]]:
+    """Dims of ``a`` and of ``b`` grouped where a view of ``a`` as ``b`` maps one onto the
+    other (equal running products); [] when the shapes do not line up."""
+    out, i, j = [], 0, 0
+    pa, pb = 1, 1
+    while i < len(a) or j < len(b):
+        gi, gj = [], []
+        if i < len(a):
+            pa, i = pa * a[i], i + 1
+            gi.append(i - 1)
+        if j < len(b):
+            pb, j = pb * b[j], j + 1
+            gj.append(j - 1)
+        while pa != pb:
+            if pa < pb and i < len(a):
+                pa, i = pa * a[i], i + 1
+                gi.append(i - 1)
+            elif pb < pa and j < len(b):
+                pb, j = pb * b[j], j + 1
+                gj.append(j - 1)
+            else:
+                return []
+        out.append((gi, gj))
+    return out
 
 
 def _where(model: nn.Module, running: list[str]) -> list:

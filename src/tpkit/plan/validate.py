@@ -100,7 +100,9 @@ def _tp_dataflow_problems(
 ) -> list[str]:
     """A derived plan is dry-run at tp=2 when it is made; at another tp the model's code may
     still not fit its shards (CodeGen's ``qkv_proj`` interleaves 4 fixed groups, ``mp_num``,
-    whatever the heads: tp=3 cuts groups apart). One forward on fake tensors with rank 0's
+    whatever the heads: tp=3 cuts groups apart). Under "auto" derivation settles that (the
+    group gathered or whole); transformers' plan forced (``plan="config"``) is not rewritten,
+    so it is refused here. One forward on fake tensors with rank 0's
     (and the last rank's) shards at this tp, no collectives; the failing module is named with
     its integer attributes tp does not divide, and the tp sizes that do run are listed."""
     error = dry_run(model, plan, example, tp)

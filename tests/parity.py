@@ -157,6 +157,38 @@ def full_size_report(
     return {"share": share, "whole": whole, "why": why}
 
 
+def full_size_reports_part(cases: list[tuple[str, dict]]) -> dict[int, dict]:
+    """Run on every rank: `full_size_report` of this rank's share of ``cases`` (every world-th
+    one, from its rank on), by index; an exception is returned as ``{"error": traceback}`` so it
+    fails only its own case."""
+    import traceback
+
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[int, dict] = {}
+    for i in range(rank, len(cases), world):
+        class_name, kwargs = cases[i]
+        try:
+            out[i] = full_size_report(class_name, **kwargs)
+        except Exception:  # noqa: BLE001 - reported by the case's own test
+            out[i] = {"error": traceback.format_exc()}
+    return out
+
+
+def full_size_reports(group: Any, cases: list[tuple[str, dict]]) -> list[dict]:
+    """`full_size_report` of each ``(class_name, kwargs)`` in ``cases``, spread over the ranks
+    of ``group`` (a `tests.harness.RankGroup`). A full-size build on meta runs in one process
+    and leaves the other core idle; its plan is pure (no process group), so the ranks of a
+    group can each derive a different one: on 2 cores that halves the wall time, with the
+    same figures. Alternate cases go to alternate ranks: order them so the costly ones
+    alternate too."""
+    merged: dict[int, dict] = {}
+    for part in group.run(full_size_reports_part, cases, timeout=600):
+        merged.update(part)
+    return [merged[i] for i in range(len(cases))]
+
+
 def _generic(name: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", name)
 
@@ -168,6 +200,19 @@ def assert_parity(results: list[dict], tol: float = 1e-5) -> None:
         assert r["logits"] <= tol, r
         assert r["grad"] <= tol * max(1.0, r["grad_scale"]), r
         assert not r["missing"], r
+
+
+class Residual(torch.nn.Module):
+    """``x + inner(x)``: the residual add of the random graphs of `tests.test_property` (on
+    features) and `tests.test_convs` (on channels), where a split output must not meet the
+    whole stream it is added to."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(x)
 
 
 def module_parity(ref: torch.nn.Module, model: torch.nn.Module, *args: Any) -> dict:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tests.harness import RankGroup
+from tests.parity import Residual
 
 TOL = 1e-5
 
@@ -138,15 +139,6 @@ MODELS = {
 
 
 # -- random module graphs (the property test) -------------------------------------------------
-class Residual(nn.Module):
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return x + self.inner(x)
-
-
 class Branch(nn.Module):
     """Two branches on one input, summed or concatenated on the channels."""
 
@@ -309,10 +301,11 @@ def _split(ref: nn.Module, paired: bool) -> nn.Module:
         fallback.conv_pairs = found
 
 
-def parity(name: str, train: bool | None = None, paired: bool = True) -> dict:
+def parity(name: str, train: bool | None = None, paired: bool = True, before: bool = False) -> dict:
     """Run on every rank: the split model against the unsharded one (outputs, every gradient,
     BatchNorm's running statistics after the step), its styles, and the collectives of one
-    forward with the pairs and with the per-layer gathers of before."""
+    forward with the pairs and (``before``: one more split) with the per-layer gathers of
+    before."""
     from tpkit.parallelize import tp_state
 
     ref, shape, random_train = _build(name)
@@ -345,7 +338,7 @@ def parity(name: str, train: bool | None = None, paired: bool = True) -> dict:
     styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
     ref.eval()
     counts = {"after": _count_collectives(model.eval(), x)}
-    if name == "resnet":
+    if before:
         counts["before"] = _count_collectives(_split(ref, paired=False), x)
     return {
         "out": out,
@@ -359,6 +352,19 @@ def parity(name: str, train: bool | None = None, paired: bool = True) -> dict:
     }
 
 
+_RUNS: dict[tuple, list[dict]] = {}
+
+
+def _run(group: RankGroup, name: str, train: bool, before: bool = False) -> list[dict]:
+    """``group.run(parity, ...)`` once per session for each (tp, model, mode): the tp=2 eval
+    ResNet split serves both `test_resnet_pairs` and `test_resnet_collectives` (the same rank
+    work twice before)."""
+    key = (group.world, name, train, before)
+    if key not in _RUNS:
+        _RUNS[key] = group.run(parity, name, train, before=before)
+    return _RUNS[key]
+
+
 def _assert_parity(results: list[dict]) -> dict:
     for r in results:
         assert r["out"] <= TOL, r
@@ -369,16 +375,9 @@ def _assert_parity(results: list[dict]) -> dict:
 
 
 # -- rank groups ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ranks3():
-    group = RankGroup(3)
-    yield group
-    group.close()
-
-
 @pytest.fixture(params=[2, 3, 4], ids=lambda t: f"tp{t}")
 def ranks(request):
-    """tp=2 and 4 from the session's groups, tp=3 from this module's."""
+    """tp=2, 3 and 4 from the session's groups (`tests.conftest`)."""
     fixture = {2: "ranks2", 3: "ranks3", 4: "ranks4"}[request.param]
     return request.param, request.getfixturevalue(fixture)
 
@@ -390,7 +389,7 @@ def test_resnet_pairs(ranks, train):
     (BatchNorm split by channels, exact in train mode too); the stem, whose split output would
     meet the residual add, is gathered."""
     tp, group = ranks
-    r = _assert_parity(group.run(parity, "resnet", train))
+    r = _assert_parity(_run(group, "resnet", train, before=tp == 2 and not train))
     styles = r["styles"]
     for b in ("1", "2"):
         assert styles[f"{b}.conv1"] == "conv_colwise", styles
@@ -404,7 +403,7 @@ def test_resnet_pairs(ranks, train):
 def test_resnet_collectives(ranks2):
     """One forward of the ResNet-like stack: 5 gathers before (one per convolution, plus the
     head), 1 + 1 and 2 all-reduces after (the stem and the head gathered, one per pair)."""
-    r = ranks2.run(parity, "resnet", False)[0]
+    r = _assert_parity(_run(ranks2, "resnet", False, before=True))
     assert r["counts"]["before"] == {"all_reduce": 0, "all_gather": 6}, r["counts"]
     assert r["counts"]["after"] == {"all_reduce": 2, "all_gather": 2}, r["counts"]
 
@@ -413,7 +412,7 @@ def test_convnext_no_pair_across_layernorm(ranks):
     """The stem's channels go through a depthwise conv, then a LayerNorm over the channels (a
     reduction): the stem must not pair across it. The 1x1 up / down convolutions pair."""
     tp, group = ranks
-    r = _assert_parity(group.run(parity, "convnext", False))
+    r = _assert_parity(_run(group, "convnext", False))
     styles = r["styles"]
     assert styles["0"] == "conv_colwise_gather", styles
     assert "1.dwconv" not in styles and "1.norm.norm" not in styles, styles
@@ -425,7 +424,7 @@ def test_transposed(ranks):
     """ConvTranspose as column (weight dim 1) and row (dim 0) layers; a GroupNorm between a
     pair only when tp divides its groups (tp=3 leaves that pair whole)."""
     tp, group = ranks
-    r = _assert_parity(group.run(parity, "transposed", False))
+    r = _assert_parity(_run(group, "transposed", False))
     styles = r["styles"]
     assert styles["0"] == "conv_colwise" and styles["1"] == "norm_channelwise", styles
     assert styles["3"] == "conv_rowwise", styles
@@ -440,7 +439,7 @@ def test_grouped(ranks):
     """A grouped and a depthwise convolution follow their channels when tp divides their
     groups (channels and groups split together); tp=4 does not divide 6 groups."""
     tp, group = ranks
-    r = _assert_parity(group.run(parity, "grouped", False))
+    r = _assert_parity(_run(group, "grouped", False))
     styles = r["styles"]
     if tp == 4:
         assert styles["0"] == "conv_colwise_gather" and "3" not in styles, styles
@@ -456,7 +455,7 @@ def test_padding_modes(ranks, name):
     """reflect, circular and replicate padding pad each channel alone: pairs split exactly
     (padded1d: in train mode, BatchNorm1d between the pair)."""
     tp, group = ranks
-    r = _assert_parity(group.run(parity, name, name == "padded1d"))
+    r = _assert_parity(_run(group, name, name == "padded1d"))
     styles = r["styles"]
     row = "2" if name == "padded" else "3"
     assert styles["0"] == "conv_colwise" and styles[row] == "conv_rowwise", styles

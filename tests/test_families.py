@@ -24,15 +24,24 @@ def _first(out):
     return out.logits if hasattr(out, "logits") else out[0]
 
 
-def family_parity(model_type: str, class_name: str, family: str) -> dict:
-    """Run on every rank: max |diff| of the first output and of every gradient (backward of a
-    fixed random projection of it), tp=2 vs unsharded, and which >=2-D weights are sharded."""
+def _split_family(model_type: str, class_name: str, family: str) -> tuple:
+    """The tiny model, its inputs and ``tensor_parallel`` of a copy (run on every rank)."""
     import tpkit
     from tests.tiny import build_family, family_inputs
 
     ref = build_family(model_type, class_name)
     x = family_inputs(ref, family)
-    model = tpkit.tensor_parallel(copy.deepcopy(ref))
+    return ref, tpkit.tensor_parallel(copy.deepcopy(ref)), x
+
+
+def family_parity(model_type: str, class_name: str, family: str) -> dict:
+    """Run on every rank: max |diff| of the first output and of every gradient (backward of a
+    fixed random projection of it), tp=2 vs unsharded, and which >=2-D weights are sharded."""
+    return _parity(*_split_family(model_type, class_name, family))
+
+
+def _parity(ref: torch.nn.Module, model: torch.nn.Module, x: dict) -> dict:
+    """`family_parity` on a split already made."""
     w = None
     outs = []
     for m in (ref, model):
@@ -81,8 +90,14 @@ def test_vlm_trace_inputs_reach_the_vision_tower():
     assert kwargs["input_ids"].shape == (2, 9)
 
 
-def test_llava_vision_tower_and_projector_split_tp2(ranks2):
-    r = _check(ranks2.run(family_parity, *LLAVA))
+@pytest.fixture(scope="module")
+def llava(ranks2) -> list[tuple]:
+    """Each rank's (parity, tokens) of one tp=2 split of the tiny LLaVA."""
+    return ranks2.run(vlm_parity_and_generate, *LLAVA)
+
+
+def test_llava_vision_tower_and_projector_split_tp2(llava):
+    r = _check([parity for parity, _ in llava])
     sharded = set(r["sharded"])
     for name in (
         "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight",
@@ -111,15 +126,16 @@ def test_dual_encoder_and_speech_towers_split_tp2(ranks2, arch):
     assert len(hit) == 2, sorted(r["sharded"])
 
 
-def vlm_generate(model_type: str, class_name: str, family: str) -> tuple[list, list]:
-    """Run on every rank: 6 greedy tokens after an image and a prompt, with the cache on,
-    unsharded and tp=2."""
-    import tpkit
-    from tests.tiny import build_family, family_inputs
+def vlm_parity_and_generate(model_type: str, class_name: str, family: str) -> tuple:
+    """Run on every rank: one split of the VLM serves both LLaVA tests (building and splitting
+    it is most of their time): `family_parity`'s figures, then `_generate`'s tokens (the
+    gradients of the parity step do not touch the weights or the cache)."""
+    ref, model, x = _split_family(model_type, class_name, family)
+    return _parity(ref, model, x), _generate(ref, model, x)
 
-    ref = build_family(model_type, class_name)
-    x = family_inputs(ref, family)
-    model = tpkit.tensor_parallel(copy.deepcopy(ref))
+
+def _generate(ref: torch.nn.Module, model: torch.nn.Module, x: dict) -> tuple[list, list]:
+    """6 greedy tokens after an image and a prompt, with the cache on, unsharded and tp=2."""
     kw = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     kw["use_cache"] = True
     with torch.no_grad():
@@ -132,8 +148,8 @@ def vlm_generate(model_type: str, class_name: str, family: str) -> tuple[list, l
     return want.tolist(), got.tolist()
 
 
-def test_vlm_generate_with_an_image_gives_the_unsharded_tokens(ranks2):
-    for want, got in ranks2.run(vlm_generate, *LLAVA):
+def test_vlm_generate_with_an_image_gives_the_unsharded_tokens(llava):
+    for _, (want, got) in llava:
         assert got == want
 
 

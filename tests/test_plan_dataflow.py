@@ -21,7 +21,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tests.harness import RankGroup
 from tests.parity import module_parity
 
 TOL = 1e-5
@@ -147,13 +146,6 @@ def _check(results: list[dict]) -> dict:
         assert r["grad"] <= TOL * max(1.0, r["scale"]), r
         assert not r["missing"], r
     return results[0]
-
-
-@pytest.fixture(scope="module")
-def ranks3():
-    group = RankGroup(3)
-    yield group
-    group.close()
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tests.harness import RankGroup
-from tests.parity import module_parity
+from tests.parity import Residual, module_parity
 
 TOL = 1e-5
 
@@ -44,15 +44,6 @@ if os.environ.get("TPKIT_PROPERTY_ALL") == "1":  # every feature: to check a fix
 
 
 # -- the graph's pieces (module-level: every rank builds them from the seed) --------------------
-class Residual(nn.Module):
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return x + self.inner(x)
-
-
 class Branch(nn.Module):
     """Two branches on one input, summed or concatenated on the features."""
 
@@ -471,14 +462,7 @@ def _check(group: RankGroup, seed: int) -> None:
     _SEEN["sharded"] += r["sharded"]
 
 
-# -- rank groups ----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ranks3():
-    group = RankGroup(3)
-    yield group
-    group.close()
-
-
+# -- settings (tp=2, 3 and 4 run on the session's rank groups, `tests.conftest`) --------------
 _SETTINGS = dict(
     deadline=None,
     derandomize=True,

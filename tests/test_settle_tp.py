@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import RankGroup
 from tests.test_property import _assert, graph_parity, random_net
 
 #: seed -> what tp=3 used to refuse
@@ -24,13 +23,6 @@ SEEDS = {
     161: "body.2 cannot run on its shards (heads=4, kv=4): 24 features divide, 4 heads do not",
     47: "per packed part (2 parts) (16) of body.5.gate_up.weight (packed_colwise)",
 }
-
-
-@pytest.fixture(scope="module")
-def ranks3():
-    group = RankGroup(3)
-    yield group
-    group.close()
 
 
 @pytest.mark.parametrize("seed", sorted(SEEDS))

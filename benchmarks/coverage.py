@@ -22,15 +22,25 @@ ones; `tests.tiny.FAMILIES`): ``--families`` enumerates their mappings instead, 
 model with every sub-config shrunk (`tests.tiny.tiny_family_config`), feeds it the inputs its
 forward reads (`tests.tiny.family_inputs`: pixels, audio, image placeholders; no downloads),
 checks tp=2 parity of its first output and every gradient, and reports per family. It writes
-``coverage_families.json`` / ``.md``; ``--resume`` keeps the rows already there.
+``coverage_families.json`` / ``.md``.
+
+Both reports are rewritten after every architecture (atomically), so a sweep can run in pieces:
+a killed run loses at most the row it was on, and ``--resume`` runs only the rows not written
+yet (``--retry timeout error``: those too). Each architecture's work runs on the rank group
+under ``--timeout`` seconds per call; a group that hangs is killed, the row says "timeout",
+and the sweep goes on with a fresh group. ``--markdown-only`` re-renders the markdown (summary
+included) from the JSON.
 
     python -m benchmarks.coverage --families image-text-to-text dual-encoder
     python -m benchmarks.coverage --families all --resume   # every family, hours on 2 cores
+    python -m benchmarks.coverage --families all --markdown-only
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -70,22 +80,27 @@ def inputs(model, kind: str) -> dict:
 
 
 def check_parity(model_type: str, class_name: str, kind: str) -> dict:
-    """Run on both ranks: tp=2 logits vs the unsharded model's."""
+    """Run on both ranks: tp=2 logits and every gradient vs the unsharded model's.
+
+    One forward of each model, with autograd on, gives both the logits compared and the graph
+    the gradients come from (a second, no-grad forward only repeated the first: a wav2vec2 CTC
+    head's conv stack made that 3.5 s of its 17). The unsharded forward runs before any
+    collective, so a shrunk config it cannot run fails on every rank alike."""
     import copy
 
-    import torch
     from torch.distributed.tensor import DTensor, Replicate
 
     import tpkit
 
     ref = build(model_type, class_name)
     x = inputs(ref, kind)
+    model = copy.deepcopy(ref)  # before any forward: no module state a forward leaves behind
     try:
-        with torch.no_grad():
-            want = _logits(ref(**x))
+        ref_out = _logits(ref(**x))
     except Exception as exc:  # noqa: BLE001 - the shrunk config, not tensor parallelism
         raise RuntimeError(f"unsharded reference forward fails: {_short(exc)}") from exc
-    model = tpkit.tensor_parallel(copy.deepcopy(ref))
+    want = ref_out.detach()
+    model = tpkit.tensor_parallel(model)
     plan = model._tpkit.plan
     sources = sorted({plan.source(p) for p in plan})
     total = sharded = 0
@@ -94,11 +109,10 @@ def check_parity(model_type: str, class_name: str, kind: str) -> dict:
             total += p.numel()
             if isinstance(p, DTensor) and p.placements[0] != Replicate():
                 sharded += p.numel()
-    with torch.no_grad():
-        got = _logits(model(**x))
-    diff = (got - want).abs().max().item()
+    out = _logits(model(**x))
+    diff = (out.detach() - want).abs().max().item()
     tol = TOL * max(1.0, want.abs().max().item())  # float32 sums in another order
-    grad_diff, grad_tol, missing = _grad_diff(ref, model, x, want.shape)
+    grad_diff, grad_tol, missing = _grad_diff(ref, model, ref_out, out)
     skipped = bool(missing) and missing[0].startswith("no reference backward")
     return {
         "source": "config" if "config" in sources else ("inferred" if sources else "none"),
@@ -112,18 +126,18 @@ def check_parity(model_type: str, class_name: str, kind: str) -> dict:
     }
 
 
-def _grad_diff(ref, model, x: dict, shape) -> tuple[float, float, list[str]]:
-    """Backward of the same random projection of the logits through both models: the largest
-    gradient difference over all parameters, its tolerance, and parameters that got a
-    gradient in one model only."""
+def _grad_diff(ref, model, ref_out, out) -> tuple[float, float, list[str]]:
+    """Backward of the same random projection of both models' logits (``ref_out``, ``out``,
+    forwards with autograd on): the largest gradient difference over all parameters, its
+    tolerance, and parameters that got a gradient in one model only."""
     import torch
     from torch.distributed.tensor import DTensor
 
-    w = torch.randn(shape, generator=torch.Generator().manual_seed(2))
-    for m in (ref, model):
+    w = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(2))
+    for m, y in ((ref, ref_out), (model, out)):
         m.zero_grad(set_to_none=True)
         try:
-            (_logits(m(**x)) * w).sum().backward()
+            (y * w).sum().backward()
         except Exception as exc:  # noqa: BLE001
             if m is model:
                 raise
@@ -145,11 +159,13 @@ def _grad_diff(ref, model, x: dict, shape) -> tuple[float, float, list[str]]:
     return diff, TOL * max(1.0, top), missing
 
 
-def infer_share(model_type: str, class_name: str) -> dict:
-    """Inferred plan on the meta device, no ranks: share of 2-D parameters it shards at tp=2."""
+def infer_share(model_type: str, class_name: str, model=None) -> dict:
+    """Inferred plan on the meta device, no ranks: share of 2-D parameters it shards at tp=2.
+    ``model``: the tiny model already built on meta (else built here)."""
     from tpkit.plan import infer_plan, param_layouts, validate
 
-    model = build(model_type, class_name, device="meta")
+    if model is None:
+        model = build(model_type, class_name, device="meta")
     plan = infer_plan(model)
     validate(model, plan, 2)
     layouts = param_layouts(model, plan)
@@ -182,6 +198,40 @@ def full_size(class_name: str, model_type: str) -> dict:
     return out
 
 
+def meta_checks(model_type: str, class_name: str) -> dict:
+    """Run on the rank group, no collectives: the row's work on the meta device, split between
+    the ranks so that it costs the longer of its two halves instead of their sum, and under the
+    group's timeout (a full-size trace that hangs is killed with the group instead of stalling
+    the sweep). Rank 0 derives the tp=2 plan of the default config at full size (`full_size`,
+    the slow half: 1 to 15 s); the last rank builds the tiny model on meta (``tiny_build_error``
+    when it cannot) and infers its plan on that same model (`infer_share`). A group of one rank
+    does both."""
+    rank, world = _rank()
+    out: dict = {}
+    if rank == world - 1:
+        try:
+            model = build(model_type, class_name, device="meta")
+        except Exception as exc:  # noqa: BLE001 - the shrunk config, reported
+            out["tiny_build_error"] = _short(exc)
+        else:
+            try:
+                out.update(infer_share(model_type, class_name, model))
+            except Exception as exc:  # noqa: BLE001
+                out["inferred_error"] = _short(exc)
+    if rank == 0:
+        out.update(full_size(class_name, model_type))
+    return out
+
+
+def _rank() -> tuple[int, int]:
+    """This process's (rank, world size): the process group's, else one rank."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def hf_plan_facts(config) -> dict:
     """Whether transformers ships a plan for the config, and whether it names a layer (a
     ``layers.*`` pattern) rather than only the vocabulary embedding, as some shipped plans do."""
@@ -202,14 +252,28 @@ def _short(exc: BaseException | str) -> str:
     return msg.strip()[:220]
 
 
+#: how often (architectures) the rank group is started afresh: it bounds what the modeling
+#: modules imported and the caches they fill hold in the ranks over a sweep of hundreds
+RESTART_EVERY = 100
+
+
 def run(
     only: list[str] | None,
     out_dir: Path,
     families: list[str] | None = None,
     resume: bool = False,
+    timeout: float = 180.0,
+    retry: tuple[str, ...] = (),
 ) -> dict:
     """The text report (``families`` None) or the families report (``families``: names of
-    `tests.tiny.FAMILIES`, or ``["all"]``); ``resume`` keeps the families rows already written."""
+    `tests.tiny.FAMILIES`, or ``["all"]``).
+
+    Written after every architecture (JSON and markdown, each atomically: a temporary file
+    then `os.replace`), so a run killed at any point loses at most the row it was on; ``resume``
+    keeps the rows already written and runs only the others (rows whose status is in ``retry``
+    run again). Each architecture's two calls to the rank group (`meta_checks`, then
+    `check_parity`) have ``timeout`` seconds each: a group that does not answer is killed, the
+    row says so (status "timeout") and the next architecture starts a fresh group."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import importlib
 
@@ -219,23 +283,33 @@ def run(
     if families is not None:
         names = None if "all" in families else families
         archs = [a for a in family_architectures(names) if not only or a[0] in only]
-        stem = "coverage_families"
+        if names:  # in the order given (smaller families first gives a report sooner)
+            archs.sort(key=lambda a: names.index(a[2]))
+        every, stem = _every_family_architecture(), "coverage_families"
+        members = family_members()
     else:
         archs = [a for a in architectures() if not only or a[0] in only]
-        stem = "coverage"
-    done: dict[tuple, dict] = {}
+        every, stem, members = architectures(), "coverage", None
+    order = {(t, c): i for i, (t, c, _) in enumerate(every)}
+    table: dict[tuple, dict] = {}
     if resume and (out_dir / f"{stem}.json").exists():
         old = json.loads((out_dir / f"{stem}.json").read_text())["rows"]
-        done = {(r["architecture"], r["class"]): r for r in old}
-    rows = []
+        table = {(r["architecture"], r["class"]): r for r in old}
     group = RankGroup(2)
-    t0 = time.time()
+    t0, served = time.time(), 0
     try:
         for model_type, class_name, kind in archs:
-            if (model_type, class_name) in done:
-                rows.append(done.pop((model_type, class_name)))
+            key = (model_type, class_name)
+            if key in table and table[key].get("status") not in retry:
                 continue
+            if served == RESTART_EVERY:
+                group.close()  # the next run starts a fresh group
+                served = 0
+            served += 1
             row = {"architecture": model_type, "class": class_name, "kind": kind}
+            if not group.alive:  # a fresh group: its start is no architecture's time
+                with contextlib.suppress(RankError):  # else the timed calls below say so
+                    group.run(me.warm_up, timeout=max(timeout, WARM_UP_TIMEOUT))
             started = time.time()
             try:
                 if families is not None:
@@ -248,48 +322,112 @@ def run(
                         status="skipped",
                         why="not a text architecture (its config holds vision, audio or text sub-configs)",
                     )
-                    rows.append(row)
-                    continue
-                try:
-                    row.update(infer_share(model_type, class_name))
-                except Exception as exc:  # noqa: BLE001
-                    row["inferred_error"] = _short(exc)
-                row.update(full_size(class_name, model_type))
-                try:
-                    build(model_type, class_name, device="meta")
-                except Exception as exc:  # noqa: BLE001
-                    row.update(status="unbuildable", why=f"tiny config: {_short(exc)}")
-                    rows.append(row)
-                    continue
-                r = group.run(me.check_parity, model_type, class_name, kind, timeout=120)[0]
-                row.update(r, status="ok" if r["parity"] else "mismatch")
-                row.update(_parity_why(r))
-            except RankError as exc:
-                why = _short(exc)
-                bad_ref = "unsharded reference forward fails" in str(exc)
-                row.update(status="reference fails" if bad_ref else "error", why=why)
+                else:
+                    _check(row, group, me, timeout, RankError)
             except Exception as exc:  # noqa: BLE001
                 row.update(status="error", why=_short(exc))
             row["seconds"] = round(time.time() - started, 2)
-            rows.append(row)
+            table[key] = row
+            rows = sorted(table.values(), key=lambda r: _place(order, r))
+            _write(out_dir, stem, rows, members, time.time() - t0)
             print(
                 f"{model_type:28s} {row.get('status'):10s} {row.get('source', ''):9s} "
-                f"{row.get('why', '')[:90]}",
+                f"{row['seconds']:6.1f}s {row.get('why', '')[:80]}",
                 flush=True,
             )
     finally:
         group.close()
-    rows += list(done.values())  # resumed rows outside this run's selection
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if families is not None:
-        summary = summarize_families(rows, time.time() - t0)
+    rows = sorted(table.values(), key=lambda r: _place(order, r))
+    return _write(out_dir, stem, rows, members, time.time() - t0)
+
+
+def _check(row: dict, group, me, timeout: float, rank_error: type) -> None:
+    """One architecture on the rank group: `meta_checks`, then, when the tiny model builds,
+    `check_parity`; the results (or the failure, named) into ``row``."""
+    name = f"{row['architecture']} ({row['class']})"
+    try:
+        for part in group.run(me.meta_checks, row["architecture"], row["class"], timeout=timeout):
+            row.update(part)
+    except rank_error as exc:
+        row["full_size_error"] = f"meta checks: {_rank_why(exc, timeout)}"
+        print(f"{name}: {row['full_size_error']}", file=sys.stderr, flush=True)
+    if "tiny_build_error" in row:
+        row.update(status="unbuildable", why=f"tiny config: {row.pop('tiny_build_error')}")
+        return
+    try:
+        r = group.run(
+            me.check_parity, row["architecture"], row["class"], row["kind"], timeout=timeout
+        )[0]
+    except rank_error as exc:
+        why = _rank_why(exc, timeout)
+        if why.startswith("timed out"):
+            status = "timeout"
+            print(f"{name}: {why}", file=sys.stderr, flush=True)
+        elif "unsharded reference forward fails" in str(exc):
+            status = "reference fails"
+        else:
+            status = "error"
+        row.update(status=status, why=why)
+        return
+    row.update(r, status="ok" if r["parity"] else "mismatch")
+    row.update(_parity_why(r))
+
+
+#: seconds a fresh rank group may take to start and import what every check needs
+WARM_UP_TIMEOUT = 300.0
+
+
+def warm_up() -> None:
+    """Run on a fresh rank group before an architecture's timed calls: the imports every check
+    needs (torch.distributed.tensor, transformers, tpkit), so that ``--timeout`` measures the
+    architecture, not a cold start (10 to 20 s on 2 busy cores)."""
+    import transformers  # noqa: F401
+    from torch.distributed.tensor import DTensor  # noqa: F401
+
+    import tpkit  # noqa: F401
+    from tpkit.plan import derive_plan  # noqa: F401
+
+
+def _rank_why(exc: BaseException, timeout: float) -> str:
+    """A rank group's failure in one line: a timeout said as one, else the rank's error."""
+    if "did not finish" in str(exc):
+        return (
+            f"timed out: no answer within {timeout:.0f} s (the rank group was killed and restarted)"
+        )
+    return _short(exc)
+
+
+def _place(order: dict, row: dict) -> tuple[int, str, str]:
+    """A row's place in the report: its architecture's place in transformers' mappings."""
+    key = (row["architecture"], row["class"])
+    return (order.get(key, len(order)), *key)
+
+
+def _write(out_dir: Path, stem: str, rows: list[dict], members: dict | None, wall: float) -> dict:
+    """The report of ``rows`` (JSON and markdown), each written atomically; its summary. The
+    families report where ``members`` (`family_members`) is given, else the text report."""
+    if members is not None:
+        summary = summarize_families(rows, wall, members)
         text = markdown_families(summary, rows)
     else:
-        summary = summarize(rows, time.time() - t0)
+        summary = summarize(rows, wall)
         text = markdown(summary, rows)
-    (out_dir / f"{stem}.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
-    (out_dir / f"{stem}.md").write_text(text)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _replace(out_dir / f"{stem}.json", json.dumps({"summary": summary, "rows": rows}, indent=1))
+    _replace(out_dir / f"{stem}.md", text)
     return summary
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, then rename it over ``path``
+    (`os.replace` is atomic): a reader, or a run killed mid-write, sees the old file or the
+    new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _parity_why(r: dict) -> dict:
@@ -309,7 +447,7 @@ def _parity_why(r: dict) -> dict:
 
 def summarize(rows: list[dict], seconds: float) -> dict:
     text = [r for r in rows if r.get("status") != "skipped"]
-    tested = [r for r in text if r.get("status") in ("ok", "mismatch", "error")]
+    tested = [r for r in text if r.get("status") in ("ok", "mismatch", "error", "timeout")]
     bad_ref = [r for r in text if r.get("status") in ("unbuildable", "reference fails")]
     ok = [r for r in text if r.get("status") == "ok"]
     inferred_ok = [r for r in ok if r.get("source") == "inferred"]
@@ -413,20 +551,54 @@ def markdown(summary: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def summarize_families(rows: list[dict], seconds: float) -> dict:
-    """Per family: architectures enumerated, tp=2 parity of the first output and of every
-    gradient, >= 90% of the >=2-D weights sharded at full size, and both (issue 29's goal)."""
+def family_members() -> dict[str, set[tuple[str, str]]]:
+    """Every family's (model type, class) pairs in the installed transformers, each mapping on
+    its own: a class two mappings list counts in both families, whichever family's sweep ran
+    it, so a family's counts do not depend on the order the sweep went in."""
+    return {
+        family: {(t, c) for t, c, _ in family_architectures([family])} for family, _ in FAMILIES
+    }
+
+
+@functools.cache
+def _every_family_architecture() -> tuple[tuple[str, str, str], ...]:
+    return tuple(family_architectures(None))
+
+
+#: statuses of a row whose parity was not measured or did not hold
+FAILED = ("mismatch", "error", "timeout", "unbuildable", "reference fails")
+
+
+def _parity_ok(row: dict) -> bool:
+    """tp=2 parity of the first output and of every gradient (a gradient check the unsharded
+    model cannot run, Reformer's, does not count against it)."""
+    return row.get("status") == "ok" and row.get("grad_parity") is not False
+
+
+def summarize_families(
+    rows: list[dict], seconds: float, members: dict[str, set[tuple[str, str]]] | None = None
+) -> dict:
+    """Per family: architectures enumerated and swept so far, tp=2 parity of the first output
+    and of every gradient, >= 90% of the >=2-D weights sharded at full size, and both (issue
+    29's goal); ``seconds``: this run's wall time, ``row_seconds``: the rows' own, summed over
+    every resumed piece. ``members`` (`family_members`): which rows each family counts; without
+    it, a row counts for the family it was swept under."""
     out: dict = {"families": {}, "seconds": round(seconds, 1)}
     for family, _ in FAMILIES:
-        fam = [r for r in rows if r["kind"] == family]
+        if members is None:
+            fam = [r for r in rows if r["kind"] == family]
+        else:
+            fam = [r for r in rows if (r["architecture"], r["class"]) in members[family]]
         if not fam:
             continue
-        ok = [r for r in fam if r.get("status") == "ok" and r.get("grad_parity") is not False]
+        ok = [r for r in fam if _parity_ok(r)]
         out["families"][family] = {
+            "enumerated": len(members[family]) if members else len(fam),
             "architectures": len(fam),
             "tiny_config_broken": sum(
                 1 for r in fam if r.get("status") in ("unbuildable", "reference fails")
             ),
+            "timeouts": sum(1 for r in fam if r.get("status") == "timeout"),
             "parity_ok": len(ok),
             "full_size_at_least_90": sum(1 for r in fam if _full_ok(r)),
             "parity_and_full_size_90": sum(1 for r in ok if _full_ok(r)),
@@ -434,36 +606,71 @@ def summarize_families(rows: list[dict], seconds: float) -> dict:
                 [r["full_size_share"] for r in fam if "full_size_share" in r]
             ),
         }
-    fams = out["families"].values()
-    out["architectures"] = sum(f["architectures"] for f in fams)
-    out["parity_ok"] = sum(f["parity_ok"] for f in fams)
-    out["parity_and_full_size_90"] = sum(f["parity_and_full_size_90"] for f in fams)
+    every = set().union(*members.values()) if members else None
+    rows = [r for r in rows if every is None or (r["architecture"], r["class"]) in every]
+    ok = [r for r in rows if _parity_ok(r)]
+    out["enumerated"] = len(every) if every is not None else len(rows)
+    out["architectures"] = len(rows)  # each once, however many families list it
+    out["parity_ok"] = len(ok)
+    out["full_size_at_least_90"] = sum(1 for r in rows if _full_ok(r))
+    out["parity_and_full_size_90"] = sum(1 for r in ok if _full_ok(r))
+    out["row_seconds"] = round(sum(r.get("seconds", 0) for r in rows), 1)
     return out
 
 
 def markdown_families(summary: dict, rows: list[dict]) -> str:
-    """The families report: one line per family, then `markdown`'s table of every row."""
+    """The families report: one line per family (the README shows these lines), why each
+    failing row fails, then `markdown`'s table of every row."""
     lines = [
         "# tpkit coverage by family (tp=2, CPU gloo; tiny configs for parity, default configs on "
         "meta for the share)",
         "",
-        "| family | architectures | tiny config broken | parity (output + every gradient) | "
-        ">= 90% sharded at full size | both | median full-size share |",
+        "| family | swept | tp=2 parity (output + every gradient) | >= 90% sharded at full size "
+        "| both | tiny config broken | median full-size share |",
         "|---|---|---|---|---|---|---|",
     ]
     for family, f in summary["families"].items():
+        swept = f"{f['architectures']} of {f.get('enumerated', f['architectures'])}"
         lines.append(
-            f"| {family} | {f['architectures']} | {f['tiny_config_broken']} | {f['parity_ok']} | "
-            f"{f['full_size_at_least_90']} | {f['parity_and_full_size_90']} | "
+            f"| {family} | {swept} | {f['parity_ok']} | {f['full_size_at_least_90']} | "
+            f"{f['parity_and_full_size_90']} | {f['tiny_config_broken']} | "
             f"{f['median_full_size_share']:.0%} |"
         )
     lines.append(
-        f"| **all** | {summary['architectures']} | | {summary['parity_ok']} | | "
-        f"{summary['parity_and_full_size_90']} | |"
+        f"| **all** | {summary['architectures']} of {summary.get('enumerated', '?')} | "
+        f"{summary['parity_ok']} | {summary.get('full_size_at_least_90', '')} | "
+        f"{summary['parity_and_full_size_90']} | | |"
     )
+    lines += [
+        "",
+        f"Counts are of the architectures swept so far; {summary.get('row_seconds', 0)} s of "
+        f"work over the rows (this run's wall time: {summary['seconds']} s).",
+        "",
+        "## Why rows fail",
+        "",
+        "Parity: the status and its reason; full size: the share below 90% and why.",
+        "",
+    ]
+    failing = len(lines)
+    for r in rows:  # each once, under the family it was swept under
+        family = r["kind"]
+        if r.get("status") != "skipped":
+            parts = []
+            if not _parity_ok(r):
+                parts.append(f"parity {r.get('status', '?')}: {r.get('why', '')}".rstrip(": "))
+            if not _full_ok(r):
+                share = f"{r['full_size_share']:.0%}" if "full_size_share" in r else "not planned"
+                why = r.get("full_size_why") or r.get("full_size_error", "")
+                parts.append(f"full size {share}" + (f": {why}" if why else ""))
+            if parts:
+                lines.append(
+                    f"- {family} / {r['architecture']} ({r['class']}): " + "; ".join(parts)
+                )
+    if len(lines) == failing:
+        lines.append("None.")
     table = markdown(summarize(rows, summary["seconds"]), rows).split("\n")
     start = next(i for i, ln in enumerate(table) if ln.startswith("| architecture"))
-    return "\n".join([*lines, "", f"wall time: {summary['seconds']} s", "", *table[start:]])
+    return "\n".join([*lines, "", "## Every row", "", *table[start:]])
 
 
 #: module names of a multimodal model's language side: what is not a tower (`tower_share`)
@@ -543,25 +750,48 @@ def main(argv: list[str] | None = None) -> int:
         choices=[f for f, _ in FAMILIES] + ["all"],
         help="the families report (coverage_families.*) over these Auto-class families",
     )
-    parser.add_argument("--resume", action="store_true", help="keep the rows already written")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the rows already written and run only the others (the report is written "
+        "after every architecture, so a killed run loses at most one row)",
+    )
+    parser.add_argument(
+        "--retry",
+        nargs="+",
+        default=(),
+        metavar="STATUS",
+        choices=FAILED,
+        help="with --resume: run rows with these statuses again (e.g. timeout error)",
+    )
     parser.add_argument(
         "--towers",
         type=Path,
         help="write each --families architecture's tower share on meta (tp=2 plan) to this JSON",
     )
-    parser.add_argument("--timeout", type=int, default=180, help="seconds per architecture")
+    parser.add_argument(
+        "--timeout",
+        type=int,
+        default=180,
+        help="seconds for each of an architecture's two rank-group calls (meta checks, parity); "
+        "past it the group is killed, the row says 'timeout' and the sweep goes on",
+    )
     args = parser.parse_args(argv)
     if args.towers:
         names = None if not args.families or "all" in args.families else args.families
         towers(names, args.only, args.towers, args.timeout)
         return 0
-    if args.markdown_only:
+    if args.markdown_only:  # the summary recomputed from the rows, as the sweep writes it
         stem = "coverage_families" if args.families else "coverage"
         data = json.loads((args.out / f"{stem}.json").read_text())
-        render = markdown_families if args.families else markdown
-        (args.out / f"{stem}.md").write_text(render(data["summary"], data["rows"]))
+        rows, seconds = data["rows"], data["summary"].get("seconds", 0.0)
+        if args.families:
+            text = markdown_families(summarize_families(rows, seconds, family_members()), rows)
+        else:
+            text = markdown(summarize(rows, seconds), rows)
+        _replace(args.out / f"{stem}.md", text)
         return 0
-    summary = run(args.only, args.out, args.families, args.resume)
+    summary = run(args.only, args.out, args.families, args.resume, args.timeout, tuple(args.retry))
     print(json.dumps(summary, indent=1))
     return 0
 

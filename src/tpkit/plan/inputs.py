@@ -14,7 +14,8 @@ A multimodal model's towers get inputs that agree with its ids: a grid VLM's pat
 an audio-LLM's features, feature mask and as many placeholders as its tower gives features;
 an index argument that a config's list of names sizes (X-MOD's ``lang_ids``) is given too.
 Pure: meta tensors and small CPU integer tensors; the one forward run here is an audio-LLM's
-audio features on fake tensors, once per model, to count its placeholders (`_audio_tokens`).
+audio features on fake tensors, once per model, to count its placeholders
+(`_audio_tokens`, under `tpkit.plan.shadow.ShadowValues`: the mask's lengths are read).
 A trace that fails on these inputs falls back per layer (`tpkit.plan.fallback`).
 """
 
@@ -29,11 +30,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from tpkit.compat import FakeTensorMode
 from tpkit.plan.layout import in_width, kind_of
+from tpkit.plan.shadow import ShadowValues, given_value, keep_value
 
 __all__ = [
     "GRID_IMAGE",
@@ -89,28 +89,6 @@ _TEXT_ONLY: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 #: grid VLMs whose tower failed on flattened patches and ran on them as [patches, channels,
 #: (temporal,) patch, patch] (`unflattened_patches`: PaddleOCR-VL's patch embedding)
 _UNFLAT: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-#: fake tensor -> the values of the integer input it stands for (`keep_value`)
-_GIVEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def keep_value(fake: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
-    """Record ``given``'s values for ``fake``, the fake tensor a forward gets in its place, when
-    ``given`` is an integer or boolean tensor that has values (not meta): token ids, an image
-    grid. Code that reads them (Qwen2-VL's rotary positions per image, a placeholder count) then
-    reads these values under `tpkit.plan.shadow.ShadowValues` instead of zeros, which would not
-    match the shapes of the other inputs. Returns ``fake``. Float inputs are never kept: their
-    values steer no shape, and a large one would hold memory for nothing."""
-    floating = given.is_floating_point() or given.is_complex()
-    if not floating and given.device.type != "meta":
-        _GIVEN[fake] = given.detach().cpu()
-    return fake
-
-
-def given_value(fake: torch.Tensor) -> torch.Tensor | None:
-    """The values `keep_value` recorded for ``fake``, else None."""
-    return _GIVEN.get(fake)
 
 
 @contextlib.contextmanager
@@ -372,7 +350,7 @@ def _audio_inputs(
     masks = [n for n in params if "feature" in n and n.endswith("mask")]
     mask = torch.ones((batch, features.shape[-1]), dtype=torch.long)
     if model not in _AUDIO_TOKENS:
-        one = {m: mask[:1].to("meta") for m in masks}
+        one = {m: mask[:1] for m in masks}
         _AUDIO_TOKENS[model] = _audio_tokens(model, config, features[:1], one)
     count = _AUDIO_TOKENS[model]
     if not count:
@@ -388,13 +366,18 @@ def _audio_inputs(
 def _audio_tokens(
     model: nn.Module, config: Any, features: torch.Tensor, masks: dict[str, torch.Tensor]
 ) -> int | None:
-    """Placeholders for one made-up audio (``features``: one row, meta): the rows of the
-    features the model puts in their place, from one forward on fake tensors (no memory, no
-    compute, any size) of its ``get_audio_features`` (its ``pooler_output``: Voxtral stacks
-    four frames per feature there), else of its audio tower (the module built from
-    ``config.audio_config``: Qwen2-Audio scatters the tower's output itself). A boolean
-    selection of the valid frames reads as all of them (`_AllSelected`: the audio is whole).
-    None where that forward fails."""
+    """Placeholders for one made-up audio (``features``: one row, meta; ``masks``: its feature
+    masks, CPU tensors with values): the rows of the features the model puts in their place,
+    from one forward on fake tensors (no memory, no compute, any size) of its
+    ``get_audio_features`` (its ``pooler_output``: Voxtral stacks four frames per feature
+    there), else of its audio tower (the module built from ``config.audio_config``:
+    Qwen2-Audio scatters the tower's output itself). The masks keep their values
+    (`tpkit.plan.shadow.keep_value`) and the forward runs under
+    `tpkit.plan.shadow.ShadowValues`, so the valid frames a model selects are the ones its own
+    length formula gives, as in the trace's forward: GLM-ASR reshapes its tower's output by the
+    audio config's ``intermediate_size`` but counts valid frames with a fixed merge of 4, and
+    keeps only the rows the mask's lengths allow (taking every row gave 32 placeholders per
+    audio for the 16 features its forward keeps). None where that forward fails."""
     get = getattr(model, "get_audio_features", None)
     run: Any = None
     if callable(get):
@@ -405,13 +388,14 @@ def _audio_tokens(
         if tower is None:
             return None
         run, takes = tower, _params(tower)
-    kwargs = {k: v for k, v in masks.items() if k in takes}
     fake = FakeTensorMode(allow_non_fake_inputs=True)
+    given = {
+        k: keep_value(fake.from_tensor(v.to("meta")), v) for k, v in masks.items() if k in takes
+    }
+    x = fake.from_tensor(features)  # outside the modes: `ShadowValues` would see its making
     try:
-        with _fake_state(model, fake), torch.no_grad(), fake, _AllSelected():
-            out = run(
-                fake.from_tensor(features), **{k: fake.from_tensor(v) for k, v in kwargs.items()}
-            )
+        with _fake_state(model, fake), torch.no_grad(), fake, ShadowValues(fake):
+            out = run(x, **given)
     except Exception:  # noqa: BLE001 - model code may do anything on fake tensors
         return None
     if not isinstance(out, torch.Tensor):
@@ -451,20 +435,6 @@ def _fake_state(model: nn.Module, fake: Any) -> Iterator[None]:
     finally:
         for store, k, v in saved:
             store[k] = v
-
-
-class _AllSelected(TorchFunctionMode):
-    """A tensor indexed by a boolean mask gives every row: ``x[mask]`` reads as ``x`` with the
-    mask's dims flattened. What a whole made-up audio's valid-frame mask selects, and a shape
-    a fake tensor cannot give (it has no values)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.__getitem__ and len(args) == 2:
-            x, index = args
-            if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
-                return x.reshape(-1, *x.shape[index.ndim :])
-        return func(*args, **kwargs)
 
 
 def _config_ids(

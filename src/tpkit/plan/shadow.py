@@ -43,9 +43,8 @@ from tpkit.compat import (
     tree_map,
     unset_fake_temporarily,
 )
-from tpkit.plan.inputs import given_value
 
-__all__ = ["BUDGET", "LIMIT", "ShadowValues", "needs_values"]
+__all__ = ["BUDGET", "LIMIT", "ShadowValues", "given_value", "keep_value", "needs_values"]
 
 #: Largest tensor (elements) substituted by zeros in a real shadow computation, or computed.
 LIMIT = 1 << 20
@@ -62,6 +61,29 @@ _ROUTING = {
     "max": (1, False),
     "min": (1, False),
 }
+
+#: fake tensor -> the values of the integer input it stands for (`keep_value`)
+_GIVEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def keep_value(fake: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """Record ``given``'s values for ``fake``, the fake tensor a forward gets in its place, when
+    ``given`` is an integer or boolean tensor that has values (not meta): token ids, an image
+    grid, an audio's feature mask. Code that reads them (Qwen2-VL's rotary positions per image,
+    a placeholder count, GLM-ASR's valid frames) then reads these values under `ShadowValues`
+    instead of zeros, which would not match the shapes of the other inputs. Returns ``fake``.
+    Float inputs are never kept: their values steer no shape, and a large one would hold
+    memory for nothing. Here, not in `tpkit.plan.inputs`, so that the made-up inputs can count
+    an audio's placeholders under `ShadowValues` (`tpkit.plan.inputs` imports this module)."""
+    floating = given.is_floating_point() or given.is_complex()
+    if not floating and given.device.type != "meta":
+        _GIVEN[fake] = given.detach().cpu()
+    return fake
+
+
+def given_value(fake: torch.Tensor) -> torch.Tensor | None:
+    """The values `keep_value` recorded for ``fake``, else None."""
+    return _GIVEN.get(fake)
 
 
 def needs_values(exc: BaseException) -> bool:
@@ -97,6 +119,15 @@ def _stored(obj: Any) -> int:
         except Exception:  # noqa: BLE001 - no plain storage (sparse, nested): its size
             total += t.numel()
     return total
+
+
+def _aliases(out: Any, inputs: Any) -> bool:
+    """Whether ``out`` holds tensors and each is a view or one of the op's ``inputs``: the op
+    computed nothing (``expand_as``, ``view_as``, ``.to`` its own device), so an input it did
+    not alias gave it only a shape. A large input the output aliases keeps it fake (its
+    storage is over `LIMIT`, checked before)."""
+    outs, given = _tensors(out), {id(t) for t in _tensors(inputs)}
+    return bool(outs) and all(t._base is not None or id(t) in given for t in outs)
 
 
 def _counted(value: torch.Tensor) -> bool:
@@ -140,21 +171,31 @@ class ShadowValues(TorchFunctionMode):
     def _freed(self, n: int) -> None:
         self.live -= n
 
-    def _value(self, t: torch.Tensor) -> torch.Tensor | None:
+    def _value(self, t: torch.Tensor, shape_only: bool = False) -> torch.Tensor | None:
+        """``t``'s shadow, else a stand-in: zeros (an all-True mask), or None where ``t`` is
+        too large for that, unless the op reads only its shape (``shape_only``): then one zero
+        expanded to it, which stores a single element whatever the shape."""
         if self._shadowed(t):
             return self.shadow[t]
         if t.numel() > LIMIT:
-            return None
+            if not shape_only:
+                return None
+            with unset_fake_temporarily():
+                return torch.zeros((), dtype=t.dtype).expand(t.shape)
         with unset_fake_temporarily():
             if t.dtype == torch.bool:  # a mask: everything routes everywhere
                 return torch.ones(t.shape, dtype=t.dtype)
             return torch.zeros(t.shape, dtype=t.dtype)
 
-    def _real(self, func, args: tuple, kwargs: dict) -> tuple[bool, Any, list]:
-        """(ok, result, substituted inputs) of ``func`` on shadows and stand-ins."""
+    def _real(
+        self, func, args: tuple, kwargs: dict, shape_only: bool = False
+    ) -> tuple[bool, Any, list]:
+        """(ok, result, substituted inputs) of ``func`` on shadows and stand-ins;
+        ``shape_only``: the op's output aliases its inputs (`_aliases`), so a large input
+        it reads only the shape of stands in at no cost."""
         inputs: dict[int, torch.Tensor] = {}
         for t in _tensors((args, kwargs)):
-            value = self._value(t)
+            value = self._value(t, shape_only)
             if value is None:
                 return False, None, []
             inputs[id(t)] = value
@@ -200,7 +241,9 @@ class ShadowValues(TorchFunctionMode):
         elif not _tensors((args, kwargs)) and _tensors(out):
             self._made(name, func, out, args, kwargs)
         elif shadowed and _stored(out) <= LIMIT:  # a larger output stays fake
-            ok, real, used = self._real(func, args, kwargs)
+            # a view's other inputs give it a shape only (a placeholder mask ``expand_as`` the
+            # full-size embeddings, AudioFlamingo3 and GLM-ASR): stand-ins that cost nothing
+            ok, real, used = self._real(func, args, kwargs, _aliases(out, (args, kwargs)))
             if ok and real is not None and not _tensors(out) and not _tensors(real):
                 return real  # a Python value read off a tensor (format, tolist, bool)
             if ok:

@@ -98,9 +98,6 @@ def _env() -> dict[str, str]:
         PYTHONWARNINGS="ignore",
         PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     )
-    # what tpkit's launchers give their ranks (tpkit.dist.pages), for every system alike: the
-    # plain process runs in the same processes; THP_MEM_ALLOC_ENABLE=0 measures without
-    env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     return env
 
 
@@ -171,7 +168,6 @@ def _machine() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "commit": commit or "?",
-        "huge_pages": _env()["THP_MEM_ALLOC_ENABLE"],
     }
 
 

@@ -78,10 +78,9 @@ def _train_line(meta: dict[str, Any]) -> str:
 
 def machine_line(meta: dict[str, Any]) -> str:
     m = meta["machine"]
-    pages = {"1": ", THP_MEM_ALLOC_ENABLE=1", None: ""}.get(m.get("huge_pages"), ", huge pages off")
     return (
         f"{meta['date']} · {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, one OpenMP thread "
-        f"per rank, gloo{pages} · torch {m['torch']}, transformers {m['transformers']} · tpkit "
+        f"per rank, gloo · torch {m['torch']}, transformers {m['transformers']} · tpkit "
         f"{m['commit']}"
     )
 

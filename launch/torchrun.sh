@@ -8,9 +8,6 @@ if [[ "${1:-}" == "--nproc" ]]; then nproc="$2"; shift 2; fi
 if [[ $# -lt 1 ]]; then echo "usage: $0 [--nproc N] script.py [args...]" >&2; exit 2; fi
 # One thread per rank unless told otherwise: N ranks x all cores oversubscribes the CPU.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# torch's transparent huge pages for CPU allocations >= 2 MiB: a rank fills its large buffers
-# (gathered logits) on one core, where 4 KiB page faults cost more than the copy (dist/pages.py).
-export THP_MEM_ALLOC_ENABLE="${THP_MEM_ALLOC_ENABLE:-1}"
 # Every output line prefixed with its rank (torchrun applies it to teed output).
 prefix='[rank${rank}]:'  # torchrun fills in ${rank}, not bash
 export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="${TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE:-$prefix}"

@@ -245,26 +245,6 @@ def test_tpkit_run_is_torchrun_with_tpkit_defaults(monkeypatch):
     assert env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] == "[rank${rank}]:"
 
 
-def test_ranks_get_torch_huge_pages_unless_the_user_chose(monkeypatch):
-    """``tpkit run``'s ranks get THP_MEM_ALLOC_ENABLE=1 (tpkit.dist.pages); a value the user
-    set, 0 included, is kept; `tpkit.launch` sets it for its spawned children only."""
-    from tpkit.cli import launch
-
-    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
-    _, env = _captured_exec(["run", "--nproc", "2", "s.py"], monkeypatch)
-    assert env["THP_MEM_ALLOC_ENABLE"] == "1"
-    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
-    _, env = _captured_exec(["run", "--nproc", "2", "s.py"], monkeypatch)
-    assert env["THP_MEM_ALLOC_ENABLE"] == "0"
-    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    with launch._default_threads(2):  # the spawn path's environment
-        assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
-        assert int(os.environ["OMP_NUM_THREADS"]) >= 1
-    assert "THP_MEM_ALLOC_ENABLE" not in os.environ
-    assert "OMP_NUM_THREADS" not in os.environ
-
-
 def test_tpkit_run_several_nodes_uses_c10d_rendezvous(monkeypatch):
     argv = ["run", "--nproc", "8", "--nnodes", "2", "--rdzv-endpoint", "node0:29500", "-m", "pkg"]
     cmd, env = _captured_exec(argv, monkeypatch)

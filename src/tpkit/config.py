@@ -30,7 +30,6 @@ __all__ = [
     "ConfigurationError",
     "backend",
     "cuda_visible_devices",
-    "huge_page_alloc",
     "debug",
     "local_rank",
     "local_world_size",
@@ -229,14 +228,6 @@ def omp_num_threads() -> int | None:
     if not outer.isdigit() or int(outer) < 1:
         raise _bad("OMP_NUM_THREADS", raw or "", "a whole number of threads >= 1 (or '4,2')")
     return int(outer)
-
-
-def huge_page_alloc() -> str | None:
-    """THP_MEM_ALLOC_ENABLE as written, or None when unset: torch's own switch for transparent
-    huge pages on its CPU allocations of 2 MiB and more (read by torch once per process). tpkit
-    only asks whether it is set, to leave a user's choice alone when it sets it for the ranks it
-    starts (`tpkit.cli.launch`, `tpkit.pool`)."""
-    return _text(os.environ.get("THP_MEM_ALLOC_ENABLE"))
 
 
 def cuda_visible_devices() -> list[str] | None:

@@ -300,20 +300,16 @@ def _importable(fn: Callable, args: tuple, kwargs: dict) -> bool:
 
 @contextlib.contextmanager
 def _default_threads(nproc: int):
-    """Spawned ranks inherit os.environ: give each its share of the cores and torch's huge pages
-    for large CPU allocations (`tpkit.dist.pages`), as ``tpkit run`` does (this sets the
-    variables for the children; the caller's values, when set, are kept)."""
-    added = {}
-    if config.omp_num_threads() is None:
-        added["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
-    if config.huge_page_alloc() is None:
-        added["THP_MEM_ALLOC_ENABLE"] = "1"
-    os.environ.update(added)
+    """Spawned ranks inherit os.environ: give each its share of the cores, as ``tpkit run`` does
+    (this sets the variable for the children; the caller's value, when set, is kept)."""
+    if config.omp_num_threads() is not None:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
     try:
         yield
     finally:
-        for name in added:
-            os.environ.pop(name, None)
+        os.environ.pop("OMP_NUM_THREADS", None)
 
 
 @contextlib.contextmanager
@@ -396,14 +392,12 @@ def torchrun_env(
     threads: int | None = None,
     base: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """The environment torchrun runs under: OMP_NUM_THREADS and THP_MEM_ALLOC_ENABLE=1 (torch's
-    huge pages for large CPU allocations, `tpkit.dist.pages`; each kept if set), TPKIT_BACKEND,
-    and the per-line ``[rankN]:`` prefix torchrun's agent applies to teed output."""
+    """The environment torchrun runs under: OMP_NUM_THREADS (kept if set), TPKIT_BACKEND, and the
+    per-line ``[rankN]:`` prefix torchrun's agent applies to teed output."""
     env = dict(os.environ if base is None else base)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc_per_node)))
-    env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     if backend:
         env["TPKIT_BACKEND"] = backend
     env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]:")

@@ -51,7 +51,6 @@ from torch.distributed import ProcessGroup
 
 from tpkit import config
 from tpkit.compat import group_timeout
-from tpkit.dist.pages import huge_empty
 from tpkit.dist.timeouts import tpkit_timeout
 
 __all__ = [
@@ -204,7 +203,7 @@ class ShmChannel:
         per = self.SLOT // (width * x.element_size())
         if per == 0 or rows == 0:
             return None
-        out = huge_empty((*x.shape[:-1], total), x.dtype)  # fewer page faults: dist/pages.py
+        out = torch.empty((*x.shape[:-1], total), dtype=x.dtype)
         src, dst = x.view(rows, sizes[self.r]), out.view(rows, total)
         offsets = [sum(sizes[:i]) for i in range(self.t)]
         for a in range(0, rows, per):

@@ -76,11 +76,8 @@ def pool_world(
 
 def _device_env(device_ids: Sequence | None, world: int) -> dict[str, str]:
     """Each worker's environment: which GPUs it sees (worker i uses the i-th one, so the core
-    picks its device from the local rank as under torchrun), its share of the CPU threads, and
-    torch's huge pages for large CPU allocations unless set (`tpkit.dist.pages`)."""
+    picks its device from the local rank as under torchrun), and its share of the CPU threads."""
     env: dict[str, str] = {}
-    if config.huge_page_alloc() is None:
-        env["THP_MEM_ALLOC_ENABLE"] = "1"
     if config.omp_num_threads() is None:
         try:
             cores = len(os.sched_getaffinity(0))

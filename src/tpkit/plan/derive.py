@@ -169,7 +169,7 @@ def _source_plan(model: nn.Module, mode: str, example, tp: int | None = None) ->
     if mode in ("auto", "config"):
         plan = hf_plan(model)
         if plan is not None:
-            return plan if mode == "config" else _checked_config_plan(model, plan, example)
+            return plan if mode == "config" else _checked_config_plan(model, plan, example, tp)
         if mode == "config":
             raise ValueError(
                 f"{type(model).__name__} ships no base_model_tp_plan; use plan='auto' or 'infer'."
@@ -202,7 +202,7 @@ def _read_outside(model: nn.Module, example) -> list[str]:
     return []
 
 
-def _checked_config_plan(model: nn.Module, plan: Plan, example) -> Plan:
+def _checked_config_plan(model: nn.Module, plan: Plan, example, tp: int | None = None) -> Plan:
     """transformers' plan, unless the model's own code cannot run with it.
 
     Some shipped plans name only the embedding (DiffLlama, LFM2, HunYuan dense: every layer stays
@@ -234,12 +234,34 @@ def _checked_config_plan(model: nn.Module, plan: Plan, example) -> Plan:
             )
         return plan
     if inferred is None or dry_run(model, inferred, example, 2) is not None:
+        if not _names_a_layer(model, plan):
+            return _vocab_only_fallback(model, plan, inferred is None, example, tp)
         return plan  # nothing better to offer: validation or forward will name the problem
     inferred.notes[type(model).__name__] = (
         f"transformers' base_model_tp_plan is not used: {error}; the inferred plan is (pass "
         "plan='config' to force transformers' plan)"
     )
     return inferred
+
+
+def _vocab_only_fallback(
+    model: nn.Module, plan: Plan, untraced: bool, example, tp: int | None
+) -> Plan:
+    """The per-layer fallback (`tpkit.plan.fallback`) in place of a transformers plan that
+    splits only the vocabulary when no inferred plan runs either: the model's layers would
+    otherwise all stay whole (a default GLM-4V config, whose forward fails in its rotary,
+    kept 88% of its weights whole). Each layer split on its own and gathered is exact whatever
+    code runs between layers, as when no transformers plan exists (`_source_plan`);
+    transformers' plan is kept when the fallback splits nothing."""
+    why = "transformers' base_model_tp_plan names only the vocabulary embedding, no layer, and " + (
+        "the dataflow could not be traced" if untraced else "the inferred plan fails a dry run"
+    )
+    read_outside = [] if untraced else _read_outside(model, example)
+    fallback = fallback_plan(model, why, tp, read_outside, example=example)
+    if not splits_anything(model, fallback):
+        return plan
+    fallback.notes[type(model).__name__] = f"per-layer fallback: {why}"
+    return fallback
 
 
 def _names_a_layer(model: nn.Module, plan: Plan) -> bool:

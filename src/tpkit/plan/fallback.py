@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
 from tpkit.plan.convs import NORMS, TRANSPOSED_CONVS, conv_pairs
+from tpkit.plan.experts import fused_experts
 from tpkit.plan.layout import kind_of, out_width, param_layouts
 from tpkit.plan.spec import Plan
 
@@ -80,9 +81,23 @@ def fallback_plan(
         plan.set(name, style, SOURCE)
         plan.notes[name] = f"per-layer fallback, {pairs.notes[name]}: {why}"
     plan.fixups.update(pairs.fixups)
+    experts: list[str] = []  # fused experts split here: their parameters are theirs
     for name, mod in model.named_modules():
         if not name or name in pairs.styles:
             continue  # the model itself: never a leaf layer worth a collective
+        if any(name.startswith(f"{e}.") for e in experts):
+            continue
+        split, reason = _experts_styles(mod, tp, shared)
+        if split:
+            plan.set(name, "moe_tp_experts", SOURCE)
+            for param, style in split.items():
+                plan.set(f"{name}.{param}", style, SOURCE)
+            plan.notes[name] = f"per-layer fallback, experts split by intermediate width: {why}"
+            experts.append(name)
+            continue
+        if reason is not None:
+            plan.notes[name] = f"replicated: {reason}"
+            continue
         style, reason = _style(mod, tp, shared)
         if style == "conv_colwise_gather" and name in pairs.broken:
             why_gathered = f"{why}; not paired: {pairs.broken[name]}"
@@ -102,6 +117,32 @@ def _shared_params(model: nn.Module) -> set[int]:
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
     return {k for k, v in counts.items() if v > 1}
+
+
+def _experts_styles(mod: nn.Module, tp: int, shared: set[int]) -> tuple[dict, str | None]:
+    """({parameter: style}, None) for transformers' fused experts to split along each
+    expert's intermediate width (`tpkit.plan.experts.fused_experts`: their input whole, their
+    output a partial sum all-reduced, so exact whatever code runs around them, as a gathered
+    layer is); ({}, why) for fused experts left whole; ({}, None) for any other module. Left
+    whole: modules with parameters inside the experts (no trace says they read only the
+    summed output), shared or parametrized weights, an interleaved gate/up that tp does not
+    divide (a cut would split a gate from its up), and fewer than `MIN_PER_RANK` channels of
+    the intermediate width per rank."""
+    styles = fused_experts(mod)
+    if not styles:
+        return {}, None
+    if any(True for c in mod.children() for _ in c.parameters()):
+        return {}, "fused experts with parameters inside them: nothing traced says what they read"
+    if is_parametrized(mod) or any(id(p) in shared for p in mod.parameters(recurse=False)):
+        return {}, "its weights are parametrized, shared, or read outside its forward"
+    down = mod.down_proj
+    inter = int(down.shape[1] if mod.__dict__.get("is_transposed") is True else down.shape[2])
+    interleaved = mod.__dict__["has_gate"] and not mod.__dict__["is_concatenated"]
+    if inter // tp < MIN_PER_RANK:
+        return {}, f"too small to split at tp={tp}"
+    if interleaved and inter % tp:
+        return {}, f"tp={tp} does not divide the intermediate width {inter} of interleaved gate/up"
+    return styles, None
 
 
 def _splittable(mod: nn.Module, shared: set[int]) -> bool:

@@ -264,7 +264,25 @@ def _shrink(fields: dict) -> dict:
             kwargs[k] = _layer_list(v, 2)
     if fields.get("layers_block_type") and n_layers:
         kwargs["layers_block_type"] = _layer_list(fields["layers_block_type"], 2)
+    _per_stage(fields, kwargs, n_layers)
     return kwargs
+
+
+def _ints(v) -> bool:
+    return isinstance(v, (list, tuple)) and bool(v) and all(type(i) is int for i in v)
+
+
+def _per_stage(fields: dict, kwargs: dict, n_layers) -> None:
+    """Size fields whose default is a list (a hierarchical net's per-stage widths and heads:
+    PVT's ``num_attention_heads`` [1, 2, 5, 8], CvT's ``embed_dim`` [64, 192, 384]; Gemma-3n's
+    per-layer ``intermediate_size``) stay lists: strict configs refuse the plain int `SIZES`
+    gives. Each entry becomes that size; a per-layer list (as long as the layer count) follows
+    the 2 layers. The stage count is kept: cutting it breaks backbones whose other per-stage
+    fields (LeViT's ``down_ops``, ConvNeXt's ``num_stages``) the config does not derive."""
+    for k, v in list(kwargs.items()):
+        d = fields.get(k)
+        if isinstance(v, int) and _ints(d):
+            kwargs[k] = [v] * (2 if n_layers and len(d) == n_layers else len(d))
 
 
 def tiny_config(model_type: str, class_name: str | None = None):
@@ -372,6 +390,27 @@ FAMILIES = (
 )
 #: image sides: small, and a multiple of every common patch size (a tiny ViT sees 4 x 4 patches)
 IMAGE = {"image_size": 32, "patch_size": 8}
+#: patches per image side of a one-tower vision model (`_image_size`)
+PATCHES_PER_SIDE = 4
+
+
+def _image_size(config) -> dict:
+    """The image side of a one-tower vision model (no sub-configs): its own ``patch_size`` is
+    kept and the image made `PATCHES_PER_SIDE` patches wide (at least ``IMAGE``'s 32), since
+    that patch is not always one conv a shrinker may resize: LeViT's conv stem downsamples by
+    16 whatever the field says, and a hierarchical net (Swin, ConvNeXt, MobileViT) halves its
+    grid per stage after a stem of 4 (a 32 px image and a patch of 8 left ConvNeXt's last
+    stage 1 x 1 under a 2 x 2 kernel). A net that unfolds patches at its ``output_stride``
+    (MobileViT-v2: 32) gets at least one patch there."""
+    patch = getattr(config, "patch_size", None)
+    patch = patch[-1] if _ints(patch) else patch
+    if not isinstance(patch, int):
+        return {"image_size": IMAGE["image_size"]}
+    stride = getattr(config, "output_stride", None)  # MobileViT: unfolds patches at stride 32
+    least = patch * stride if isinstance(stride, int) else 0
+    return {"image_size": max(IMAGE["image_size"], PATCHES_PER_SIDE * patch, least)}
+
+
 #: audio positions: a speech encoder's frames (Whisper reads exactly 2 x max_source_positions)
 AUDIO = {"max_source_positions": 32, "max_target_positions": 64}
 #: name endings of fields that follow the hidden size when their default equals it
@@ -451,9 +490,13 @@ def tiny_family_config(model_type: str, class_name: str | None = None):
 
     config = tiny_config(model_type, class_name)
     if config is not None:
-        for k, v in {**IMAGE, **AUDIO}.items():
+        for k, v in {**AUDIO, **_image_size(config)}.items():
             if isinstance(getattr(config, k, None), int):
                 setattr(config, k, v)
+            elif (
+                isinstance(getattr(config, k, None), (list, tuple)) and len(getattr(config, k)) == 2
+            ):
+                setattr(config, k, [v, v])
         return config
     cls = CONFIG_MAPPING[model_type]
     if class_name and hasattr(transformers, class_name):

@@ -564,7 +564,8 @@ def _audio_features(model: nn.Module, config: Any, batch: int) -> torch.Tensor |
     """Fake ``input_features``: [batch, channels of the first Conv1d, frames], the frames its
     encoder's positions take back through the convs' strides (Whisper: 1500 positions x stride
     2 = the 3000 frames it insists on); else [batch, 64 frames, features per frame], the
-    layout of the conformer encoders (Parakeet, Wav2Vec2-BERT). An audio-LLM's encoder without
+    layout of the conformer encoders (Parakeet, Wav2Vec2-BERT: as wide as the config's
+    ``feature_projection_input_dim`` where it names one). An audio-LLM's encoder without
     learned positions (GLM-ASR's rotary one) gives its positions as the audio config's
     ``max_position_embeddings``."""
     convs = [m for m in model.modules() if isinstance(m, nn.Conv1d)]
@@ -573,6 +574,11 @@ def _audio_features(model: nn.Module, config: Any, batch: int) -> torch.Tensor |
     if positions is None and audio is not None:  # GLM-ASR's rotary Whisper encoder
         positions = getattr(audio, "max_position_embeddings", None)
     dtype = _float_dtype(model)
+    # the width a conformer's feature projection reads (Wav2Vec2-BERT, SeamlessM4T: two frames
+    # of 80 mel bins stacked into 160): its convs are the layers' own, not a Whisper stem
+    stacked = _read(config, "feature_projection_input_dim")
+    if isinstance(stacked, int):
+        return torch.zeros((batch, 64, stacked), dtype=dtype, device="meta")
     if convs and isinstance(positions, int):
         frames = positions * math.prod(int(c.stride[0]) for c in convs)
         shape = (batch, convs[0].in_channels, frames)

@@ -192,6 +192,15 @@ _BUILTIN = (
         uneven_ok=True,  # the rowwise conv it feeds takes the same torch.chunk of its inputs
     ),
     StyleSpec(
+        "conv_packed_colwise",
+        "column",
+        "Y_i = [conv(X, Wa_i) | conv(X, Wb_i)]: conv_colwise on output channels packed as two "
+        "halves (a | b, read by a GLU over the channels), each half split separately",
+        shard="out",
+        packed_parts=2,
+        uneven_ok=True,  # each half in torch.chunk sizes: the row conv takes the same chunks
+    ),
+    StyleSpec(
         "conv_rowwise",
         "row",
         "Y = sum_i conv(X_i, W_i) + b: input channels split, partial sums all-reduced, bias "

@@ -13,9 +13,18 @@ on its channels:
   which a rank holds) and GroupNorm when tp divides its groups (each rank holds whole groups):
   ``norm_channelwise``, weight, bias and running statistics split by channel;
 - grouped and depthwise convolutions when tp divides their groups: ``channelwise`` with the
-  groups divided (each rank's channels are whole groups).
+  groups divided (each rank's channels are whole groups);
+- a GLU over the channels (``F.glu`` / ``nn.GLU``: ``a | b -> a * sigmoid(b)``), read straight
+  off A's output (through elementwise ops only): A's channels are then a packed pair, like a
+  fused gate|up linear, and A takes ``conv_packed_colwise`` (each half split in torch.chunk
+  sizes, so rank r holds ``a_r | b_r`` and its GLU gives channels ``r`` of the result, the same
+  chunk the row convolution takes). The conformer convolution module (pointwise conv -> GLU ->
+  depthwise conv -> BatchNorm -> activation -> pointwise conv) is one such pair.
+- an elementwise op with a tensor that broadcasts over the channels (size 1 there: a padding
+  mask ``[batch, 1, time]`` in ``masked_fill``), whichever side of the op the split tensor is.
 
-Anything else on the way (a reshape or flatten, a reduction over the channels: ConvNeXt's
+Anything else on the way (a norm or grouped convolution before the GLU, a second GLU, a
+``chunk`` of the channels, a reshape or flatten, a reduction over the channels: ConvNeXt's
 LayerNorm after its permute to channels-last, a residual add with a whole tensor, a linear, the
 model's output, a second use of one module) breaks the pair: A goes back to the per-layer
 fallback (``conv_colwise_gather``, `tpkit.plan.fallback`). Several convolutions reading one
@@ -26,24 +35,40 @@ dim; a convolution's channels are dim 1 (0 unbatched) and what may ride between 
 short allow-list, so this is a separate, smaller tagger on the same fake-tensor forward
 (`tpkit.plan.fake`). Pairing is decided by a fixpoint: a convolution whose pair breaks is
 excluded and the trace run again, so its own consumer may become a column layer in its turn.
+
+Inference (`tpkit.plan.infer`) adds the pairs of a model whose linears it splits too
+(`conv_pairs` with ``groups``: one `tpkit.plan.spec.Group` per pair, the counts tp must divide
+being the grouped convolutions' and GroupNorms' groups), so a conformer's convolution module is
+split with its attention and feed-forward; the per-layer fallback uses the same pairs.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.parametrize import is_parametrized
 from torch.overrides import TorchFunctionMode
 
 from tpkit.compat import FakeTensorMode, tree_flatten
 from tpkit.plan.fake import fake_inputs, meta_state, quiet_fake_tensors
 from tpkit.plan.layout import chunk_sizes
 from tpkit.plan.reductions import reduced_dims
+from tpkit.plan.shadow import ShadowValues, needs_values
 
-__all__ = ["NORMS", "CONVS", "TRANSPOSED_CONVS", "ConvPairs", "conv_pairs"]
+__all__ = [
+    "NORMS",
+    "CONVS",
+    "TRANSPOSED_CONVS",
+    "ConvPairs",
+    "conv_pairs",
+    "shared_params",
+    "splittable_conv",
+]
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -74,7 +99,15 @@ _PER_CHANNEL = frozenset(
     | {"interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "pad"}
     # copies, casts
     | {"contiguous", "clone", "detach", "float", "double", "half", "bfloat16", "to", "type_as"}
+    # a mask broadcast over the channels
+    | {"masked_fill", "masked_fill_"}
 )
+#: elementwise ops whose operands may come in either order (``mask * x``)
+_COMMUTATIVE = frozenset({"mul", "mul_", "add", "add_", "__mul__", "__rmul__", "__add__"})
+_COMMUTATIVE |= {"__radd__", "__iadd__", "__imul__"}
+#: the tag of a column's output: the packed halves are still in place (nothing but elementwise
+#: ops since the column) / they were consumed (after a GLU, a norm or a grouped convolution)
+_DIRECT, _FOLLOWED = 0, 1
 
 
 @dataclass
@@ -87,6 +120,25 @@ class ConvPairs:
     fixups: dict[str, dict[str, Any]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
     broken: dict[str, str] = field(default_factory=dict)
+    groups: list[dict[str, Any]] = field(default_factory=list)
+
+
+def shared_params(model: nn.Module) -> set[int]:
+    """ids of the parameters held by more than one module (tied): never split per layer."""
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    return {k for k, v in counts.items() if v > 1}
+
+
+def splittable_conv(module: nn.Module, shared: set[int]) -> bool:
+    """A convolution or norm the paired styles may split: its own parameters (none in
+    ``shared``), not parametrized (weight norm computes over the whole weight), and its class's
+    own ``forward`` (a subclass's forward could read across the weight)."""
+    if is_parametrized(module) or any(id(p) in shared for p in module.parameters(recurse=False)):
+        return False
+    base = next((c for c in (*CONVS, *TRANSPOSED_CONVS, *NORMS) if isinstance(module, c)), None)
+    return base is not None and type(module).forward is base.forward
 
 
 def conv_pairs(
@@ -99,14 +151,21 @@ def conv_pairs(
     fake-tensor forward per fixpoint round (``example``: the trace inputs, else made up from
     the model). ``splittable(name, module)`` says whether a module may be split at all (the
     fallback's checks: not shared, not parametrized, not an overridden forward). A model whose
-    forward cannot run on fake tensors pairs nothing."""
+    forward cannot run on fake tensors pairs nothing (nor does one without a convolution)."""
+    if not any(isinstance(m, CONVS + TRANSPOSED_CONVS) for m in model.modules()):
+        return ConvPairs()
     excluded: set[str] = set()
     broken: dict[str, str] = {}
     for _ in range(_ROUNDS):
         try:
             found = _ConvTrace(model, tp, splittable, excluded).run(example)
-        except Exception:  # noqa: BLE001 - model code may do anything: no pairs, as before
-            return ConvPairs(broken=broken)
+        except Exception as exc:  # noqa: BLE001 - model code may do anything: no pairs
+            if not needs_values(exc):
+                return ConvPairs(broken=broken)
+            try:  # data-dependent code (a layerdrop draw, a mask's length): made-up values
+                found = _ConvTrace(model, tp, splittable, excluded).run(example, values=True)
+            except Exception:  # noqa: BLE001 - as above
+                return ConvPairs(broken=broken)
         newly = {s: why for s, why in found.broken.items() if s not in excluded}
         newly.update({s: "nothing reads its split channels" for s in found.unpaired()})
         newly = {s: why for s, why in newly.items() if s not in excluded}
@@ -119,16 +178,32 @@ def conv_pairs(
 
 def _result(found: _ConvTrace, broken: dict[str, str], tp: int) -> ConvPairs:
     out = ConvPairs(broken=broken)
+    members: dict[str, list[str]] = {}
+    counts: dict[str, dict[str, int]] = {}
     for col, rows in found.rows.items():
         partners = ", ".join(sorted(rows))
-        out.styles[col] = "conv_colwise"
-        out.notes[col] = f"paired convolution: output channels split, read split by {partners}"
+        members[col] = [col, *sorted(rows)]
+        counts[col] = {}
+        if col in found.packed:
+            out.styles[col] = "conv_packed_colwise"
+            out.notes[col] = (
+                f"paired convolution: output channels split per GLU half (a_r | b_r), read "
+                f"split by {partners}"
+            )
+        else:
+            out.styles[col] = "conv_colwise"
+            out.notes[col] = f"paired convolution: output channels split, read split by {partners}"
         for row in rows:
             out.styles[row] = "conv_rowwise"
             out.notes[row] = f"paired convolution: input channels split (from {col}), all-reduced"
     for name, (col, mod) in found.followers.items():
         if col not in found.rows:
             continue
+        members[col].append(name)
+        if isinstance(mod, nn.GroupNorm):
+            counts[col][f"groups of {name}"] = mod.num_groups
+        elif not isinstance(mod, NORMS):
+            counts[col][f"groups of {name}"] = mod.groups
         if isinstance(mod, NORMS):
             out.styles[name] = "norm_channelwise"
             out.notes[name] = f"per-channel norm on {col}'s split channels"
@@ -140,6 +215,7 @@ def _result(found: _ConvTrace, broken: dict[str, str], tp: int) -> ConvPairs:
             out.styles[name] = "channelwise"
             out.notes[name] = f"grouped convolution on {col}'s split channels (groups / {tp})"
             out.fixups[name] = {"divide": ["groups", "in_channels", "out_channels"]}
+    out.groups = [{"modules": members[col], "owners": [], "counts": counts[col]} for col in members]
     return out
 
 
@@ -149,6 +225,13 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 def _is_scalar(obj: Any) -> bool:
     return not isinstance(obj, torch.Tensor) or obj.numel() <= 1
+
+
+def _broadcasts_over(other: torch.Tensor, src: torch.Tensor, dim: int) -> bool:
+    """``other`` broadcasts against ``src`` without a size at ``src``'s channel dim ``dim``
+    (a mask ``[batch, 1, time]``), so every channel sees the same values of it."""
+    at = dim - (src.ndim - other.ndim)
+    return other.ndim <= src.ndim and (at < 0 or other.shape[at] == 1)
 
 
 class _ConvTrace(TorchFunctionMode):
@@ -166,7 +249,8 @@ class _ConvTrace(TorchFunctionMode):
         super().__init__()
         self.model, self.tp, self.splittable, self.excluded = model, tp, splittable, excluded
         self.names = {id(m): n for n, m in model.named_modules()}
-        self.tag: dict[int, tuple[str, int]] = {}  # id(tensor) -> (column candidate, channel dim)
+        # id(tensor) -> (column candidate, channel dim, _DIRECT or _FOLLOWED)
+        self.tag: dict[int, tuple[str, int, int]] = {}
         self.keep: list[torch.Tensor] = []  # ids stay unique while the trace runs
         self.inside: list[str] = []  # convs and norms running: their own calls are theirs
         self.plans: dict[str, tuple[str, str, int]] = {}  # module -> (role, column, kernel dims)
@@ -174,10 +258,13 @@ class _ConvTrace(TorchFunctionMode):
         self.rows: dict[str, set[str]] = {}  # column candidate -> the convs reading it split
         self.followers: dict[str, tuple[str, nn.Module]] = {}
         self.sources: set[str] = set()
+        self.packed: set[str] = set()  # columns whose output a GLU splits into halves
+        self.direct: dict[str, str] = {}  # column -> a module reading its halves unconsumed
         self.broken: dict[str, str] = {}
 
     # -- the forward ---------------------------------------------------------------------------
-    def run(self, example: tuple | Mapping | None) -> _ConvTrace:
+    def run(self, example: tuple | Mapping | None, values: bool = False) -> _ConvTrace:
+        """One fake forward; ``values``: with `ShadowValues` (code that reads a value)."""
         model, hooks = self.model, []
         for mod in model.modules():
             if isinstance(mod, CONVS + TRANSPOSED_CONVS + NORMS) or mod is model:
@@ -187,7 +274,8 @@ class _ConvTrace(TorchFunctionMode):
             with quiet_fake_tensors():
                 fake = FakeTensorMode(allow_non_fake_inputs=True)
                 args, kwargs = fake_inputs(model, example, fake, real=False)
-                with meta_state(model, fake), torch.no_grad(), fake, self:
+                shadow = ShadowValues(fake) if values else contextlib.nullcontext()
+                with meta_state(model, fake), torch.no_grad(), fake, shadow, self:
                     model(*args, **kwargs)
         finally:
             for h in hooks:
@@ -197,6 +285,8 @@ class _ConvTrace(TorchFunctionMode):
                 role, col, _ = self.plans.get(name, ("", "", 0))
                 for c in {col, name} & (self.sources | self.rows.keys()):
                     self._break(c, f"{name} runs more than once")
+        for col in self.packed & self.direct.keys():  # one layout cannot serve both readers
+            self._break(col, f"{self.direct[col]} reads its channels before the GLU halves them")
         return self
 
     def unpaired(self) -> list[str]:
@@ -205,9 +295,9 @@ class _ConvTrace(TorchFunctionMode):
     def _break(self, col: str, why: str) -> None:
         self.broken.setdefault(col, why)
 
-    def _set(self, t: torch.Tensor, col: str, dim: int) -> None:
+    def _set(self, t: torch.Tensor, col: str, dim: int, stage: int) -> None:
         self.keep.append(t)
-        self.tag[id(t)] = (col, dim)
+        self.tag[id(t)] = (col, dim, stage)
 
     # -- module boundaries: convolutions and norms -------------------------------------------
     def _pre(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -218,7 +308,9 @@ class _ConvTrace(TorchFunctionMode):
         self.inside.append(name)
         ins = _tensors((args, kwargs))
         x = ins[0] if ins else None
-        col, dim = self.tag.get(id(x), ("", 0)) if x is not None else ("", 0)
+        col, dim, stage = self.tag.get(id(x), ("", 0, 0)) if x is not None else ("", 0, 0)
+        if col and stage == _DIRECT:
+            self.direct.setdefault(col, name)
         for t in ins[1:]:  # a second split input (output_size is ints): not per channel
             if id(t) in self.tag:
                 self._break(self.tag[id(t)][0], f"{name} reads it as a second input")
@@ -270,7 +362,7 @@ class _ConvTrace(TorchFunctionMode):
         if role in ("col", "follow") and outs:
             y = outs[0]
             dim = y.ndim - kernel - 1 if role == "col" or kernel else 1
-            self._set(y, col, dim)
+            self._set(y, col, dim, _DIRECT if role == "col" else _FOLLOWED)
         self.plans[name] = (role, col, kernel)  # kept for `run`'s count of calls
 
     # -- every other call --------------------------------------------------------------------
@@ -292,15 +384,33 @@ class _ConvTrace(TorchFunctionMode):
             for c in cols:
                 self._break(c, f"{name}() mixes it with another convolution's channels")
             return out
-        col, dim = self.tag[id(tagged[0])]
+        col, dim, stage = self.tag[id(tagged[0])]
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in _COMMUTATIVE and len(tagged) == 1 and src is not tagged[0]:
+            src, args = tagged[0], (tagged[0], *(a for a in args if a is not tagged[0]))
+        if name == "glu":
+            return self._glu(out, args, kwargs, col, dim, stage)
         new_dim = self._per_channel(name, args, kwargs, src, dim, tagged)
         if new_dim is None:
             self._break(col, f"{name}() reads across its channels or mixes them")
             return out
         for t in outs:
             if t.is_floating_point() and t.ndim > new_dim and t.shape[new_dim] == src.shape[dim]:
-                self._set(t, col, new_dim)
+                self._set(t, col, new_dim, stage)
+        return out
+
+    def _glu(self, out, args, kwargs, col: str, dim: int, stage: int) -> Any:
+        """``glu(x, dim)`` over the channels of a column's own output: its two halves are a
+        packed pair, each rank's GLU gives its channels of the result (see the module doc)."""
+        x = args[0]
+        glu_dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
+        if not isinstance(out, torch.Tensor) or glu_dim % x.ndim != dim:
+            self._break(col, "glu() over another dim than its channels")
+        elif stage != _DIRECT or id(x) not in self.tag or x.shape[dim] % 2:
+            self._break(col, "glu() halves channels that are no longer its own output's")
+        else:
+            self.packed.add(col)
+            self._set(out, col, dim, _FOLLOWED)
         return out
 
     def _per_channel(self, name, args, kwargs, src, dim, tagged) -> int | None:
@@ -309,6 +419,9 @@ class _ConvTrace(TorchFunctionMode):
         if src is None or id(src) not in self.tag or len(tagged) > 1:
             return None
         others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if name in _PER_CHANNEL and reduced_dims(name, args, kwargs, src.ndim) is None:
+            # a tensor with size 1 at the channels (or no such dim) is the same for each one
+            others = [a for a in others if not _broadcasts_over(a, src, dim)]
         dims = reduced_dims(name, args, kwargs, src.ndim)
         if dims is not None:  # a reduction: over other dims than the channels, after them
             keep = kwargs.get("keepdim", False) or (len(args) > 2 and args[2] is True)

@@ -50,6 +50,7 @@ from typing import Any
 
 from torch import nn
 
+from tpkit.plan.convs import conv_pairs, shared_params, splittable_conv
 from tpkit.plan.dryrun import dry_run
 from tpkit.plan.experts import expert_groups
 from tpkit.plan.fake import REAL_TRACE_MAX_PARAMS
@@ -515,6 +516,7 @@ def _infer_once(model: nn.Module, example_inputs) -> Plan:
         draft.styles[name] = style
         draft.why.pop(name, None)
     draft.add_groups(mixer_groups)
+    _conv_pairs(model, draft, example_inputs)
     _tables(model, draft)
     gathered, draft.notes = gathered_pairs(
         model, draft.nodes, draft.candidates, draft.styles, draft.why
@@ -522,6 +524,24 @@ def _infer_once(model: nn.Module, example_inputs) -> Plan:
     draft.groups.extend(gathered)
     runs = lambda plan, tp: dry_run(model, plan, example_inputs, tp)  # noqa: E731
     return fewest_replicated(model, draft.plan(model), runs)
+
+
+def _conv_pairs(model: nn.Module, draft: Draft, example_inputs) -> None:
+    """Convolution pairs (`tpkit.plan.convs`: a conformer's pointwise -> GLU -> depthwise ->
+    BatchNorm -> pointwise) among the convolutions no other pass claimed, one group each.
+    Only next to other splits: a model with nothing else to split takes the per-layer
+    fallback, which pairs the same convolutions and gathers the rest."""
+    if all(style == "replicate" for style in draft.styles.values()):
+        return
+    shared = shared_params(model)
+    free = lambda name, mod: name not in draft.styles and splittable_conv(mod, shared)  # noqa: E731
+    pairs = conv_pairs(model, 2, free, example_inputs)
+    for name, style in pairs.styles.items():
+        draft.styles[name] = style
+        draft.why.pop(name, None)
+        draft.notes[name] = pairs.notes[name]
+    draft.fixups.update(pairs.fixups)
+    draft.add_groups(pairs.groups)
 
 
 def _owner_fixups(owner: nn.Module, widths: set[int], info: dict, owner_name: str) -> dict:

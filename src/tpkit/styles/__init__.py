@@ -34,7 +34,13 @@ from tpkit.styles.combined import (
     MoeReducedInputStyle,
     TailGradAllReduceStyle,
 )
-from tpkit.styles.conv import ConvColwiseStyle, ConvGatherStyle, ConvRowwiseStyle, NormChannelStyle
+from tpkit.styles.conv import (
+    ConvColwiseStyle,
+    ConvGatherStyle,
+    ConvPackedColwiseStyle,
+    ConvRowwiseStyle,
+    NormChannelStyle,
+)
 from tpkit.styles.embedding import (
     ColwiseEmbeddingStyle,
     GatherColumnsEmbeddingStyle,
@@ -60,6 +66,7 @@ __all__ = [
     "ColwiseStyle",
     "ConvColwiseStyle",
     "ConvGatherStyle",
+    "ConvPackedColwiseStyle",
     "ConvRowwiseStyle",
     "NormChannelStyle",
     "GatherColumnsEmbeddingStyle",
@@ -99,6 +106,7 @@ for _cls in (
     GatherOutputStyle,
     ConvGatherStyle,
     ConvColwiseStyle,
+    ConvPackedColwiseStyle,
     ConvRowwiseStyle,
     NormChannelStyle,
     RowwiseStyle,

@@ -10,6 +10,10 @@
   dim for the convolution it pairs with (`tpkit.plan.convs`). A transposed convolution's
   weight is ``[in, out / groups, *kernel]``: its output channels are dim 1
   (`tpkit.plan.layout.param_layout`).
+- ``conv_packed_colwise`` (`ConvPackedColwiseStyle`): ``conv_colwise`` on output channels
+  that a GLU over the channels reads as two halves ``a | b``: each half split separately
+  (strided, like ``packed_colwise`` for a fused gate|up linear), so rank r computes ``a_r | b_r``
+  and its GLU gives channels r of the result (a conformer's ``pointwise_conv1``).
 - ``conv_rowwise`` (`ConvRowwiseStyle`): input channels split (the rank's channels of its
   partner's output, through per-channel ops), a local convolution, the partial sums
   all-reduced (g), the bias added once after, broadcast over the kernel dims. A transposed
@@ -45,6 +49,7 @@ __all__ = [
     "TRANSPOSED_CONVS",
     "ConvColwiseStyle",
     "ConvGatherStyle",
+    "ConvPackedColwiseStyle",
     "ConvRowwiseStyle",
     "NormChannelStyle",
 ]
@@ -99,6 +104,14 @@ class ConvColwiseStyle(ColwiseStyle):
 
     def _setup(self, module: nn.Module) -> None:
         _check_conv(self, module, transposed_ok=True)
+
+
+class ConvPackedColwiseStyle(ConvColwiseStyle):
+    """``conv_colwise`` with the output channels split per packed half (the catalogue's
+    ``packed_parts=2`` lays the weight and bias out as two strided parts): this rank's
+    ``a_r | b_r``, so a GLU over the channels pairs them as the unsplit one does."""
+
+    name = "conv_packed_colwise"
 
 
 class ConvRowwiseStyle(RowwiseStyle):

@@ -34,7 +34,7 @@ from collections.abc import Collection, Mapping
 from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
-from tpkit.plan.convs import NORMS, TRANSPOSED_CONVS, conv_pairs
+from tpkit.plan.convs import CONVS, conv_pairs, shared_params, splittable_conv
 from tpkit.plan.experts import fused_experts
 from tpkit.plan.layout import kind_of, out_width, param_layouts
 from tpkit.plan.spec import Plan
@@ -46,9 +46,7 @@ MIN_PER_RANK = 2
 #: the source the fallback's entries carry (`Plan.source`, `tpkit plan`'s table)
 SOURCE = "fallback"
 #: the forwards the fallback's styles are exact for (a subclass that keeps them is fine)
-_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-#: the classes whose own forward the paired convolution styles are exact for
-_PAIRED = (*_CONVS, *TRANSPOSED_CONVS, *NORMS)
+_CONVS = CONVS
 _BASE_FORWARD = {
     "linear": nn.Linear.forward,
     "embedding": nn.Embedding.forward,
@@ -73,10 +71,10 @@ def fallback_plan(
     pairs (`tpkit.plan.convs`) are found on a fake forward with ``example`` (the trace inputs,
     else made up) and take the paired styles; a model that cannot be traced pairs none."""
     tp = tp_size if tp_size and tp_size > 1 else 2
-    shared = _shared_params(model)
+    shared = shared_params(model)
     shared.update(id(model.get_submodule(n).weight) for n in read_outside)
     plan = Plan()
-    pairs = conv_pairs(model, tp, lambda _, mod: _splittable(mod, shared), example)
+    pairs = conv_pairs(model, tp, lambda _, mod: splittable_conv(mod, shared), example)
     for name, style in pairs.styles.items():
         plan.set(name, style, SOURCE)
         plan.notes[name] = f"per-layer fallback, {pairs.notes[name]}: {why}"
@@ -112,13 +110,6 @@ def fallback_plan(
     return plan
 
 
-def _shared_params(model: nn.Module) -> set[int]:
-    counts: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        counts[id(p)] = counts.get(id(p), 0) + 1
-    return {k for k, v in counts.items() if v > 1}
-
-
 def _experts_styles(mod: nn.Module, tp: int, shared: set[int]) -> tuple[dict, str | None]:
     """({parameter: style}, None) for transformers' fused experts to split along each
     expert's intermediate width (`tpkit.plan.experts.fused_experts`: their input whole, their
@@ -143,15 +134,6 @@ def _experts_styles(mod: nn.Module, tp: int, shared: set[int]) -> tuple[dict, st
     if interleaved and inter % tp:
         return {}, f"tp={tp} does not divide the intermediate width {inter} of interleaved gate/up"
     return styles, None
-
-
-def _splittable(mod: nn.Module, shared: set[int]) -> bool:
-    """A convolution or norm the paired convolution styles may split: its own parameters, not
-    parametrized, not shared or read outside, its class's forward (`tpkit.plan.convs`)."""
-    if is_parametrized(mod) or any(id(p) in shared for p in mod.parameters(recurse=False)):
-        return False
-    base = next((c for c in _PAIRED if isinstance(mod, c)), None)
-    return base is not None and type(mod).forward is base.forward
 
 
 def _style(mod: nn.Module, tp: int, shared: set[int]) -> tuple[str | None, str | None]:

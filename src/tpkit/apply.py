@@ -97,6 +97,10 @@ def apply_plan(
         if name not in styles and any(p is not None for p in module._parameters.values()):
             styles[name] = ReplicateStyle(**options.for_module(name, "replicate"))
             styles[name].module_name = name
+    for t in targets:  # a bare parameter on split activations (MLCD's class_pos_emb)
+        if t.kind == "param" and t.style == "replicated_with_grad_allreduce":
+            owner, _, pname = t.name.rpartition(".")
+            styles[owner].allreduce_params |= {pname}
     parallelize_module(model, tp_mesh, styles, src_data_rank=None)
     _install_parent_swaps(model, tp_mesh)
     group = tp_mesh.get_group()

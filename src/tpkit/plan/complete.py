@@ -5,6 +5,8 @@
 - `complete_grad_allreduce`: modules with their own parameters acting on a column-parallel
   output that no entry names get ``replicated_with_grad_allreduce`` (their gradient on each
   rank covers only its shard), and such an entry whose columns a user replicated is dropped.
+- `complete_param_grads`: likewise for bare parameters read outside any such module (MLCD's
+  ``class_pos_emb`` in the rotary cos/sin every head's queries are multiplied by), per parameter.
 - `complete_tied_layers`: a linear or embedding that computes with a weight tied to a split
   table takes the table's split in its compute (ShieldGemma-2's inner ``lm_head``).
 
@@ -19,10 +21,15 @@ from torch import nn
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.dryrun import dry_run
 from tpkit.plan.layout import kind_of, param_layout, param_styles
-from tpkit.plan.spec import Group, Plan, matches
+from tpkit.plan.spec import Group, Plan, Source, matches
 from tpkit.plan.trace import trace
 
-__all__ = ["complete_grad_allreduce", "complete_tied_layers", "complete_with_inferred"]
+__all__ = [
+    "complete_grad_allreduce",
+    "complete_param_grads",
+    "complete_tied_layers",
+    "complete_with_inferred",
+]
 
 
 def complete_with_inferred(
@@ -109,6 +116,48 @@ def complete_grad_allreduce(model: nn.Module, plan: Plan, example=None) -> Plan:
         ]
         if producers and len(user_replicated) == len(producers):
             plan.set(t.name, "replicate", t.source)
+    return plan
+
+
+def complete_param_grads(model: nn.Module, plan: Plan, example=None) -> Plan:
+    """Add a parameter entry ``replicated_with_grad_allreduce`` for each bare parameter whose
+    values meet the split output of a column layer of the final ``plan`` with no linear in
+    between, broadcast over the split (`tpkit.plan.trace.Node.partial_params`): MLCD's
+    ``class_pos_emb`` becomes part of the rotary cos/sin that multiply each head's queries, so
+    each rank's gradient for it covers that rank's heads only. Without the all-reduce the
+    output is exact but the gradient is not, with no error (0.72 off at tp=2), and the
+    replicas drift apart after one optimizer step. Per parameter, not per module: the module
+    holding it (here the whole model) has other parameters whose gradient is whole. A
+    parameter whose module or own entry the plan names is left to that entry (a per-head
+    norm's module entry, `complete_grad_allreduce`), and so is one that reaches the heads
+    through a module input a fix-up slices per head (CPM-Ant's position bias: the slice sums
+    its gradient already). Run on the settled plan, since settling
+    may gather a column layer whose output then is whole. Not handled: one parameter read
+    both with split features and with whole ones (each rank's gradient would need only part
+    of it summed); no architecture swept does that."""
+    try:
+        info = trace(model, example)
+    except Exception:  # noqa: BLE001 - model code may do anything on meta
+        return plan
+    nodes, params = info["nodes"], dict(model.named_parameters(remove_duplicate=False))
+    # what reaches the heads through a per-head input the fix-ups slice (CPM-Ant's position
+    # bias) is summed by the slice's own all-reduce (`tpkit.apply.apply_plan`): not again
+    sliced: set[str] = set()
+    for module, keys in info.get("input_params", {}).items():
+        for key in plan.fixups_for(module).get("head_inputs", {}):
+            sliced |= keys.get(key, frozenset())
+    for t in plan.resolve(model):
+        if t.kind != "module" or not style_spec(t.style).splits_output or t.name not in nodes:
+            continue
+        for name in sorted(nodes[t.name].partial_params):
+            owner = name.rpartition(".")[0]
+            p = params.get(name)
+            if p is None or not p.requires_grad or name in sliced or plan.style_for(name):
+                continue
+            if owner and plan.style_for(owner) is not None:
+                continue
+            plan.set(name, "replicated_with_grad_allreduce", Source.INFERRED)
+            plan.notes[name] = f"gradient all-reduced: it meets the split output of {t.pattern}"
     return plan
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from tpkit.plan.complete import (
     complete_grad_allreduce,
+    complete_param_grads,
     complete_tied_layers,
     complete_with_inferred,
 )
@@ -100,11 +101,12 @@ def derive_plan(
             out = _base_plan(model, example_inputs).merged(_user_plan(plan))
         gather_reduced_pairs(model, out, example_inputs)  # reductions over split features
         out = complete_grad_allreduce(model, complete_tied_layers(model, out), example_inputs)
-    if tp_size is not None and tp_size > 1:
-        if plan == "auto":
-            out = _config_plan_at(model, out, tp_size, example_inputs)
-        settle(model, out, tp_size, lambda p, tp: dry_run(model, p, example_inputs, tp))
-    return out
+        if tp_size is not None and tp_size > 1:
+            if plan == "auto":
+                out = _config_plan_at(model, out, tp_size, example_inputs)
+            settle(model, out, tp_size, lambda p, tp: dry_run(model, p, example_inputs, tp))
+        # last: settling may gather a column layer, whose output is then whole
+        return complete_param_grads(model, out, example_inputs)
 
 
 def _config_plan_at(model: nn.Module, plan: Plan, tp: int, example) -> Plan:
@@ -213,15 +215,15 @@ def _checked_config_plan(model: nn.Module, plan: Plan, example, tp: int | None =
     the inferred plan passes the same check it is used instead, and its notes say why. A plan
     that passes is completed by the inferred plan's groups it leaves whole.
     """
+    try:  # first: its trace settles the made-up inputs (a VLM's tower inputs that fail: text)
+        inferred = infer_plan(model, example)
+    except ValueError:
+        inferred = None
     if not _names_a_layer(model, plan):
         error = "it names only the vocabulary embedding, no layer"
     else:
         error = dry_run(model, plan, example, 2)
         error = error and f"it fails a tp=2 dry run ({error})"
-    try:
-        inferred = infer_plan(model, example)
-    except ValueError:
-        inferred = None
     if error is None:
         added = []
         if inferred is not None:

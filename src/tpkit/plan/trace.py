@@ -75,6 +75,11 @@ class Node:
     # before another linear: which consumer reads which part (`tpkit.plan.infer`'s tails)
     cut_reach: list[set[str]] = field(default_factory=list)
     reduced: str = ""  # an op that reads across its split features ("" = none; see `tpkit.plan.reductions.REDUCTIONS`)
+    # bare parameters (held by modules that are not linear-like) whose values meet its output
+    # broadcast over the split features with no linear in between (MLCD's ``class_pos_emb``
+    # in the rotary cos/sin that multiply each head's queries): a rank's gradient for them
+    # covers its heads only (`tpkit.plan.complete.complete_param_grads`)
+    partial_params: set[str] = field(default_factory=set)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -90,6 +95,9 @@ _ELEMENTWISE = frozenset(
     {"mul", "__mul__", "__rmul__", "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__"}
     | {"div", "__truediv__", "__rtruediv__", "__iadd__", "__imul__", "addcmul"}
 )
+
+# ops that contract a head-split tensor with another one per head (a table read by each head)
+_PER_HEAD_PRODUCTS = frozenset({"matmul", "__matmul__", "bmm", "einsum", "baddbmm"})
 
 # ops that join tensors along a dim (`_Tracer._join`)
 _JOINS = frozenset({"cat", "concat", "concatenate", "stack", "hstack"})
@@ -131,6 +139,9 @@ class _Tracer(TorchFunctionMode):
         # tensors whose features dim is one head's (a [.., 1, head_dim] view of a single KV
         # head): reductions over it stay within the head, which plan/kvheads.py keeps whole
         self.one_head: set[int] = set()
+        # tensor -> the bare parameters whose values reach it with no linear-like module in
+        # between (`Node.partial_params`)
+        self.params: dict[int, frozenset[str]] = {}
 
     def tag(self, t: torch.Tensor) -> frozenset[str]:
         return self.tags.get(id(t), frozenset())
@@ -166,6 +177,9 @@ class _Tracer(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in _ELEMENTWISE and len(feats) > 1:
             self._per_head_tables(feats)
+        params = frozenset().union(*(self.params.get(id(t), frozenset()) for t in feats))
+        if params and len(feats) > 1 and (name in _ELEMENTWISE or name in _PER_HEAD_PRODUCTS):
+            self._partial_params(name, feats)
         tags: frozenset[str] = frozenset().union(*(self.tag(t) for t in feats))
         tags -= self.head_tables
         if STREAM in tags and len(tags) > 1:
@@ -175,11 +189,15 @@ class _Tracer(TorchFunctionMode):
             if self.first_input.get(node) is args[0] and self.nodes[node].kind == "embedding":
                 self.nodes[node].ids_first = True
         in_place = name.endswith("_") or name in ("__setitem__", "__iadd__", "__imul__")
-        if in_place and args and isinstance(args[0], torch.Tensor):
+        written = in_place and args and isinstance(args[0], torch.Tensor)
+        if written:
             self.set_tag(args[0], tags)
         outs = _tensors(out)
         for t in outs:
             self.set_tag(t, tags)
+        if params:
+            for t in outs + ([args[0]] if written else []):
+                self.params[id(t)] = params
         parts = frozenset().union(*(self.parts.get(id(t), frozenset()) for t in feats))
         if parts:
             for t in outs:
@@ -289,6 +307,24 @@ class _Tracer(TorchFunctionMode):
                 if b.shape[j] > 1 and (k < 0 or a.shape[k] == 1):
                     self.head_tables |= tags
                     self.nodes[lin].per_head_consumers |= tags
+
+    def _partial_params(self, name: str, feats: list[torch.Tensor]) -> None:
+        """Bare parameters meeting a linear's output that a column split would leave split:
+        broadcast over its split dim (elementwise), or per head (a product with the heads). The
+        linear's `Node.partial_params` records them; whether it is split is the plan's say."""
+        for b in feats:
+            if id(b) not in self.origin:
+                continue
+            lin, j, heads = self.origin[id(b)]
+            if name in _PER_HEAD_PRODUCTS and not heads:
+                continue  # a contraction over the features: the reduction's concern
+            for a in feats:
+                params = self.params.get(id(a))
+                if a is b or not params:
+                    continue
+                k = j - (b.ndim - a.ndim)  # a's dim under b's split one, from the right
+                if name in _PER_HEAD_PRODUCTS or (b.shape[j] > 1 and (k < 0 or a.shape[k] == 1)):
+                    self.nodes[lin].partial_params |= params
 
     # -- where the features of a linear's output go: reshapes, splits, slices ----------------
     def _follow_features(self, name, args, kwargs, out, outs) -> None:
@@ -625,6 +661,8 @@ class _TraceHooks:
         self.blocks = blocks(model)
         self.block_ids = {id(m) for _, m in self.blocks}
         self.module_inputs: dict[str, list[tuple[str, tuple, frozenset]]] = {}
+        # module -> input key -> the bare parameters whose values that input carries
+        self.input_params: dict[str, dict[str, frozenset[str]]] = {}
 
     def run(self, example, real: bool, values: bool = False) -> dict[str, Any]:
         """One forward with the hooks; ``values``: with `ShadowValues` (data-dependent code)."""
@@ -653,6 +691,7 @@ class _TraceHooks:
             "nodes": self.nodes,
             "blocks": [n for n, _ in self.blocks],
             "module_inputs": self.module_inputs,
+            "input_params": self.input_params,
             "batch": _batch(model, example),
         }
 
@@ -676,6 +715,12 @@ class _TraceHooks:
             for n in nodes:
                 for p in self.modules[n].parameters(recurse=False):
                     tracer.weights.setdefault(id(p), set()).add(n)
+            tracer.params = {}
+            for owner, module in self.modules.items():
+                for pname, p in module.named_parameters(recurse=False):
+                    if owner not in nodes and id(p) not in tracer.weights:
+                        tracer.keep.append(p)
+                        tracer.params[id(p)] = frozenset({f"{owner}.{pname}".lstrip(".")})
         if name in nodes:
             tracer.active.append(name)
         if self._is_stream_boundary(mod):
@@ -689,6 +734,10 @@ class _TraceHooks:
         self.module_inputs[name] = [
             (key, tuple(t.shape), tracer.tag(t)) for key, t in ins if t.is_floating_point()
         ]
+        for key, t in ins:  # bare parameters a module is handed (a fix-up may slice them)
+            if id(t) in tracer.params:
+                entry = self.input_params.setdefault(name, {})
+                entry[key] = entry.get(key, frozenset()) | tracer.params[id(t)]
         tags = frozenset().union(*(tracer.tag(t) for _, t in ins))
         if name in nodes:
             if ins:  # BART's position table looks up arange(seq) + 2, not its input_ids
@@ -722,6 +771,8 @@ class _TraceHooks:
             tracer.where.pop()
         if name in self.nodes:
             tracer.active.pop()
+            for t in _tensors(output):
+                tracer.params.pop(id(t), None)  # a linear's input gradient is whole again
             for t in _tensors(output)[:1]:
                 tracer.parts.pop(id(t), None)  # a cut's parts are followed to the next linear
                 tracer.set_tag(t, frozenset({name}))

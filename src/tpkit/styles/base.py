@@ -191,6 +191,9 @@ class TPStyle(ParallelStyle):
         self._nested: list[tuple[nn.Module, str]] | None = None
         self._nested_saved: list[list[tuple[nn.Module, str, DTensor]]] = []
         self.kernel_fallback = ""  # set at _apply: a kernel swapped for one that runs
+        # own parameters whose gradient is all-reduced although the style's is not: a bare
+        # parameter the plan names ``replicated_with_grad_allreduce`` (`tpkit.apply.apply_plan`)
+        self.allreduce_params: set[str] = set()
 
     @property
     def spec(self) -> StyleSpec:
@@ -281,13 +284,17 @@ class TPStyle(ParallelStyle):
             ]
         return self._nested
 
-    def _local(self, p: DTensor, grad: bool) -> torch.Tensor:
+    def _local(self, p: DTensor, grad: bool, name: str = "") -> torch.Tensor:
         if not (grad and p.requires_grad):
             local = p._local_tensor  # no autograd edge needed: no DTensor dispatch either
         else:
             local = p.to_local()
             sp = self.sp
-            if self.grad_allreduce or (sp is not None and self._sp_grads and sp.active):
+            if (
+                self.grad_allreduce
+                or name in self.allreduce_params
+                or (sp is not None and self._sp_grads and sp.active)
+            ):
                 local = copy_to_tp(local, self.group)
         if self.compute_dtype is not None and local.is_floating_point():
             local = local.to(self.compute_dtype)
@@ -310,7 +317,7 @@ class TPStyle(ParallelStyle):
         saved = {name: p for name, p in params.items() if isinstance(p, DTensor)}
         if grad or self.compute_dtype is not None:
             for name, p in saved.items():
-                params[name] = self._local(p, grad)
+                params[name] = self._local(p, grad, name)
         else:  # no-grad fast path (decode): the local shards as they are
             for name, p in saved.items():
                 params[name] = p._local_tensor
@@ -416,7 +423,8 @@ class LocalReplicated:
                 styles = [s for _, _, s in held]
                 if any(s is None for s in styles):
                     continue
-                if len({(s.grad_allreduce, s.compute_dtype) for s in styles}) > 1:
+                allreduce = {s.grad_allreduce or n in s.allreduce_params for _, n, s in held}
+                if len(allreduce) > 1 or len({s.compute_dtype for s in styles}) > 1:
                     continue
                 slots.extend(held)
             self._slots = slots
@@ -437,7 +445,7 @@ class LocalReplicated:
                 continue
             local = local_of.get(id(p))
             if local is None:
-                local = local_of[id(p)] = style._local(p, grad)
+                local = local_of[id(p)] = style._local(p, grad, name)
             module._parameters[name] = local
             saved.append((module, name, p, local))
 

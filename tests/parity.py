@@ -65,7 +65,9 @@ def tiny_parity(
             continue
         if p.ndim >= 2:
             total += p.numel()
-            sharded += p.numel() if isinstance(p, DTensor) and p.placements[0].is_shard() else 0
+            sharded += (
+                p.numel() if isinstance(p, DTensor) and not p.placements[0].is_replicate() else 0
+            )
         if g is not None:
             g = g.full_tensor() if isinstance(g, DTensor) else g
             diff = (g - want).abs().max().item()
@@ -232,7 +234,7 @@ def module_parity(ref: torch.nn.Module, model: torch.nn.Module, *args: Any) -> d
     want = dict(ref.named_parameters())
     grad, scale, missing, sharded = 0.0, 0.0, [], 0
     for name, p in model.named_parameters():
-        if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements):
+        if isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements):
             sharded += 1
         if (p.grad is None) != (want[name].grad is None):
             missing.append(name)

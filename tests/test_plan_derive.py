@@ -366,3 +366,25 @@ def test_dbrx_plans_on_meta_where_a_routed_scalar_indexes_a_large_weight():
     # and tracing all 24 took 7x the time (43 s of CPU) for nothing more
     r = full_size_report("DbrxForCausalLM", model_type="dbrx", n_layers=2)
     assert 0 < r["share"] < 1, r
+
+
+def test_a_head_tied_to_the_embedding_that_no_accessor_names_is_gathered():
+    """Pure, on meta: BLIP's text decoder head (``cls.predictions.decoder``, tied to the text
+    embedding, its bias tied to ``cls.predictions.bias``) is not the model's output embedding.
+    Before, inference laid its weight out vocab-parallel by a parameter entry while the module
+    computed as if whole: every dry run failed, every group was kept whole, and the tied bias,
+    split under one name and whole under the other, got the plan refused. Now the head computes
+    with the split table (gathered), both names of its bias alike, and the towers split."""
+    from tests.tiny import build_family
+    from tpkit.plan import derive_plan
+    from tpkit.plan.layout import param_styles
+
+    model = build_family("blip", "BlipForConditionalGeneration", device="meta")
+    plan = derive_plan(model, "auto", 2)
+    assert plan.style_for("text_decoder.cls.predictions.decoder")[0] == "colwise_gather_output"
+    styles = param_styles(model, plan)
+    assert styles["text_decoder.cls.predictions.bias"][0] == "colwise_gather_output"
+    assert styles["text_decoder.cls.predictions.decoder.bias"][0] == "colwise_gather_output"
+    attn = "text_decoder.bert.encoder.layer.0.attention.self.query"
+    assert plan.style_for(attn)[0] == "colwise"
+    assert plan.style_for("vision_model.encoder.layers.0.mlp.fc1")[0] == "colwise"

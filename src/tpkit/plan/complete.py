@@ -207,4 +207,33 @@ def complete_tied_layers(model: nn.Module, plan: Plan) -> Plan:
                 continue
             plan.set(name, style, split[2] if split[2] != "-" else "inferred")
             plan.notes[name] = f"{style}: its weight is tied to {split[0]}, which is split"
+    _tied_names_alike(model, plan, owners)
     return plan
+
+
+def _tied_names_alike(
+    model: nn.Module, plan: Plan, owners: dict[int, list[tuple[str, str]]]
+) -> None:
+    """Every other name of a tied parameter one name of which the plan now splits gets that
+    layout by its own entry, as inference does for the head's bias (BERT's
+    ``cls.predictions.bias`` tied to ``cls.predictions.decoder.bias``): BLIP's text decoder,
+    whose head `complete_tied_layers` splits above, else held its bias split under one name
+    and whole under the other, and the plan was refused. A name with its own user entry is
+    left to validation."""
+    styles, modules = param_styles(model, plan), dict(model.named_modules())
+    for tied in owners.values():
+        laid = []
+        for name, pname in tied:
+            full = f"{name}.{pname}" if name else pname
+            p = modules[name]._parameters[pname]
+            style = styles[full][0]
+            laid.append((full, style, param_layout(style, pname, p.ndim, modules[name])))
+        split = next((x for x in laid if x[2].sharded), None)
+        if split is None:
+            continue
+        for full, _, layout in laid:
+            hit = plan.style_for(full)
+            if layout == split[2] or (hit is not None and plan.source(hit[1]) == "user"):
+                continue
+            plan.set(full, split[1], "inferred")
+            plan.notes[full] = f"{split[1]}: it is tied to {split[0]}, which is split"

@@ -277,10 +277,21 @@ def _vocabulary(model: nn.Module, draft: Draft) -> None:
     for name, mod in modules.items():
         for pname, p in mod.named_parameters(recurse=False):
             owners_of.setdefault(id(p), []).append((name, pname))
-    for tied in owners_of.values():
+    for tied in owners_of.values():  # first seen first: a head's weight before its bias
         vocab = [styles[n] for n, _ in tied if n in exclude and n in styles]
         for name, pname in tied:
-            if vocab and name not in exclude:
+            if not vocab or name in exclude:
+                continue
+            if (
+                vocab[0] == "vocab_parallel"
+                and pname == "weight"
+                and kind_of(modules[name]) == "linear"
+            ):
+                # a head no `output_embeddings` names (BLIP's text decoder): it computes with
+                # the split table, gathered, not with a rank's shard as if it were whole
+                styles[name] = "colwise_gather_output"
+                exclude.add(name)
+            else:
                 styles[f"{name}.{pname}"] = vocab[0]
 
 

@@ -25,6 +25,7 @@ SIZES = {
         "embedding_size",
         "n_embed",
         "emb_dim",
+        "d_latents",  # Perceiver's latent width
     ),
     128: (
         "intermediate_size",
@@ -59,6 +60,7 @@ SIZES = {
         "num_kv_heads",
         "n_head_kv",
         "multi_query_group_num",
+        "num_self_attends_per_block",  # Perceiver: 26 self-attention layers
     ),
     4: (
         "num_attention_heads",
@@ -70,6 +72,8 @@ SIZES = {
         "num_experts",
         "num_local_experts",
         "n_routed_experts",
+        "num_self_attention_heads",  # Perceiver
+        "num_cross_attention_heads",
     ),
     16: (
         "head_dim",
@@ -81,6 +85,7 @@ SIZES = {
         "qk_nope_head_dim",
         "v_head_dim",
         "attention_head_dim",
+        "num_latents",  # Perceiver: 256 latents
     ),
 }
 POSITIONS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length")
@@ -115,6 +120,17 @@ DERIVED = {
     # BLT: the byte encoder's patches (hidden x cross_attn_k) are the global model's hidden
     "hidden_size_global": lambda c: 64 * c.get("cross_attn_k", 1),
     # hybrids whose attention reads [hidden, embeddings] concatenated (Zamba)
+    # EfficientNet: the top conv is round_filters(1280) wide, its BatchNorm ``hidden_dim`` (128):
+    # the width multiplier that makes them agree (every other width shrinks with it)
+    "width_coefficient": lambda c: 128 / 1280,
+    # Kyutai: the audio pad id is the one past the text and every codebook's ids
+    "audio_pad_token_id": lambda c: (
+        VOCAB + c["num_codebooks"] * c["codebook_vocab_size"]
+        if c.get("num_codebooks") and c.get("codebook_vocab_size")
+        else c["audio_pad_token_id"]
+    ),
+    "depth_coefficient": lambda c: 1.0,  # one block per stage repeat, not 3.1 (B7)
+    "num_block_repeats": lambda c: [1] * len(c["num_block_repeats"]),  # one block per stage
     "attention_hidden_size": lambda c: (
         64 * max(1, round(c["_attention_hidden_size"] / c["_hidden"]))
     ),
@@ -130,6 +146,11 @@ PATCHES = {
     "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},  # both read, unset
     # the LM head needs a decoder; axial position dims must sum to hidden; LSH hashing seeded
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "hash_seed": 0},
+    # the decoder reads num_key_value_heads, which the default config lacks (MHA: as many as
+    # the query heads)
+    "moonshine_streaming": {"num_key_value_heads": 4},
+    # no pad id by default, but the embeddings mask it (ESM-2's published pad id is 1)
+    "esm": {"pad_token_id": 1},
     # the global transformer is as wide as the byte encoder's patches (64 x cross_attn_k 2)
     "blt": {
         "global_config.hidden_size": 128,
@@ -166,6 +187,7 @@ FULL_PATCHES = {
     "dbrx": PATCHES["dbrx"],
     "gemma4_assistant": PATCHES["gemma4_assistant"],
     "reformer": {"is_decoder": True},  # the LM head needs a decoder
+    "moonshine_streaming": {"num_key_value_heads": 8},  # read, unset (MHA: 8 query heads)
     # the indexed-attention layers need indexer sizes the default leaves unset (no published
     # values: the index head as wide as the rope, 16 query heads, a 2048-token budget)
     **{
@@ -231,6 +253,10 @@ def _layer_list(values: list, n: int) -> list:
 def _shrink(fields: dict) -> dict:
     """The shrunk values for one config's fields (see SIZES and DERIVED)."""
     kwargs = {k: v for v, keys in SIZES.items() for k in keys if k in fields}
+    # a cross-attention's own sizes (Dia's decoder: ``cross_hidden_size``, the encoder's width)
+    kwargs.update(
+        {f"cross_{k}": v for v, keys in SIZES.items() for k in keys if f"cross_{k}" in fields}
+    )
     kwargs.update({k: 64 for k in POSITIONS if k in fields})
     kwargs["vocab_size"] = VOCAB
     for k in TOKEN_IDS:
@@ -265,7 +291,45 @@ def _shrink(fields: dict) -> dict:
     if fields.get("layers_block_type") and n_layers:
         kwargs["layers_block_type"] = _layer_list(fields["layers_block_type"], 2)
     _per_stage(fields, kwargs, n_layers)
+    for k, cap in CONV_STACKS.items():  # a speech model's conv feature extractor
+        if _ints(fields.get(k)):
+            kwargs[k] = [min(v, cap) for v in fields[k]]
+        elif isinstance(fields.get(k), int) and fields[k] > cap:
+            kwargs[k] = cap
+    for k, v in fields.items():  # a depthwise conv's groups: as many as the width (Mimi's)
+        if (
+            k.endswith("_groups")
+            and isinstance(v, int)
+            and v > 1
+            and v == fields.get("hidden_size")
+        ):
+            kwargs[k] = kwargs["hidden_size"]
+    positions = next((kwargs[k] for k in POSITIONS if k in kwargs), None)
+    for k in WINDOWS:  # Granite-Speech's conformer blocks of 128 in 64 positions
+        if isinstance(fields.get(k), int) and positions and fields[k] > positions:
+            kwargs[k] = positions
     return kwargs
+
+
+#: fields of a backbone config that name its stages (``stem``, ``stage1``...): derived from the
+#: layer count, they name stages the shrunk config no longer has (Dinov2's ``out_features``
+#: ["stage12"] of 2 layers): dropped, so the config derives them again (its last stage)
+STAGE_FIELDS = ("stage_names", "out_features", "out_indices")
+#: a wav2vec2-style conv feature extractor's channels per layer (512 x 7 by default: 20 times
+#: the rest of a tiny model's time) and its positional conv's width (128, which sets the
+#: made-up waveform's least length): capped
+CONV_STACKS = {"conv_dim": 32, "num_conv_pos_embeddings": 16}
+#: fields of a window (block-wise attention's context) that must fit the shrunk positions
+WINDOWS = ("context_size",)
+
+
+def _restage(fields: dict) -> dict:
+    """``fields`` (a sub-config's, shrunk) without `STAGE_FIELDS` where its stage names outnumber
+    its layers plus the stem."""
+    names, layers = fields.get("stage_names"), fields.get("num_hidden_layers")
+    if isinstance(names, list) and isinstance(layers, int) and len(names) > layers + 1:
+        return {k: v for k, v in fields.items() if k not in STAGE_FIELDS}
+    return fields
 
 
 def _ints(v) -> bool:
@@ -305,14 +369,19 @@ def tiny_config(model_type: str, class_name: str | None = None):
     kwargs = _shrink(fields)
     for k, v in fields.items():  # sub-configs held as dicts (BLT's encoder/decoder/patcher)
         if isinstance(v, dict) and any(f in v for f in SIZES[64]):
-            kwargs[k] = {**v, **_shrink(v)}
+            kwargs[k] = _restage({**v, **_shrink(v)})
     kwargs.update({k: v for k, v in patches.items() if "." not in k})
     try:
         config = cls(**kwargs)
     except Exception:  # noqa: BLE001 - fall back to setting attributes after construction
         config = cls()
         for k, v in kwargs.items():
+            sub = getattr(config, k, None)
+            if isinstance(v, dict) and hasattr(sub, "to_dict"):  # a sub-config stays a config
+                v = type(sub)(**v)
             setattr(config, k, v)
+    if class_name and class_name.endswith("ForMaskedLM") and getattr(config, "is_decoder", None):
+        config.is_decoder = False  # a masked LM reads both ways (Reformer's patch is the LM's)
     for k, v in patches.items():
         if "." in k:
             sub, attr = k.split(".", 1)
@@ -477,7 +546,7 @@ def _shrink_tree(fields: dict, top: bool) -> dict:
             slot -= 1
     for k, v in fields.items():
         if _is_sub(v):
-            kwargs[k] = {**v, **_shrink_tree(v, False)}
+            kwargs[k] = _restage({**v, **_shrink_tree(v, False)})
     return kwargs
 
 
@@ -497,12 +566,16 @@ def tiny_family_config(model_type: str, class_name: str | None = None):
                 isinstance(getattr(config, k, None), (list, tuple)) and len(getattr(config, k)) == 2
             ):
                 setattr(config, k, [v, v])
+        _fit_vision(config)
         return config
     cls = CONFIG_MAPPING[model_type]
     if class_name and hasattr(transformers, class_name):
         cls = getattr(transformers, class_name).config_class
     fields = cls().to_dict()
     kwargs = _shrink_tree(fields, True)
+    for k, v in FAMILY_PATCHES.get(model_type, {}).items():  # checked as the config is built
+        sub, attr = k.split(".", 1)
+        kwargs[sub][attr] = v
     config = cls(**kwargs)
     for sub in ("text_config", "vision_config", "audio_config"):  # eager everywhere
         if getattr(config, sub, None) is not None and hasattr(getattr(config, sub), "use_cache"):
@@ -510,10 +583,35 @@ def tiny_family_config(model_type: str, class_name: str | None = None):
     if hasattr(config, "use_cache"):
         config.use_cache = False
     _fit_family(config)
+    _fit_vision(config)
+    for k, v in CLASS_PATCHES.get(class_name, {}).items():
+        sub, attr = k.split(".", 1) if "." in k else ("", k)
+        setattr(getattr(config, sub) if sub else config, attr, v)
     config._attn_implementation = "eager"
     return config
 
 
+#: relations between sub-configs that a config checks as it is built and no rule here keeps
+#: (sub-config.field), by model type
+FAMILY_PATCHES = {
+    # the adaptor's MLP is a quarter of the text model's width (64 // 4)
+    "fun_asr_nano": {"adaptor_config.intermediate_size": 16},
+}
+#: flags a head class needs that its family's default config leaves off (sub-config.field)
+CLASS_PATCHES = {
+    # the image-text matching head runs the Q-Former on the text too: its published config
+    # builds the Q-Former's text feed-forward, the default does not
+    "Blip2ForImageTextRetrieval": {"qformer_config.use_qformer_text_input": True},
+    # the yes / no answer tokens are read off the config with Gemma's ids (10784, 3771) as the
+    # default, past the tiny vocabulary: two text ids
+    "ShieldGemma2ForImageClassification": {"yes_token_index": 3, "no_token_index": 4},
+    # the image embedding is the EfficientNet's pooled last stage, unprojected: the text
+    # projection must be as wide (640 = round_filters(320) at width 2.0; 32 at the tiny 0.1)
+    # and the 7 conv blocks of 8-32 channels at the default init (std 0.02: a depthwise 3 x 3
+    # conv scales by about 0.06) leave a pooled image of 1e-30, whose norm underflows to 0 and
+    # made the normalised image embedding NaN: an init that keeps it near 1e-5
+    "AlignModel": {"projection_dim": 32, "vision_config.initializer_range": 0.3},
+}
 #: fields of a multimodal sub-config shrunk besides `SIZES` (a vision tower's block count)
 FAMILY_SIZES = {"depth": 2}
 #: placeholder fields a default config leaves None (no audio could be given): set to a free
@@ -527,6 +625,9 @@ OUTPUT_WIDTHS = ("out_hidden_size",)
 #: 8, 16, 24): past the cut ``depth`` they name no block and their mergers never run, so they
 #: become the first blocks (`_fit_family`)
 LAYER_INDEXES = ("_indexes", "_indices")
+#: fields giving the tokens an image is pooled to (Gemma-3's 256: a 16 x 16 average pool of the
+#: patch grid): past the tiny grid (4 x 4 patches) the pool's stride is 0 (`_fit_family`)
+TOKENS_PER_IMAGE = ("mm_tokens_per_image", "vision_soft_tokens_per_image")
 
 
 def _fit_family(config) -> None:
@@ -555,6 +656,11 @@ def _fit_family(config) -> None:
             layers = isinstance(v, list) and v and all(isinstance(i, int) for i in v)
             if k.endswith(LAYER_INDEXES) and layers and max(v) >= depth:
                 setattr(sub, k, list(range(min(len(v), depth))))
+    vision = getattr(config, "vision_config", None)
+    side = _patches_per_side(vision)
+    for k in TOKENS_PER_IMAGE:  # pooled to a square of tokens: at most half the patch grid's side
+        if side and isinstance(getattr(config, k, None), int) and getattr(config, k) > side**2:
+            setattr(config, k, max(1, side // 2) ** 2)
     text = getattr(config, "text_config", None) or config
     rope = getattr(text, "rope_parameters", None)
     reads = "mrope_section" in (getattr(type(text), "ignore_keys_at_rope_validation", None) or ())
@@ -566,6 +672,78 @@ def _fit_family(config) -> None:
     scaled = [s * half // sum(section) for s in section]
     scaled[-1] += half - sum(scaled)
     rope["mrope_section"] = scaled
+
+
+#: a video tower's frames per temporal patch (its ``tubelet_size``: an int, or [time, height,
+#: width]) times this: two patches in time, so temporal attention has something to mix
+VIDEO_TIME_PATCHES = 2
+#: the widths of a pixel-shuffle adapter's output, in and out of its projector (`_fit_vision`)
+PROJECTOR_WIDTHS = ("projector_input_dim", "projector_output_dim", "vision_output_dim")
+#: a windowed hierarchical net's (Swin's) attention window, in patches
+WINDOW = 2
+
+
+def _vision_configs(config) -> list:
+    """The config and its sub-configs that describe images (an ``image_size`` field)."""
+    subs = [config] + [v for v in vars(config).values() if hasattr(v, "to_dict")]
+    return [c for c in subs if isinstance(getattr(c, "image_size", None), int)]
+
+
+def _fit_vision(config) -> None:
+    """What a shrunk image or video config needs for its tiny image, by field name, on the
+    config and each sub-config with an ``image_size``:
+
+    - a video tower (``num_frames``) gets `VIDEO_TIME_PATCHES` temporal patches and a spatial
+      tubelet at most half the image (VideoPrism's 18 px of a 32 px image);
+    - per-kind layer counts (``num_*_layers``: VideoPrism's 12 spatial and 4 temporal, Mllama's
+      8 global) are cut like ``num_hidden_layers``, and lists of layer indexes
+      (`LAYER_INDEXES`: Mllama's intermediate layers 3, 7, 15, 23, 30) name layers that are
+      left; an output as wide as the layers it concatenates (Mllama's ``vision_output_dim``,
+      hidden x (1 + indexes)) follows;
+    - a windowed hierarchical net (``window_size`` with per-stage ``depths``: Swin, Donut-Swin)
+      gets a `WINDOW`-patch window and an image whose every stage is at least one window wide:
+      transformers' Swin clips its window to a smaller stage's grid but keeps the relative
+      position table of the configured window (a 7-patch window on a 4 x 4 stage failed "16
+      vs 49");
+    - a pixel-shuffle adapter (Llama-4's: ``pixel_shuffle_ratio`` with ``projector_input_dim``)
+      reads the shuffled patches, hidden / ratio**2 wide, with an MLP ``intermediate_size``
+      wide, and gives `PROJECTOR_WIDTHS` features (the default config's 768 / 0.5**2 is not
+      its 5632, nor its 4096-wide output its 7680 ``vision_output_dim``: the published model's
+      are 1408 and 4096 throughout): set so, at the tiny hidden size."""
+    for c in _vision_configs(config):
+        ratio = getattr(c, "pixel_shuffle_ratio", None)
+        frames = getattr(c, "num_frames", None)
+        tubelet = getattr(c, "tubelet_size", None)
+        if isinstance(frames, int):
+            time = tubelet if isinstance(tubelet, int) else (tubelet or [1])[0]
+            c.num_frames = VIDEO_TIME_PATCHES * time
+            if _ints(tubelet) and len(tubelet) == 3:
+                side = min(tubelet[1], c.image_size // 2)
+                c.tubelet_size = [tubelet[0], side, side]
+        for k, v in list(vars(c).items()):
+            if k.startswith("num_") and k.endswith("_layers") and isinstance(v, int) and v > 2:
+                setattr(c, k, 2)
+        layers = getattr(c, "num_hidden_layers", None)
+        for k, v in list(vars(c).items()) if isinstance(layers, int) else ():
+            if k.endswith(LAYER_INDEXES) and _ints(v) and max(v) >= layers:
+                setattr(c, k, list(range(min(len(v), layers))))
+                if isinstance(getattr(c, "vision_output_dim", None), int) and not ratio:
+                    c.vision_output_dim = c.hidden_size * (1 + len(getattr(c, k)))
+        ratio = getattr(c, "pixel_shuffle_ratio", None)
+        if isinstance(ratio, float) and isinstance(getattr(c, "projector_input_dim", None), int):
+            c.intermediate_size = round(c.hidden_size / ratio**2)
+            for k in PROJECTOR_WIDTHS:
+                setattr(c, k, c.hidden_size)
+        window, depths = getattr(c, "window_size", None), getattr(c, "depths", None)
+        patch = getattr(c, "patch_size", None)
+        if isinstance(window, int) and _ints(depths) and isinstance(patch, int):
+            c.window_size = min(window, WINDOW)
+            c.image_size = max(c.image_size, patch * c.window_size * 2 ** (len(depths) - 1))
+
+
+def _patches_per_side(vision) -> int:
+    size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+    return size // patch if isinstance(size, int) and isinstance(patch, int) else 0
 
 
 def _fit_rotary_sections(model, config) -> bool:
@@ -613,14 +791,20 @@ def family_inputs(model, family: str) -> dict:
     makes them up (`tpkit.plan.inputs.synthesize_inputs`: pixel_values, input_features,
     input_values, both towers of a dual encoder, decoder ids), filled with random values, and
     for a model whose ids carry image placeholders, as many of them per row as its vision tower
-    gives features for one image (`get_image_features`), after one text token."""
+    gives features for one image (`get_image_features`), after one text token. Then fitted to
+    what the model reads (`_fit_main_input`, `_fit_noise`, `_fit_layout`): a wrapper's main
+    input as its encoder's, an image family's main input an image, a video tower's pixels
+    [batch, frames, channels, height, width], a fixed masking noise, an audio layout that runs."""
     import torch
 
     from tpkit.plan.inputs import synthesize_inputs
 
     if family in ("causal-lm", "seq2seq") and model.main_input_name == "input_ids":
         return inputs(model, family)
+    if type(model).__name__ in OWN_INPUTS:
+        return OWN_INPUTS[type(model).__name__](model)
     _, made = synthesize_inputs(model, BATCH, SEQ)
+    _fit_main_input(model, family, made)
     g = torch.Generator().manual_seed(1)
     config = model.config
     vocab = getattr(getattr(config, "text_config", None) or config, "vocab_size", None) or VOCAB
@@ -645,12 +829,246 @@ def family_inputs(model, family: str) -> dict:
     )
     placed = token is not None and "input_ids" in out and bool((out["input_ids"] == token).any())
     if token is not None and "pixel_values" in out and "input_ids" in out and not placed:
-        n = _image_tokens(model, out["pixel_values"], out.get("image_sizes"))
+        n, out["pixel_values"] = _image_layout(model, out["pixel_values"], out.get("image_sizes"))
         ids = out["input_ids"]
         per_row = n // ids.shape[0]
         image = torch.full((ids.shape[0], per_row), token, dtype=torch.long)
         out["input_ids"] = torch.cat([ids[:, :1], image, ids[:, 1:]], dim=1)
+    _fit_noise(model, out, g)
+    _fit_patches(model, out)
+    _fit_tiles(model, out)
+    return _fit_layout(model, out)
+
+
+def _codebook_ids(model) -> dict:
+    """Kyutai's ids: [batch, positions, 1 + codebooks], each position's text id then one id per
+    audio codebook (the embedding offsets each into its codebook's rows and sums them)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    config = model.config
+    shape = (BATCH, SEQ, 1 + config.num_codebooks)
+    return {
+        "input_ids": torch.randint(3, min(VOCAB, config.codebook_vocab_size), shape, generator=g)
+    }
+
+
+def _streamed_audio(model) -> dict:
+    """Voxtral-Realtime's inputs: it adds one audio embedding to each text position, so the
+    features give exactly as many as there are ids: 8 mel frames each (its conv stem's stride
+    2 times the projector's stacking of 4 frames)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    bins = model.config.audio_config.num_mel_bins
+    return {
+        "input_ids": torch.randint(3, TEXT_IDS, (BATCH, SEQ), generator=g),
+        "input_features": torch.randn((BATCH, bins, 8 * SEQ), generator=g),
+        "use_cache": False,
+    }
+
+
+#: made-up inputs of models whose input layout no rule here gives, by class (keep it small)
+OWN_INPUTS = {
+    "KyutaiSpeechToTextForConditionalGeneration": _codebook_ids,
+    "VoxtralRealtimeForConditionalGeneration": _streamed_audio,
+}
+#: main inputs that name what they hold (anything else, Perceiver's and SpeechEncoderDecoder's
+#: ``inputs``, says nothing: `_fit_main_input`)
+KNOWN_INPUTS = (
+    "input_ids",
+    "pixel_values",
+    "pixel_values_videos",
+    "input_values",
+    "input_features",
+)
+#: the families whose main input is an image
+IMAGE_FAMILIES = ("image-classification", "vision-encoder")
+#: the families whose main input is audio, and the audio inputs `_fit_layout` may lay out anew
+AUDIO_INPUTS = ("input_values", "input_features")
+
+
+def _fit_main_input(model, family: str, made: dict) -> None:
+    """``made`` (meta tensors from `synthesize_inputs`) fitted to what the model reads, in place:
+
+    - a main input whose name says nothing (`KNOWN_INPUTS`) is, for a wrapper with an encoder
+      of its own (SpeechEncoderDecoder's wav2vec2), what that encoder takes as its main input;
+      in an image family (`IMAGE_FAMILIES`: Perceiver's learned-position classifier), an image
+      [batch, channels, height, width] from the config;
+    - a video tower's pixels (a config with ``num_frames``: TimeSformer, VideoMAE, ViViT,
+      VideoPrism) are [batch, frames, channels, height, width]: the trace's [batch, channels,
+      height, width] image, or its guess of a linear's input for ``pixel_values_videos``, given
+      as many frames as the config says."""
+    import torch
+
+    from tpkit.plan.inputs import synthesize_inputs
+
+    main = getattr(model, "main_input_name", None)
+    encoder = getattr(model, "get_encoder", lambda: None)() if main not in KNOWN_INPUTS else None
+    inner = getattr(encoder, "main_input_name", None) if encoder is not model else None
+    if main in made and inner in KNOWN_INPUTS[1:]:
+        made[main] = synthesize_inputs(encoder, BATCH, SEQ)[1][inner]
+    elif main in made and main not in KNOWN_INPUTS and family in IMAGE_FAMILIES:
+        made[main] = torch.zeros((BATCH, *_image_chw(model.config)), device="meta")
+    video = next((c for c in _vision_configs(model.config) if hasattr(c, "num_frames")), None)
+    for k in ("pixel_values", "pixel_values_videos"):
+        if video is not None and k in made and made[k].ndim != 5:
+            shape = (BATCH, video.num_frames, *_image_chw(video))
+            made[k] = torch.zeros(shape, device="meta")
+
+
+def _image_chw(config) -> tuple[int, int, int]:
+    size = getattr(config, "image_size", None)
+    size = size if isinstance(size, int) else IMAGE["image_size"]
+    return (getattr(config, "num_channels", None) or 3, size, size)
+
+
+#: the forward argument of a NaFlex tower's per-image patch grid (SigLIP-2), [images, 2]
+SPATIAL_SHAPES = "spatial_shapes"
+
+
+def _fit_patches(model, out: dict) -> None:
+    """A NaFlex vision model (a forward that takes `SPATIAL_SHAPES`: SigLIP-2) reads each image
+    as its processor gives it, flattened patches [images, patches, patch * patch * channels]
+    with the patch grid and a mask of the real patches: the made-up [images, channels, height,
+    width] image cut so (the processor's order: rows of patches, each patch's pixels, then
+    channels), every patch real."""
+    import inspect
+
+    import torch
+
+    pixels = out.get("pixel_values")
+    config = getattr(model.config, "vision_config", None) or model.config
+    patch = getattr(config, "patch_size", None)
+    params = inspect.signature(model.forward).parameters
+    if SPATIAL_SHAPES not in params or pixels is None or pixels.ndim != 4 or SPATIAL_SHAPES in out:
+        return
+    if not isinstance(patch, int):
+        return
+    b, c, h, w = pixels.shape
+    grid = pixels.reshape(b, c, h // patch, patch, w // patch, patch)
+    out["pixel_values"] = grid.permute(0, 2, 4, 3, 5, 1).reshape(b, -1, patch * patch * c)
+    out[SPATIAL_SHAPES] = torch.tensor([[h // patch, w // patch]] * b)
+    mask = [k for k in params if k.startswith("pixel_") and k.endswith("mask")]
+    for k in mask:  # SigLIP-2's ``pixel_attention_mask``
+        out[k] = torch.ones(out["pixel_values"].shape[:2], dtype=torch.long)
+
+
+#: the forward arguments of a tiled vision tower (Mllama's): each image's aspect ratio, as an
+#: index into the config's ``supported_aspect_ratios`` offset by 1, and its mask of real tiles
+ASPECT_RATIO = ("aspect_ratio_ids", "aspect_ratio_mask")
+
+
+def _fit_tiles(model, out: dict) -> None:
+    """A tiled vision tower (a forward that takes `ASPECT_RATIO`: Mllama's) reads images cut
+    into tiles, [batch, images, tiles, channels, height, width], with each image's aspect ratio
+    id and its tile mask: the made-up image is one image per row, in ``max_num_tiles`` tiles
+    (aspect ratio id 1: the config's first ratio, 1 x 1, so one real tile, the others masked,
+    as the processor pads a square image)."""
+    import inspect
+
+    import torch
+
+    pixels = out.get("pixel_values")
+    config = getattr(model.config, "vision_config", None) or model.config
+    tiles = getattr(config, "max_num_tiles", None)
+    params = inspect.signature(model.forward).parameters
+    if not all(k in params for k in ASPECT_RATIO) or pixels is None or pixels.ndim != 4:
+        return
+    if not isinstance(tiles, int) or any(k in out for k in ASPECT_RATIO):
+        return
+    b = pixels.shape[0]
+    out["pixel_values"] = pixels[:, None, None].expand(b, 1, tiles, *pixels.shape[1:]).clone()
+    out["aspect_ratio_ids"] = torch.ones((b, 1), dtype=torch.long)
+    mask = torch.zeros((b, 1, tiles), dtype=torch.long)
+    mask[:, :, 0] = 1
+    out["aspect_ratio_mask"] = mask
+
+
+def _fit_noise(model, out: dict, g) -> None:
+    """A forward that takes ``noise`` (ViT-MAE's random masking: one value per patch, the
+    lowest kept) gets one drawn here, so every run of the same inputs masks the same patches:
+    without it the reference and the tensor-parallel run drew their own and differed by 3.6."""
+    import inspect
+
+    import torch
+
+    pixels = out.get("pixel_values")
+    config = getattr(model.config, "vision_config", None) or model.config
+    patch = getattr(config, "patch_size", None)
+    if "noise" not in inspect.signature(model.forward).parameters or pixels is None:
+        return
+    if isinstance(patch, int) and "noise" not in out:
+        patches = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
+        out["noise"] = torch.rand((pixels.shape[0], patches), generator=g)
+
+
+def _fit_layout(model, out: dict) -> dict:
+    """``out`` with its audio input (`AUDIO_INPUTS`) in the layout the model runs on. Nothing in
+    a config or signature says whether a waveform is [batch, samples] (wav2vec2 adds the
+    channel itself) or [batch, 1, samples] (OmniASR's and VibeVoice's first conv reads it as
+    is), nor whether features are [batch, bins, frames] (Whisper) or [batch, frames, bins]
+    (Speech2Text transposes them itself), nor how many frames a processor stacks into one
+    feature: a copy of the model tries the made-up layout, then the others; the first that
+    runs is kept (else the made-up one, whose error the
+    reference then reports). A copy, so that no state a forward leaves behind reaches the
+    model."""
+    import copy
+
+    import torch
+
+    key = next((k for k in AUDIO_INPUTS if isinstance(out.get(k), torch.Tensor)), None)
+    if key is None:
+        return out
+    x = out[key]
+    others = [x.unsqueeze(1)] if x.ndim == 2 else [x.transpose(1, 2)] if x.ndim == 3 else []
+    first = next((m for m in model.modules() if isinstance(m, torch.nn.Linear)), None)
+    if x.ndim == 3 and first is not None and first.in_features != x.shape[-1]:
+        # frames stacked or expanded as the processor does (Granite-Speech: 4 x 80 mel bins,
+        # FunASR: 7 x 80) before the encoder's first linear: features as wide as it reads
+        g = torch.Generator().manual_seed(2)
+        others.append(torch.randn((*x.shape[:2], first.in_features), generator=g))
+    if not others:
+        return out
+    probe = copy.deepcopy(model)
+    for candidate in (x, *others):
+        try:
+            given = _place_audio(probe, {**out, key: candidate.contiguous()}, key)
+            with torch.no_grad():
+                probe(**given)
+        except Exception:  # noqa: BLE001, S112 - model code may raise anything for a layout
+            continue
+        return given
     return out
+
+
+def _place_audio(model, out: dict, key: str) -> dict:
+    """``out`` with as many audio placeholders per row (after its first id) as the model's
+    ``get_audio_features`` gives rows for the audio ``out[key]``, where the config names an
+    audio token and the ids carry none: an audio-LLM whose tower reads a waveform (OmniASR),
+    which `tpkit.plan.inputs` does not count (it counts for ``input_features``)."""
+    import torch
+
+    config = model.config
+    token = next(
+        (
+            getattr(config, k)
+            for k in ("audio_token_id", "audio_token_index")
+            if isinstance(getattr(config, k, None), int)
+        ),
+        None,
+    )
+    ids = out.get("input_ids")
+    inner = next((m for m in model.modules() if hasattr(m, "get_audio_features")), None)
+    if token is None or ids is None or inner is None or bool((ids == token).any()):
+        return out
+    with torch.no_grad():
+        feats = inner.get_audio_features(out[key])
+    feats = getattr(feats, "pooler_output", feats)
+    parts = [feats] if isinstance(feats, torch.Tensor) else list(feats)
+    per_row = sum(t.numel() // t.shape[-1] for t in parts) // ids.shape[0]
+    audio = torch.full((ids.shape[0], per_row), token, dtype=torch.long)
+    return {**out, "input_ids": torch.cat([ids[:, :1], audio, ids[:, 1:]], dim=1)}
 
 
 def _image_tokens(model, pixel_values, image_sizes=None) -> int:
@@ -659,11 +1077,27 @@ def _image_tokens(model, pixel_values, image_sizes=None) -> int:
     import torch
 
     sizes = {} if image_sizes is None else {"image_sizes": image_sizes}
+    # a head over a VLM without the method itself (ShieldGemma-2, ModernVBERT): its inner model's
+    inner = next((m for m in model.modules() if hasattr(m, "get_image_features")), model)
     with torch.no_grad():
-        feats = model.get_image_features(pixel_values=pixel_values, **sizes)
+        feats = inner.get_image_features(pixel_values=pixel_values, **sizes)
     feats = getattr(feats, "pooler_output", feats)
     parts = [feats] if isinstance(feats, torch.Tensor) else list(feats)
     return sum(t.numel() // t.shape[-1] for t in parts)
+
+
+def _image_layout(model, pixel_values, image_sizes=None):
+    """(placeholders, pixels) for `_image_tokens`: the made-up [batch, channels, height,
+    width] images, else one image per row as [batch, 1, channels, height, width] (Idefics-3's
+    and ModernVBERT's layout, images per text row: nothing but their code says so), the first
+    the vision tower runs on."""
+    try:
+        return _image_tokens(model, pixel_values, image_sizes), pixel_values
+    except Exception:  # noqa: BLE001 - the other layout, else its error
+        if pixel_values.ndim != 4:
+            raise
+        pixel_values = pixel_values.unsqueeze(1)
+        return _image_tokens(model, pixel_values, image_sizes), pixel_values
 
 
 def _random_text(ids, top: int, g):

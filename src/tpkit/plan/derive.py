@@ -11,12 +11,14 @@ heads. Pure: no process group, meta is fine.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Mapping
 from pathlib import Path
 
 from torch import nn
 
+from tpkit.plan.catalogue import style_spec
 from tpkit.plan.complete import (
     complete_grad_allreduce,
     complete_param_grads,
@@ -30,7 +32,7 @@ from tpkit.plan.hf import hf_plan
 from tpkit.plan.infer import infer_plan
 from tpkit.plan.inputs import input_embeddings, output_embeddings
 from tpkit.plan.settle import head_constraints, settle, settle_heads
-from tpkit.plan.spec import Plan, Source
+from tpkit.plan.spec import Plan, Source, matches
 from tpkit.plan.trace import reuse_traces, trace
 
 __all__ = ["MODES", "PlanLike", "check_plan_arg", "derive_plan"]
@@ -227,6 +229,7 @@ def _checked_config_plan(model: nn.Module, plan: Plan, example, tp: int | None =
     if error is None:
         added = []
         if inferred is not None:
+            _groups_as_entries(inferred)
             added = complete_with_inferred(model, plan, inferred, example)
         if added:
             plan.notes[type(model).__name__] = (
@@ -234,16 +237,86 @@ def _checked_config_plan(model: nn.Module, plan: Plan, example, tp: int | None =
                 + ", ".join(g.modules[-1] for g in added)
                 + " (pass plan='config' for transformers' plan alone)"
             )
+        elif inferred is None:
+            _complete_with_fallback(model, plan, example, tp)
         return plan
     if inferred is None or dry_run(model, inferred, example, 2) is not None:
         if not _names_a_layer(model, plan):
             return _vocab_only_fallback(model, plan, inferred is None, example, tp)
+        if inferred is None and dry_run(model, Plan(), example, 2) is not None:
+            _complete_with_fallback(model, plan, example, tp, checked=False)  # nothing to check
         return plan  # nothing better to offer: validation or forward will name the problem
     inferred.notes[type(model).__name__] = (
         f"transformers' base_model_tp_plan is not used: {error}; the inferred plan is (pass "
         "plan='config' to force transformers' plan)"
     )
     return inferred
+
+
+def _groups_as_entries(plan: Plan) -> None:
+    """Name each group of ``plan`` by its entries (in place): a pair in an ``nn.Sequential``
+    has entries ``merger.mlp.0`` / ``merger.mlp.2`` but its group says ``merger.mlp.*``, which
+    `complete_with_inferred` reads as not one entry per layer kind and skips (EXAONE-4.5's
+    projector, 30% of its tiny model, left whole beside transformers' plan)."""
+    for i, group in enumerate(plan.groups):
+        if all(p in plan for p in group.modules):
+            continue
+        modules: list[str] = []
+        for pattern in group.modules:
+            hits = [pattern] if pattern in plan else [k for k in plan if matches(pattern, k)]
+            modules += [h for h in hits if h not in modules]
+        if modules:
+            plan.groups[i] = dataclasses.replace(group, modules=tuple(modules))
+
+
+def _complete_with_fallback(
+    model: nn.Module, plan: Plan, example, tp: int | None, checked: bool = True
+) -> None:
+    """Add to transformers' ``plan`` (in place) the per-layer fallback's entries for the layers
+    it leaves whole, when the dataflow cannot be traced (so no inferred group can complete it,
+    `complete_with_inferred`): ERNIE-4.5-VL's text plan names no expert and its tower's plan
+    no attention, 8% of the tiny model split against 99% by the fallback alone. A fallback
+    layer takes its input whole and gathers its output: exact wherever its input is whole.
+    transformers' plan leaves an activation split only after one of its column layers, until
+    its row partner, so a layer beside a column layer (a child of the same module: a norm-like
+    linear next to ``q_proj``) stays whole; one inside a module transformers' plan names too.
+    A split input left over would fail on shapes, never compute wrong numbers; and when
+    ``checked`` (transformers' plan passed a tp=2 dry run) they are added only if the dry run
+    still passes with them, else none is."""
+    why = "the dataflow could not be traced and transformers' base_model_tp_plan leaves it whole"
+    fallback = fallback_plan(model, why, tp, example=example)
+    resolved = plan.resolve(model)
+    named = [t.name for t in resolved]
+    beside_columns = {  # modules holding a column layer of transformers' plan
+        t.name.rsplit(".", 1)[0] if "." in t.name else ""
+        for t in resolved
+        if t.kind == "module" and style_spec(t.style).role in ("column", "channel")
+    }
+    modules = {n for n, _ in model.named_modules()}
+    trial, added = plan.copy(), []
+    for pattern in fallback:
+        parts = pattern.split(".")
+        if any(plan.style_for(".".join(parts[:i])) for i in range(1, len(parts) + 1)):
+            continue  # named, or inside a module named, by transformers' plan
+        if any(n.startswith(pattern + ".") for n in named):
+            continue  # transformers' plan names something inside it (an expert's parameter)
+        module = pattern if pattern in modules else ".".join(parts[:-1])
+        if (module.rsplit(".", 1)[0] if "." in module else "") in beside_columns:
+            continue  # its input may be a column layer's split output
+        trial.set(pattern, fallback[pattern], fallback.source(pattern), fallback.args.get(pattern))
+        added.append(pattern)
+    if not added or (checked and dry_run(model, trial, example, 2) is not None):
+        return
+    for pattern in added:
+        plan.set(pattern, fallback[pattern], fallback.source(pattern), fallback.args.get(pattern))
+        if pattern in fallback.fixups:
+            plan.fixups[pattern] = fallback.fixups[pattern]
+        if pattern in fallback.notes:
+            plan.notes[pattern] = fallback.notes[pattern]
+    plan.notes[type(model).__name__] = (
+        f"transformers' base_model_tp_plan completed by the per-layer fallback ({len(added)} "
+        "layers it leaves whole; the dataflow could not be traced)"
+    )
 
 
 def _vocab_only_fallback(

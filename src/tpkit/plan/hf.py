@@ -1,10 +1,14 @@
 """Translate transformers' own TP plans (``config.base_model_tp_plan`` + the class ``_tp_plan``)
 into a tpkit `Plan`.
 
-transformers merges them on the instance (``model.tp_plan``), with the base model's prefix and
-an ``embed_tokens: embedding_rowwise`` entry; we read that when it exists and rebuild the same merge
-otherwise (bare base models, older versions). Style strings keep their meaning; aliases are mapped
-by `spec.canonical_style`.
+transformers builds a model's plan on the instance (``init_parallel_plans``, run by each
+``post_init``): a base model takes its config's ``base_model_tp_plan``, and every model takes its
+class ``_tp_plan`` and each sub-model's plan with the sub-model's path in front. A VLM's plan is
+thus its language model's text-config plan under ``model.language_model`` (and a vision tower's,
+where its config ships one, under the tower's path). We rebuild that merge from the configs and
+classes, so each entry keeps its source ("config" or "class"), with an ``nn.Embedding`` input
+embedding vocab-parallel where no entry names it. Style strings keep their meaning; aliases are
+mapped by `spec.canonical_style`.
 """
 
 from __future__ import annotations
@@ -45,6 +49,52 @@ def _base_prefix(model: nn.Module, keys: list[str]) -> str:
     return ""
 
 
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _sub_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of ``model`` and every transformers model inside it (a module with a
+    ``config`` and a ``base_model_prefix``: a VLM's language model and vision tower), in model
+    order: the models whose plans transformers' ``init_parallel_plans`` merges."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if hasattr(m, "base_model_prefix") and getattr(m, "config", None) is not None
+    ]
+
+
+def _config_plans(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, str]]]:
+    """(path, sub-model, ``base_model_tp_plan``) for every sub-model that is its own base model
+    and whose config ships a plan naming something under it, as transformers joins them: a
+    VLM's text-config plan lands under ``model.language_model``, not ``model`` (which left
+    LLaVA's, Gemma-3's, Qwen2-VL's plans naming only the vocabulary). A plan none of whose keys
+    names a module or parameter under its sub-model is skipped (Llama 4's causal LM is its own
+    base model at the top, its plan's layers sit in ``model``, itself a base model). When no
+    sub-model's plan names anything, the top config's (else its text config's) plan is joined
+    where its keys name modules (`_base_prefix`), as before."""
+    names = [n for n, _ in model.named_modules() if n]
+    names += [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    found = []
+    for path, sub in _sub_models(model):
+        if getattr(sub, "base_model", None) is not sub:
+            continue
+        entries = dict(getattr(sub.config, "base_model_tp_plan", None) or {})
+        if not entries:
+            continue
+        probe = Plan()  # indexed matching: linear in the model's names, not names x keys
+        for key in entries:
+            probe.set(_join(path, key), "replicate", Source.CONFIG)
+        if any(probe.style_for(n) is not None for n in names):
+            found.append((path, sub, entries))
+    if found:
+        return found
+    entries = _config_plan(model)
+    if not entries:
+        return []
+    return [(_base_prefix(model, list(entries)), model, entries)]
+
+
 def _mla_tail(model: nn.Module, modules: dict[str, nn.Module], name: str) -> dict[str, int]:
     """transformers' ``mla_kv_a_proj`` is tpkit's ``tail_grad_allreduce`` over MLA's rope key:
     its width is the attention module's ``qk_rope_head_dim`` (else its (per-layer) config's,
@@ -65,45 +115,48 @@ def _mla_tail(model: nn.Module, modules: dict[str, nn.Module], name: str) -> dic
 def hf_plan(model: nn.Module) -> Plan | None:
     """The model's transformers plan as a `Plan`, or None when it ships none.
 
-    Entries coming from the config are marked source "config", the class-level ones (``lm_head``)
+    Each sub-model's config plan joined to its path (`_config_plans`), entries marked source
+    "config"; each sub-model's class-level ``_tp_plan`` (``lm_head``) joined the same way,
     "class". The input embedding is sharded by vocab when the plan does not name it.
     """
-    base_entries = _config_plan(model)
-    if not base_entries:
+    config_plans = _config_plans(model)
+    if not config_plans:
         return None
-    prefix = _base_prefix(model, list(base_entries))
-    join = (lambda k: f"{prefix}.{k}") if prefix else (lambda k: k)
     plan = Plan()
     embed = input_embeddings(model)
+    named = {_join(prefix, k) for prefix, _, entries in config_plans for k in entries}
     if isinstance(embed, nn.Embedding):
         for name, module in model.named_modules():
-            if module is embed and not any(name == join(k) for k in base_entries):
+            if module is embed and name not in named:
                 plan.set(name, "vocab_parallel", Source.CONFIG)
                 break
     modules = dict(model.named_modules())
-    for key, style in base_entries.items():
-        if style == "colwise" and key.endswith("experts.gate_up_proj"):
-            # Fused [gate; up] expert weights: every other plan says packed_colwise. A plain
-            # colwise split gives rank 0 only gate rows, which the code's chunk(2) then pairs
-            # with each other; transformers' loader hides it by sharding gate and up before
-            # fusing them, a model built or loaded any other way computes garbage (Inkling).
-            # Interleaved [g0, u0, g1, u1, ...] experts are right with plain colwise.
-            owner = join(key).rsplit(".", 1)[0]
-            if all(
-                m.__dict__.get("is_concatenated", True) is not False
-                for n, m in modules.items()
-                if matches(owner, n)
-            ):
-                style = "packed_colwise"
-        if style == "mla_kv_a_proj":  # one entry per module: the width may differ per layer
-            for name in (n for n in modules if matches(join(key), n)):
-                plan.set(name, style, Source.CONFIG, _mla_tail(model, modules, name))
-            continue
-        plan.set(join(key), style, Source.CONFIG)
-    for cls in reversed(type(model).__mro__):
-        for key, style in (getattr(cls, "_tp_plan", None) or {}).items():
-            if isinstance(key, str):
-                plan.set(key, style, Source.CLASS)
+    for prefix, sub, entries in config_plans:
+        for key, style in entries.items():
+            full = _join(prefix, key)
+            if style == "colwise" and key.endswith("experts.gate_up_proj"):
+                # Fused [gate; up] expert weights: every other plan says packed_colwise. A plain
+                # colwise split gives rank 0 only gate rows, which the code's chunk(2) then
+                # pairs with each other; transformers' loader hides it by sharding gate and up
+                # before fusing them, a model built or loaded any other way computes garbage
+                # (Inkling). Interleaved [g0, u0, g1, u1, ...] experts are right with colwise.
+                owner = full.rsplit(".", 1)[0]
+                if all(
+                    m.__dict__.get("is_concatenated", True) is not False
+                    for n, m in modules.items()
+                    if matches(owner, n)
+                ):
+                    style = "packed_colwise"
+            if style == "mla_kv_a_proj":  # one entry per module: the width may differ per layer
+                for name in (n for n in modules if matches(full, n)):
+                    plan.set(name, style, Source.CONFIG, _mla_tail(sub, modules, name))
+                continue
+            plan.set(full, style, Source.CONFIG)
+    for prefix, sub in [("", model)] + [(p, m) for p, m in _sub_models(model) if p]:
+        for cls in reversed(type(sub).__mro__):
+            for key, style in (getattr(cls, "_tp_plan", None) or {}).items():
+                if isinstance(key, str):
+                    plan.set(_join(prefix, key), style, Source.CLASS)
     _gathered_head(model, plan, embed)
     return plan
 

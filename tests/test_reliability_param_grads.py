@@ -1,4 +1,4 @@
-"""A bare parameter read with split heads gets its gradient all-reduced (issue 29's sweep).
+"""Per-head state read with split heads, found by issue 29's sweep: no wrong number without error.
 
 MLCD's vision model holds ``class_pos_emb``, an ``nn.Parameter`` of the model itself that its
 forward concatenates into the rotary angles; their cos/sin multiply every head's queries and
@@ -8,8 +8,13 @@ the replicas would drift apart after one optimizer step. The trace now follows e
 parameter (one held by a module that is not linear-like) to where its values meet a column
 layer's split output with no linear in between, and the settled plan names it
 ``replicated_with_grad_allreduce``, per parameter: the module holding it may have others whose
-gradient is whole (summing those would double them). Each check: output and every gradient
-within 1e-5 of the unsharded model at tp=2.
+gradient is whole (summing those would double them).
+
+Donut-Swin's integer ``relative_position_index``, as long as the heads by chance at the tiny
+window, was cut per head like a per-head buffer: a scrambled position bias, hidden by tables
+that start at zero. Only floating-point buffers are per-head values now.
+
+Each check: output and every gradient within 1e-5 of the unsharded model at tp=2.
 """
 
 from __future__ import annotations
@@ -104,3 +109,34 @@ def test_the_plan_names_the_parameter_not_its_module():
     hits = [t for t in plan.resolve(model) if t.name == "class_pos_emb"]
     assert [(t.kind, t.style) for t in hits] == [("param", "replicated_with_grad_allreduce")]
     assert "split output" in plan.notes["class_pos_emb"]
+
+
+def check_donut_swin_trained_bias() -> dict:
+    """Donut-Swin's tiny model with its position bias tables filled (they start at zero, which
+    hid a scrambled bias from the output): first output and every gradient against unsharded."""
+    import tpkit
+    from tests.test_families import _parity
+    from tests.tiny import build_family, family_inputs
+
+    torch.manual_seed(0)
+    ref = build_family("donut-swin", "DonutSwinForImageClassification")
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("relative_position_bias_table"):
+                p.normal_(0.0, 1.0)
+    x = family_inputs(ref, "image-classification")
+    model = tpkit.tensor_parallel(copy.deepcopy(ref))
+    fixups = model._tpkit.plan.fixups
+    r = _parity(ref, model, x)
+    r["head_buffers"] = [k for k, v in fixups.items() if "head_buffers" in v]
+    return r
+
+
+def test_an_index_buffer_as_long_as_the_heads_is_not_cut_per_head(ranks2):
+    """Donut-Swin's ``relative_position_index`` is [window area, window area]: 4 x 4 at the
+    tiny 2-patch window, as many as its 4 heads. Read as a per-head buffer it was cut to each
+    rank's "heads", which scrambled the position bias (output 0.05 and gradients 0.46 off
+    once the tables are trained, gradients 0.016 off as initialised, no error). An integer
+    buffer is an index, never per-head values."""
+    r = _check(ranks2.run(check_donut_swin_trained_bias))
+    assert r["head_buffers"] == [], r["head_buffers"]

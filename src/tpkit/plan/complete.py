@@ -218,8 +218,10 @@ def _tied_names_alike(
     layout by its own entry, as inference does for the head's bias (BERT's
     ``cls.predictions.bias`` tied to ``cls.predictions.decoder.bias``): BLIP's text decoder,
     whose head `complete_tied_layers` splits above, else held its bias split under one name
-    and whole under the other, and the plan was refused. A name with its own user entry is
-    left to validation."""
+    and whole under the other, and the plan was refused. Only a holder that does not compute
+    with it (a parent holding an alias, with no entry of its own): a linear or embedding that
+    does is styled by `complete_tied_layers`, and a name with an entry is left to that entry
+    (a user's ``lm_head: replicate`` against a split embedding is refused by validation)."""
     styles, modules = param_styles(model, plan), dict(model.named_modules())
     for tied in owners.values():
         laid = []
@@ -231,9 +233,10 @@ def _tied_names_alike(
         split = next((x for x in laid if x[2].sharded), None)
         if split is None:
             continue
-        for full, _, layout in laid:
-            hit = plan.style_for(full)
-            if layout == split[2] or (hit is not None and plan.source(hit[1]) == "user"):
+        for (name, _), (full, _, layout) in zip(tied, laid):
+            if layout == split[2] or plan.style_for(full) is not None:
                 continue
+            if kind_of(modules[name]) or (name and plan.style_for(name) is not None):
+                continue  # a module computing with it: its style decides (above, or the user)
             plan.set(full, split[1], "inferred")
             plan.notes[full] = f"{split[1]}: it is tied to {split[0]}, which is split"

@@ -589,10 +589,13 @@ def _owner_fixups(owner: nn.Module, widths: set[int], info: dict, owner_name: st
 def _head_buffers(owner: nn.Module, heads: int) -> dict[str, int]:
     """The owner's own buffers laid out per head, computed at init for every head (MiniMax's
     lightning-attention ``slope_rate`` [heads, 1, 1], ``diagonal_decay`` [1, heads, n, n]):
-    name -> the heads dim, so each rank keeps its heads' values."""
+    name -> the heads dim, so each rank keeps its heads' values. Values only: an integer
+    buffer is an index (Donut-Swin's ``relative_position_index`` [window area, window area],
+    whose 4 x 4 at a 2-patch window equals 4 heads by chance: cut per head, it scrambled the
+    position bias of every rank, with no error)."""
     out = {}
     for name, buf in owner.named_buffers(recurse=False):
-        if buf is None or buf.ndim < 2:
+        if buf is None or buf.ndim < 2 or not (buf.is_floating_point() or buf.is_complex()):
             continue
         if buf.shape[0] == heads:
             out[name] = 0

@@ -222,3 +222,26 @@ def test_a_second_token_table_is_vocab_parallel_and_a_position_table_split_by_co
         # it looks up arange, not its input: masking the ids would mask the wrong tensor, so
         # its columns are split and gathered (LED's 16384-row table: 4% of the model)
         assert local["positions.weight"] == (16, 32), local
+
+
+def test_naflex_models_get_flattened_patches_and_their_grid():
+    """Pure, on meta: SigLIP-2 reads each image as flattened patches [images, patches, channels
+    * patch * patch] with its patch grid (``spatial_shapes``, whose values resize its position
+    table) and, for the vision model, a required ``pixel_attention_mask``. Before, the made-up
+    [images, channels, height, width] image failed the patch embedding, the trace fell to the
+    per-layer fallback, and the split position table (read whole by the resize) failed the
+    split forward with "mixed torch.Tensor and DTensor". Now the plan is traced: attention and
+    MLP pairs, the position table whole."""
+    from tests.tiny import build_family
+    from tpkit.plan import derive_plan
+    from tpkit.plan.inputs import synthesize_inputs
+
+    model = build_family("siglip2", "Siglip2VisionModel", device="meta")
+    _, kwargs = synthesize_inputs(model, 2, 9)
+    patch, channels = model.config.patch_size, model.config.num_channels
+    assert kwargs["pixel_values"].shape[-1] == channels * patch * patch
+    assert (kwargs["spatial_shapes"].prod(-1) == kwargs["pixel_values"].shape[1]).all()
+    assert kwargs["pixel_attention_mask"].shape == kwargs["pixel_values"].shape[:2]
+    plan = derive_plan(model, "auto", 2)
+    assert plan.style_for("encoder.layers.0.self_attn.q_proj")[0] == "colwise"
+    assert plan.style_for("embeddings.position_embedding") is None

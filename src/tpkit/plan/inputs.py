@@ -211,6 +211,7 @@ def _model_inputs(model: nn.Module, config: Any, batch: int, seq: int) -> dict[s
         kwargs.update(_grid_inputs(model, config, params, batch, seq))
         kwargs.update(_audio_inputs(model, config, params, batch, seq))
     kwargs.update(_config_ids(config, params, batch))
+    _naflex_patches(config, params, kwargs)
     pixels = kwargs.get("pixel_values")
     if pixels is not None and pixels.ndim == 4 and _vision_takes(model, config, "image_sizes"):
         # a Pixtral tower (Mistral-3) cuts each image to its size: the whole made-up image
@@ -218,6 +219,30 @@ def _model_inputs(model: nn.Module, config: Any, batch: int, seq: int) -> dict[s
     if "use_cache" in params or getattr(config, "use_cache", None) is not None:
         kwargs["use_cache"] = False
     return kwargs
+
+
+def _naflex_patches(config: Any, params: dict[str, inspect.Parameter], kwargs: dict) -> None:
+    """A NaFlex vision model (a forward that takes `_SHAPES` beside its pixels: SigLIP-2's
+    encoders and classifier) reads each image as its processor gives it, flattened patches
+    [images, patches, channels * patch * patch] with each image's patch grid, whose values its
+    code reads (positional embeddings resized to the grid): the made-up [images, channels,
+    height, width] image as such, every patch real. Without it the patch embedding's
+    ``Linear(channels * patch * patch)`` met the image's width, the trace failed and the model
+    took the per-layer fallback (its position table split, read whole by the resize)."""
+    pixels = kwargs.get("pixel_values")
+    patch = _read(config, "patch_size")
+    if _SHAPES not in params or _SHAPES in kwargs or pixels is None or pixels.ndim != 4:
+        return
+    if not isinstance(patch, int) or patch <= 0 or min(pixels.shape[-2:]) < patch:
+        return
+    b, c, h, w = pixels.shape
+    rows, cols = h // patch, w // patch
+    shape = (b, rows * cols, c * patch * patch)
+    kwargs["pixel_values"] = torch.empty(shape, dtype=pixels.dtype, device=pixels.device)
+    kwargs[_SHAPES] = torch.tensor([[rows, cols]] * b)
+    for name in _required(params):  # Siglip2VisionModel requires its ``pixel_attention_mask``
+        if name.startswith("pixel_") and name.endswith("mask"):
+            kwargs[name] = torch.ones(shape[:2], dtype=torch.long)
 
 
 def _tower_names(config: Any, params: dict[str, inspect.Parameter]) -> list[str]:

@@ -358,3 +358,28 @@ def test_cli_plan_explains_an_inferred_plan(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "inferred" in out and "mlp.c_fc" in out
     assert "tp_size=2 does not divide transformer.h.*.attn.num_heads = 3" in out
+
+
+def test_a_models_own_conv_subclass_is_not_read_as_experts():
+    """Pure: a leaf whose weight is 3-D is read as experts (JetMoE's ``ParallelExperts``) unless
+    it is a convolution. Moonshine-Streaming's causal conv stem subclasses ``nn.Conv1d`` in
+    transformers' own module: it was read as experts, split by a linear style, and the tp=2
+    forward failed adding its bias on the time dim."""
+    from torch import nn
+
+    from tests.tiny import build_family
+    from tpkit.plan import derive_plan
+    from tpkit.plan.layout import kind_of
+
+    class CausalConv1d(nn.Conv1d):
+        pass
+
+    CausalConv1d.__module__ = "somewhere.modeling_x"
+    assert kind_of(CausalConv1d(4, 8, 3)) is None
+    model = build_family(
+        "moonshine_streaming", "MoonshineStreamingForConditionalGeneration", device="meta"
+    )
+    plan = derive_plan(model, "auto", 2)
+    for name in ("model.encoder.embedder.conv1", "model.encoder.embedder.conv2"):
+        hit = plan.style_for(name)
+        assert hit is None or hit[0].startswith("conv_"), (name, hit)

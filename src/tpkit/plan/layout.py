@@ -53,6 +53,16 @@ def is_conv1d(module: nn.Module | None) -> bool:
     return module is not None and type(module).__name__ == "Conv1D"
 
 
+_CONVS = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
+
+
 def kind_of(module: nn.Module) -> str | None:
     """``linear``, ``conv1d``, ``embedding``, or ``experts``: a leaf module whose own weight is
     3-D ``[experts, out, in]``, each expert a linear (JetMoE's ``ParallelExperts``, the layout
@@ -64,7 +74,9 @@ def kind_of(module: nn.Module) -> str | None:
     if isinstance(module, nn.Embedding):
         return "embedding"
     w = module._parameters.get("weight")
-    builtin = type(module).__module__.startswith("torch.nn")  # Conv1d's weight is 3-D too
+    # Conv1d's weight is 3-D too, and so is a model's own subclass of it (Moonshine-Streaming's
+    # causal conv: read as experts, its split failed the forward on the bias)
+    builtin = isinstance(module, _CONVS) or type(module).__module__.startswith("torch.nn")
     if w is not None and w.ndim == 3 and not module._modules and not builtin:
         return "experts"
     return None

@@ -173,7 +173,11 @@ def _source_plan(model: nn.Module, mode: str, example, tp: int | None = None) ->
     if mode in ("auto", "config"):
         plan = hf_plan(model)
         if plan is not None:
-            return plan if mode == "config" else _checked_config_plan(model, plan, example, tp)
+            if mode == "config":
+                return plan
+            return _whole_read_outside(
+                model, _checked_config_plan(model, plan, example, tp), example
+            )
         if mode == "config":
             raise ValueError(
                 f"{type(model).__name__} ships no base_model_tp_plan; use plan='auto' or 'infer'."
@@ -192,6 +196,29 @@ def _source_plan(model: nn.Module, mode: str, example, tp: int | None = None) ->
     why = "the traced dataflow has no column/row pair to split"
     fallback = fallback_plan(model, why, tp, _read_outside(model, example), example=example)
     return fallback if splits_anything(model, fallback) else inferred
+
+
+def _whole_read_outside(model: nn.Module, plan: Plan, example) -> Plan:
+    """``plan`` (in place) with every layer whose weight the trace saw read outside its own
+    forward kept whole, and every layer tied to one: a split table read by other code reaches
+    it as a shard (Gemma-4's pad row read off its text embedding: "mixed torch.Tensor and
+    DTensor" once transformers' text plan, joined under ``model.language_model``, was used and
+    the embedding made vocab-parallel beside it). Inference already keeps them whole; this
+    does it for transformers' plan too. User entries are left to the user."""
+    names = _read_outside(model, example)
+    if not names:
+        return plan
+    modules = dict(model.named_modules())
+    weights = {id(p) for n in names for p in modules[n].parameters(recurse=False)}
+    tied = [n for n, m in modules.items() if any(id(p) in weights for p in m.parameters(False))]
+    for name in dict.fromkeys(names + tied):
+        hit = plan.style_for(name)
+        if hit is None or hit[0] == "replicate" or plan.source(hit[1]) == Source.USER:
+            continue
+        plan.set(name, "replicate", plan.source(hit[1]))
+        why = "is" if name in names else "is tied to one"
+        plan.notes[name] = f"replicated: its weight {why} read outside its own forward"
+    return plan
 
 
 def _read_outside(model: nn.Module, example) -> list[str]:

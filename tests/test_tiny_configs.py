@@ -63,10 +63,31 @@ FIXED_2 = [
     ("blip-2", "Blip2ForImageTextRetrieval", "dual-encoder"),
 ]
 
+#: issue 29, image-text-to-text: one VLM per kind of fix, each with what had failed unsharded
+FIXED_VLM = [
+    # per-layer override tables keyed past the 2 tiny layers ("keys must be in [0, 2)")
+    ("gemma4", "Gemma4ForConditionalGeneration", "image-text-to-text"),
+    # per-layer lists left at the default layer count (72 ``kv_source_layers`` for 2 layers)
+    ("mistral_large4", "MistralLarge4ForConditionalGeneration", "image-text-to-text"),
+    # mrope sections checked as the config is built; and scaled to a partial rotary
+    ("cosmos3_edge", "Cosmos3EdgeForConditionalGeneration", "image-text-to-text"),
+    ("glm4v_moe", "Glm4vMoeForConditionalGeneration", "image-text-to-text"),
+    # a width whose default is 0 (no rotary) kept 0
+    ("glm5_next", "Glm5NextForConditionalGeneration", "image-text-to-text"),
+    # a tower's output width and another sub-config's tower layer indexes, checked at build
+    ("llava_onevision1_5", "LlavaOnevision15ForConditionalGeneration", "image-text-to-text"),
+    ("molmo2", "Molmo2ForConditionalGeneration", "image-text-to-text"),
+    # a top-k its default leaves None
+    ("diffusion_gemma", "DiffusionGemmaForBlockDiffusion", "image-text-to-text"),
+    # no image token id in the default config, and no text ids made up
+    ("instructblip", "InstructBlipForConditionalGeneration", "image-text-to-text"),
+    # any-resolution tiles and the image sizes get_image_features needs
+    ("llava_next", "LlavaNextForConditionalGeneration", "image-text-to-text"),
+]
+ALL_FIXED = FIXED + FIXED_2 + FIXED_VLM
 
-@pytest.mark.parametrize(
-    ("model_type", "cls", "family"), FIXED + FIXED_2, ids=[f[1] for f in FIXED + FIXED_2]
-)
+
+@pytest.mark.parametrize(("model_type", "cls", "family"), ALL_FIXED, ids=[f[1] for f in ALL_FIXED])
 def test_unsharded_reference_runs(model_type: str, cls: str, family: str) -> None:
     model = build_family(model_type, cls)
     with torch.no_grad():
@@ -130,3 +151,15 @@ def test_wav2vec2_feature_extractor_is_tiny() -> None:
     the default 512 channels made these rows 20 times slower than the rest."""
     config = tiny_family_config("wav2vec2", "Wav2Vec2ForCTC")
     assert max(config.conv_dim) == 32 and config.num_conv_pos_embeddings == 16
+
+
+def test_vlm_layer_fields_follow_the_tiny_layers() -> None:
+    """Per-layer tables keep only the 2 tiny layers (and none of their unshrunk sizes), per-layer
+    lists have 2 entries, and the mrope sections add up to half the (partial) rotary width."""
+    text = tiny_family_config("gemma4", "Gemma4ForConditionalGeneration").text_config
+    assert [layer.head_dim for layer in text.per_layer_config] == [16, 16]  # no 512 override
+    text = tiny_family_config("mistral_large4", "MistralLarge4ForConditionalGeneration").text_config
+    assert text.kv_source_layers == [0, 1]
+    text = tiny_family_config("glm4v_moe", "Glm4vMoeForConditionalGeneration").text_config
+    rope, head = text.rope_parameters, text.hidden_size // text.num_attention_heads
+    assert sum(rope["mrope_section"]) == int(head * rope["partial_rotary_factor"]) // 2

@@ -56,6 +56,7 @@ SIZES = {
         "num_encoder_layers",
         "num_experts_per_tok",
         "num_experts_per_token",
+        "top_k_experts",  # DiffusionGemma's default leaves it None, its router reads it
         "num_key_value_heads",
         "num_kv_heads",
         "n_head_kv",
@@ -544,10 +545,102 @@ def _shrink_tree(fields: dict, top: bool) -> dict:
         if isinstance(v, int) and k.endswith(("_token_id", "_token_index")) and v >= VOCAB:
             kwargs[k] = slot if k not in TOKEN_IDS else kwargs.get(k, 2)
             slot -= 1
+    _fit_layers(fields, kwargs)
+    _fit_rope(fields, kwargs)
     for k, v in fields.items():
         if _is_sub(v):
             kwargs[k] = _restage({**v, **_shrink_tree(v, False)})
+    if top:
+        _fit_towers(fields, kwargs)
     return kwargs
+
+
+#: a per-layer override table (Gemma-4's ``per_layer_config``: {"05": {"head_dim": 512}, ...}),
+#: keyed by layer index
+PER_LAYER_TABLES = ("per_layer_config",)
+#: top-level fields that repeat a tower's width for the projector after it (Nemotron-H-Omni's
+#: ``vision_hidden_size`` 1280, left unshrunk against the tiny tower's 64), by sub-config
+TOWER_WIDTHS = {"vision_hidden_size": "vision_config", "audio_hidden_size": "audio_config"}
+#: a list of a tower's layer indexes that another sub-config reads (Molmo-2's adapter taps
+#: ``vision_feature_layer`` [24, 18] of 25 vision layers)
+TOWER_LAYERS = ("vision_feature_layer",)
+
+
+def _fit_layers(fields: dict, kwargs: dict) -> None:
+    """Per-layer fields of a config whose layer count was cut, before it is built (strict
+    configs check them): every list as long as the default layer count (Gemma-3n's
+    ``activation_sparsity_pattern``, Mistral-Large-4's ``kv_source_layers``) cut like the
+    layer kinds (`_layer_list`: each distinct value first, so a list of layer indexes starts
+    0, 1), a per-layer override table (`PER_LAYER_TABLES`) keeps only the layers left (its
+    entries carry unshrunk sizes: 512-wide heads, 64 heads, so none is moved onto a kept
+    layer), and a width whose default is 0 (GLM-5-Next's ``qk_rope_head_dim``: no rotary in
+    its sparse-attention layers) stays 0 rather than becoming a tiny size."""
+    n, m = fields.get("num_hidden_layers"), kwargs.get("num_hidden_layers")
+    for k, v in list(kwargs.items()):
+        if fields.get(k) == 0 and isinstance(v, int) and k.endswith(_WIDTHS):
+            kwargs[k] = 0
+    if not (isinstance(n, int) and isinstance(m, int) and n > m):
+        return
+    for k, v in fields.items():
+        if k not in kwargs and isinstance(v, list) and len(v) == n:
+            kwargs[k] = _layer_list(v, m)
+    for k in PER_LAYER_TABLES:
+        table = fields.get(k)
+        if isinstance(table, dict) and all(str(i).isdigit() for i in table):
+            kwargs[k] = {i: v for i, v in table.items() if int(i) < m}
+
+
+def _rotary_half(fields: dict, rope: dict) -> int:
+    """Half the rotary width of one attention config's fields: its ``qk_rope_head_dim`` (MLA),
+    else its head width, times the ``partial_rotary_factor`` (GLM-4V-MoE's 0.5)."""
+    heads = fields.get("num_attention_heads") or 4
+    width = fields.get("qk_rope_head_dim") or fields.get("head_dim")
+    width = width or (fields.get("hidden_size") or 64) // heads
+    factor = rope.get("partial_rotary_factor") or fields.get("partial_rotary_factor") or 1.0
+    return int(width * factor) // 2
+
+
+def _scaled_sections(section: list, half: int) -> list:
+    scaled = [s * half // sum(section) for s in section]
+    scaled[-1] += half - sum(scaled)
+    return scaled
+
+
+def _fit_rope(fields: dict, kwargs: dict) -> None:
+    """A multimodal rotary's ``mrope_section`` (time / height / width rotary half-dims,
+    Cosmos-3-Edge's [24, 20, 20] of a 128-wide head) scaled to the tiny rotary (`_rotary_half`)
+    before the config is built: strict configs check the sum as they are built."""
+    rope = fields.get("rope_parameters")
+    if isinstance(rope, dict) and _ints(rope.get("mrope_section")):
+        half = _rotary_half({**fields, **kwargs}, rope)
+        section = _scaled_sections(rope["mrope_section"], half)
+        kwargs["rope_parameters"] = {**rope, "mrope_section": section}
+
+
+def _fit_towers(fields: dict, kwargs: dict) -> None:
+    """Relations between the shrunk sub-configs a config checks as it is built: a tower's
+    output width (`OUTPUT_WIDTHS`: Granite-Docling's ``out_hidden_size``, Inkling-2's
+    ``text_hidden_size``) is the text model's hidden size, a top-level copy of a tower's width
+    (`TOWER_WIDTHS`) is the tower's, and another sub-config's list of a tower's layer indexes
+    (`TOWER_LAYERS`) past its cut layers names its last ones (-1, -2)."""
+    text = kwargs.get("text_config") if isinstance(kwargs.get("text_config"), dict) else kwargs
+    width = text.get("hidden_size")
+    vision = kwargs.get("vision_config") if isinstance(kwargs.get("vision_config"), dict) else {}
+    layers = vision.get("num_hidden_layers")
+    for k, sub in TOWER_WIDTHS.items():
+        inner = kwargs.get(sub)
+        if isinstance(fields.get(k), int) and isinstance(inner, dict) and "hidden_size" in inner:
+            kwargs[k] = inner["hidden_size"]
+    for name, sub in kwargs.items():
+        if not isinstance(sub, dict) or not isinstance(fields.get(name), dict):
+            continue
+        for k in OUTPUT_WIDTHS:
+            if name != "text_config" and isinstance(sub.get(k), int) and isinstance(width, int):
+                sub[k] = width
+        for k in TOWER_LAYERS:
+            v = sub.get(k)
+            if isinstance(layers, int) and _ints(v) and max(v) >= layers:
+                sub[k] = [-1 - i for i in range(min(len(v), layers))]
 
 
 def tiny_family_config(model_type: str, class_name: str | None = None):
@@ -584,6 +677,10 @@ def tiny_family_config(model_type: str, class_name: str | None = None):
         config.use_cache = False
     _fit_family(config)
     _fit_vision(config)
+    k, token = IMAGE_PLACEHOLDER
+    fills = hasattr(getattr(transformers, class_name or "", None), "get_image_features")
+    if fills and k in vars(config) and getattr(config, k) is None:
+        setattr(config, k, token)
     for k, v in CLASS_PATCHES.get(class_name, {}).items():
         sub, attr = k.split(".", 1) if "." in k else ("", k)
         setattr(getattr(config, sub) if sub else config, attr, v)
@@ -614,13 +711,19 @@ CLASS_PATCHES = {
 }
 #: fields of a multimodal sub-config shrunk besides `SIZES` (a vision tower's block count)
 FAMILY_SIZES = {"depth": 2}
-#: placeholder fields a default config leaves None (no audio could be given): set to a free
-#: id above the random text ids (`TEXT_IDS`), so the tower can run
-PLACEHOLDER_FIELDS = ("audio_token_id",)
+#: placeholder fields a default config leaves None (no audio could be given: Voxtral's audio
+#: token): set to a free id above the random text ids (`TEXT_IDS`), so the tower can run
+PLACEHOLDER_FIELDS = {"audio_token_id": TEXT_IDS}
+#: the image placeholder a default config leaves None (BLIP-2's, InstructBLIP's): given a free id
+#: for a class that fills placeholders (``get_image_features``) only, since BLIP-2's retrieval
+#: head reads a set one as "query tokens lead the ids". Not ``image_token_id``: MiniCPM-V's and
+#: Nemotron-H-Omni's towers then need inputs no rule here makes (patch grids, tiles), and they
+#: run text-only as before
+IMAGE_PLACEHOLDER = ("image_token_index", TEXT_IDS + 1)
 #: fields of a vision / audio sub-config that give the width its features reach the text model
 #: with (Qwen3-VL's, GLM-4V's merger output): set to the text model's hidden size, which the
 #: placeholder embeddings they replace have (the shrunk default left 3584 / 4096 against 64)
-OUTPUT_WIDTHS = ("out_hidden_size",)
+OUTPUT_WIDTHS = ("out_hidden_size", "text_hidden_size")
 #: endings of a vision sub-config's lists of block indexes (Qwen3-VL's deepstack taps at blocks
 #: 8, 16, 24): past the cut ``depth`` they name no block and their mergers never run, so they
 #: become the first blocks (`_fit_family`)
@@ -628,6 +731,13 @@ LAYER_INDEXES = ("_indexes", "_indices")
 #: fields giving the tokens an image is pooled to (Gemma-3's 256: a 16 x 16 average pool of the
 #: patch grid): past the tiny grid (4 x 4 patches) the pool's stride is 0 (`_fit_family`)
 TOKENS_PER_IMAGE = ("mm_tokens_per_image", "vision_soft_tokens_per_image")
+
+
+#: an any-resolution VLM's tile grids (LLaVA-NeXT's [[336, 672], ...] px): the tiny image is cut
+#: into tiles as wide as the vision tower's image, so one grid of one tile (`_fit_family`), and
+#: its pixels are [batch, 1 + 1 tiles, channels, height, width]: the resized whole image first,
+#: then the tile, as the processor gives them (`family_inputs`)
+ANY_RES = "image_grid_pinpoints"
 
 
 def _fit_family(config) -> None:
@@ -644,9 +754,9 @@ def _fit_family(config) -> None:
         for k in OUTPUT_WIDTHS:
             if sub is not None and isinstance(getattr(sub, k, None), int):
                 setattr(sub, k, text.hidden_size)
-    for k in PLACEHOLDER_FIELDS:  # Voxtral's default config names no audio token
+    for k, token in PLACEHOLDER_FIELDS.items():
         if k in vars(config) and getattr(config, k) is None:
-            setattr(config, k, TEXT_IDS)
+            setattr(config, k, token)
     for sub in (getattr(config, n, None) for n in ("vision_config", "audio_config")):
         for k, v in FAMILY_SIZES.items():
             if sub is not None and isinstance(getattr(sub, k, None), int) and getattr(sub, k) > v:
@@ -658,6 +768,9 @@ def _fit_family(config) -> None:
                 setattr(sub, k, list(range(min(len(v), depth))))
     vision = getattr(config, "vision_config", None)
     side = _patches_per_side(vision)
+    size = getattr(vision, "image_size", None)
+    if isinstance(getattr(config, ANY_RES, None), list) and isinstance(size, int):
+        setattr(config, ANY_RES, [[size, size]])
     for k in TOKENS_PER_IMAGE:  # pooled to a square of tokens: at most half the patch grid's side
         if side and isinstance(getattr(config, k, None), int) and getattr(config, k) > side**2:
             setattr(config, k, max(1, side // 2) ** 2)
@@ -667,11 +780,7 @@ def _fit_family(config) -> None:
     if not isinstance(rope, dict) or not (reads or "mrope_section" in rope):
         return
     section = rope.get("mrope_section") or [16, 24, 24]
-    heads = getattr(text, "num_attention_heads", 4) or 4
-    half = (getattr(text, "head_dim", None) or text.hidden_size // heads) // 2
-    scaled = [s * half // sum(section) for s in section]
-    scaled[-1] += half - sum(scaled)
-    rope["mrope_section"] = scaled
+    rope["mrope_section"] = _scaled_sections(section, _rotary_half(vars(text), rope))
 
 
 #: a video tower's frames per temporal patch (its ``tubelet_size``: an int, or [time, height,
@@ -794,7 +903,11 @@ def family_inputs(model, family: str) -> dict:
     gives features for one image (`get_image_features`), after one text token. Then fitted to
     what the model reads (`_fit_main_input`, `_fit_noise`, `_fit_layout`): a wrapper's main
     input as its encoder's, an image family's main input an image, a video tower's pixels
-    [batch, frames, channels, height, width], a fixed masking noise, an audio layout that runs."""
+    [batch, frames, channels, height, width], a fixed masking noise, an audio layout that runs;
+    an any-resolution VLM's image as its whole image and one tile (`ANY_RES`) with its
+    ``image_sizes``, and text ids where the trace made none but the code reads them."""
+    import inspect
+
     import torch
 
     from tpkit.plan.inputs import synthesize_inputs
@@ -827,9 +940,30 @@ def family_inputs(model, family: str) -> dict:
         ),
         None,
     )
+    if not any(hasattr(m, "get_image_features") for m in model.modules()):
+        token = None  # no placeholders to fill: BLIP-2's retrieval head, Mllama's cross-attention
+    pixels = out.get("pixel_values")
+    if isinstance(getattr(config, ANY_RES, None), list) and pixels is not None and pixels.ndim == 4:
+        out["pixel_values"] = torch.randn((pixels.shape[0], 2, *pixels.shape[1:]), generator=g)
+    _fit_image_sizes(model, out)
+    params = inspect.signature(model.forward).parameters
+    if (
+        token is not None
+        and "pixel_values" in out
+        and "input_ids" not in out
+        and "input_ids" in params
+    ):
+        # InstructBLIP's ids are optional in the signature, not in its code: text with them,
+        # kept where its vision tower runs on what the trace made up (MiniCPM-V's needs more)
+        ids = torch.randint(3, top, (out["pixel_values"].shape[0], SEQ), generator=g)
+        try:
+            _image_layout(model, out["pixel_values"], out)
+            out["input_ids"] = ids
+        except Exception:  # noqa: BLE001, S110 - the tower's own inputs: left as made up
+            pass
     placed = token is not None and "input_ids" in out and bool((out["input_ids"] == token).any())
     if token is not None and "pixel_values" in out and "input_ids" in out and not placed:
-        n, out["pixel_values"] = _image_layout(model, out["pixel_values"], out.get("image_sizes"))
+        n, out["pixel_values"] = _image_layout(model, out["pixel_values"], out)
         ids = out["input_ids"]
         per_row = n // ids.shape[0]
         image = torch.full((ids.shape[0], per_row), token, dtype=torch.long)
@@ -838,6 +972,23 @@ def family_inputs(model, family: str) -> dict:
     _fit_patches(model, out)
     _fit_tiles(model, out)
     return _fit_layout(model, out)
+
+
+def _fit_image_sizes(model, out: dict) -> None:
+    """A VLM whose ``get_image_features`` needs each image's ``image_sizes`` (LLaVA-NeXT's
+    any-resolution tiling: [height, width] of the original image, which the trace cannot make
+    up) gets the made-up image's own size, one per row."""
+    import inspect
+
+    import torch
+
+    pixels = out.get("pixel_values")
+    inner = next((m for m in model.modules() if hasattr(m, "get_image_features")), None)
+    if inner is None or not isinstance(pixels, torch.Tensor) or "image_sizes" in out:
+        return
+    param = inspect.signature(inner.get_image_features).parameters.get("image_sizes")
+    if param is not None and param.default is inspect.Parameter.empty:
+        out["image_sizes"] = torch.tensor([list(pixels.shape[-2:])] * pixels.shape[0])
 
 
 def _codebook_ids(model) -> dict:
@@ -1071,33 +1222,38 @@ def _place_audio(model, out: dict, key: str) -> dict:
     return {**out, "input_ids": torch.cat([ids[:, :1], audio, ids[:, 1:]], dim=1)}
 
 
-def _image_tokens(model, pixel_values, image_sizes=None) -> int:
+def _image_tokens(model, pixel_values, given: dict | None = None) -> int:
     """Placeholder tokens the vision tower fills for ``pixel_values``: the rows of the
-    features ``get_image_features`` returns (a tensor, a list per image, or their pooled output)."""
+    features ``get_image_features`` returns (a tensor, a list per image, or their pooled
+    output), given the other inputs it takes from ``given`` (LLaVA-NeXT's ``image_sizes``,
+    InstructBLIP's ``qformer_input_ids``)."""
+    import inspect
+
     import torch
 
-    sizes = {} if image_sizes is None else {"image_sizes": image_sizes}
     # a head over a VLM without the method itself (ShieldGemma-2, ModernVBERT): its inner model's
     inner = next((m for m in model.modules() if hasattr(m, "get_image_features")), model)
+    params = inspect.signature(inner.get_image_features).parameters
+    extra = {k: v for k, v in (given or {}).items() if k in params and k != "pixel_values"}
     with torch.no_grad():
-        feats = inner.get_image_features(pixel_values=pixel_values, **sizes)
+        feats = inner.get_image_features(pixel_values=pixel_values, **extra)
     feats = getattr(feats, "pooler_output", feats)
     parts = [feats] if isinstance(feats, torch.Tensor) else list(feats)
     return sum(t.numel() // t.shape[-1] for t in parts)
 
 
-def _image_layout(model, pixel_values, image_sizes=None):
+def _image_layout(model, pixel_values, given: dict | None = None):
     """(placeholders, pixels) for `_image_tokens`: the made-up [batch, channels, height,
     width] images, else one image per row as [batch, 1, channels, height, width] (Idefics-3's
     and ModernVBERT's layout, images per text row: nothing but their code says so), the first
     the vision tower runs on."""
     try:
-        return _image_tokens(model, pixel_values, image_sizes), pixel_values
+        return _image_tokens(model, pixel_values, given), pixel_values
     except Exception:  # noqa: BLE001 - the other layout, else its error
         if pixel_values.ndim != 4:
             raise
         pixel_values = pixel_values.unsqueeze(1)
-        return _image_tokens(model, pixel_values, image_sizes), pixel_values
+        return _image_tokens(model, pixel_values, given), pixel_values
 
 
 def _random_text(ids, top: int, g):

@@ -31,6 +31,7 @@ from tpkit.plan.gathered import gather_reduced_pairs
 from tpkit.plan.hf import hf_plan
 from tpkit.plan.infer import infer_plan
 from tpkit.plan.inputs import input_embeddings, output_embeddings
+from tpkit.plan.layout import kind_of
 from tpkit.plan.settle import head_constraints, settle, settle_heads
 from tpkit.plan.spec import Plan, Source, matches
 from tpkit.plan.trace import reuse_traces, trace
@@ -199,16 +200,18 @@ def _source_plan(model: nn.Module, mode: str, example, tp: int | None = None) ->
 
 
 def _whole_read_outside(model: nn.Module, plan: Plan, example) -> Plan:
-    """``plan`` (in place) with every layer whose weight the trace saw read outside its own
+    """``plan`` (in place) with every table whose weight the trace saw read outside its own
     forward kept whole, and every layer tied to one: a split table read by other code reaches
     it as a shard (Gemma-4's pad row read off its text embedding: "mixed torch.Tensor and
     DTensor" once transformers' text plan, joined under ``model.language_model``, was used and
     the embedding made vocab-parallel beside it). Inference already keeps them whole; this
     does it for transformers' plan too. User entries are left to the user."""
-    names = _read_outside(model, example)
+    modules = dict(model.named_modules())
+    # tables only: a linear read outside is the SSM planner's (Mamba's ``dt_proj.weight``, whose
+    # channels the mixer splits with it) or a dry run's concern
+    names = [n for n in _read_outside(model, example) if kind_of(modules[n]) == "embedding"]
     if not names:
         return plan
-    modules = dict(model.named_modules())
     weights = {id(p) for n in names for p in modules[n].parameters(recurse=False)}
     tied = [n for n, m in modules.items() if any(id(p) in weights for p in m.parameters(False))]
     for name in dict.fromkeys(names + tied):

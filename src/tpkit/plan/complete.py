@@ -8,7 +8,10 @@
 - `complete_param_grads`: likewise for bare parameters read outside any such module (MLCD's
   ``class_pos_emb`` in the rotary cos/sin every head's queries are multiplied by), per parameter.
 - `complete_tied_layers`: a linear or embedding that computes with a weight tied to a split
-  table takes the table's split in its compute (ShieldGemma-2's inner ``lm_head``).
+  table takes the table's split in its compute (ShieldGemma-2's inner ``lm_head``); a module
+  whose weights are all tied to a split twin's takes the twin's entry (DiffusionGemma).
+- `agree_tied`: the last resort, after settling: tied parameters a derived plan still splits
+  differently are kept whole under every name, with a note, never refused.
 
 Parameters inside a vocab-parallel embedding (Inkling's ``embed_norm``) need nothing: the style
 looks the rows up whole before the embedding's own code runs (`tpkit.styles.embedding`).
@@ -20,11 +23,13 @@ from torch import nn
 
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.dryrun import dry_run
-from tpkit.plan.layout import kind_of, param_layout, param_styles
+from tpkit.plan.layout import kind_of, param_layout, param_layouts, param_styles
+from tpkit.plan.settle import group_instances, keep_whole
 from tpkit.plan.spec import Group, Plan, Source, matches
 from tpkit.plan.trace import trace
 
 __all__ = [
+    "agree_tied",
     "complete_grad_allreduce",
     "complete_param_grads",
     "complete_tied_layers",
@@ -161,26 +166,41 @@ def complete_param_grads(model: nn.Module, plan: Plan, example=None) -> Plan:
     return plan
 
 
-#: the style a whole (unnamed or replicated) module takes to compute with a split tied weight,
-#: by module kind: each is exact whatever the module's inputs, and gathers or reduces its output
-TIED_STYLES = {"linear": "colwise_gather_output", "embedding": "vocab_parallel"}
+#: the styles a whole (unnamed or replicated) module may take to compute with a split tied
+#: weight, by module kind; the one whose layout is the split weight's is used. Each is exact
+#: whatever the module's (whole) input, and gathers or reduces its output: a linear tied to a
+#: row-parallel weight (DiffusionGemma's decoder ``o_proj``, tied to its encoder's) slices its
+#: whole input itself (``rowwise_split_input``) and all-reduces
+TIED_STYLES = {
+    "linear": ("colwise_gather_output", "rowwise_split_input"),
+    "embedding": ("vocab_parallel",),
+}
 
 
-def complete_tied_layers(model: nn.Module, plan: Plan) -> Plan:
-    """Give each linear or embedding left whole whose weight is tied to a parameter the plan
-    splits the style that computes with that split (`TIED_STYLES`), when its layout of the
-    weight is the same. Applying a plan re-ties the weights to the split one, so such a module
-    would otherwise compute with this rank's shard as if it were the whole weight: ShieldGemma-2
-    wraps Gemma-3, its ``get_output_embeddings`` names no head, and its ``lm_head`` tied to the
-    vocab-parallel embedding returned each rank a different half of the vocabulary's logits
-    (rank 0 right, rank 1 wrong, no error). User entries are left as they are."""
-    styles = param_styles(model, plan)
+def complete_tied_layers(model: nn.Module, plan: Plan, example=None) -> Plan:
+    """Make every name of a tied parameter that the plan splits compute with the same split.
+
+    First, twins (`_mirror_tied_twins`): a module left whole all of whose parameters are tied
+    to those of a module the plan names takes that module's entry, when a tp=2 dry run passes
+    with every twin so: DiffusionGemma's decoder layers share every weight of its encoder's,
+    and appends its keys and values to the encoder's cache, so its attention must split its
+    heads as the encoder's does. Then each linear or embedding still whole whose weight is tied
+    to a parameter the plan splits takes the style that computes with that split whatever its
+    (whole) input (`TIED_STYLES`), when its layout of the weight is the same. Applying a plan
+    re-ties the weights to the split one, so such a module would otherwise compute with this
+    rank's shard as if it were the whole weight: ShieldGemma-2 wraps Gemma-3, its
+    ``get_output_embeddings`` names no head, and its ``lm_head`` tied to the vocab-parallel
+    embedding returned each rank a different half of the vocabulary's logits (rank 0 right,
+    rank 1 wrong, no error). User entries are left as they are."""
     modules = dict(model.named_modules())
     owners: dict[int, list[tuple[str, str]]] = {}
     for name, module in modules.items():
         for pname, p in module._parameters.items():
             if p is not None:
                 owners.setdefault(id(p), []).append((name, pname))
+    if any(len(t) > 1 for t in owners.values()):
+        _mirror_tied_twins(model, plan, owners, example)
+    styles = param_styles(model, plan)
     for tied in owners.values():
         if len(tied) < 2:
             continue
@@ -199,16 +219,73 @@ def complete_tied_layers(model: nn.Module, plan: Plan) -> Plan:
             module, hit = modules[name], plan.style_for(name) if name else None
             if hit is not None and (hit[0] != "replicate" or plan.source(hit[1]) == "user"):
                 continue  # computes with the split itself, or a user's choice
-            style = TIED_STYLES.get(kind_of(module) or "")
             p = module._parameters[pname]
-            if style is None or pname != "weight":
+            if pname != "weight":
                 continue
-            if param_layout(style, pname, p.ndim, module) != split[1]:
+            fits = [
+                s
+                for s in TIED_STYLES.get(kind_of(module) or "", ())
+                if param_layout(s, pname, p.ndim, module) == split[1]
+            ]
+            if not fits:
                 continue
+            style = fits[0]
             plan.set(name, style, split[2] if split[2] != "-" else "inferred")
             plan.notes[name] = f"{style}: its weight is tied to {split[0]}, which is split"
     _tied_names_alike(model, plan, owners)
     return plan
+
+
+def _whole_here(plan: Plan, name: str) -> bool:
+    """No entry names module ``name``, or a derived one leaves it whole."""
+    hit = plan.style_for(name) if name else None
+    return hit is None or (hit[0] == "replicate" and plan.source(hit[1]) != Source.USER)
+
+
+def _mirror_tied_twins(
+    model: nn.Module, plan: Plan, owners: dict[int, list[tuple[str, str]]], example
+) -> bool:
+    """Give each module left whole (`_whole_here`) whose parameters are all tied, name for
+    name, to those of a module with an entry that splits one of them (its twin) the twin's
+    entry, its parent the twin parent's fix-ups (head counts), all twins at once, in place,
+    when a tp=2 dry run passes with them; else change nothing. Exact as the twin is: the same
+    weights, the same kind of module in the same place of a block that shares all of them (an
+    encoder's and a decoder's shared layers), and where the dataflow differs the dry run fails
+    (a column twin whose row partner is not mirrored hands a split output to whole code).
+    Returns whether the twins were mirrored."""
+    modules = dict(model.named_modules())
+    trial, mirrored = plan.copy(), []
+    for name, module in modules.items():
+        own = {k: p for k, p in module._parameters.items() if p is not None}
+        if not name or not own or not _whole_here(plan, name):
+            continue
+        candidates = None
+        for pname, p in own.items():
+            here = {m for m, k in owners[id(p)] if k == pname and m != name}
+            candidates = here if candidates is None else candidates & here
+        for twin in sorted(candidates or ()):
+            hit = plan.style_for(twin)
+            if (
+                type(modules[twin]) is not type(module)
+                or hit is None
+                or hit[0] == "replicate"
+                or plan.source(hit[1]) == Source.USER
+            ):
+                continue
+            if not any(param_layout(hit[0], k, q.ndim, module).sharded for k, q in own.items()):
+                continue  # the twin's entry splits none of them: nothing to agree on
+            trial.set(name, hit[0], plan.source(hit[1]), plan.args_for(hit[1]) or None)
+            trial.notes[name] = f"{hit[0]}: its weights are tied to {twin}'s, split so"
+            parent, twin_parent = name.rpartition(".")[0], twin.rpartition(".")[0]
+            fix = plan.fixups_for(twin_parent)
+            if fix and parent and not plan.fixups_for(parent):
+                trial.fixups[parent] = dict(fix)
+            mirrored.append(name)
+            break
+    if not mirrored or dry_run(model, trial, example, 2) is not None:
+        return False
+    vars(plan).update(vars(trial))
+    return True
 
 
 def _tied_names_alike(
@@ -240,3 +317,57 @@ def _tied_names_alike(
                 continue  # a module computing with it: its style decides (above, or the user)
             plan.set(full, split[1], "inferred")
             plan.notes[full] = f"{split[1]}: it is tied to {split[0]}, which is split"
+
+
+def agree_tied(model: nn.Module, plan: Plan) -> Plan:
+    """Keep whole (in place) every name of a tied parameter that ``plan`` still lays out two
+    ways after completion and settling, when no user entry is involved: tpkit never refuses
+    a plan it derived for a tie (validation would, "tied parameters would be split
+    differently") when the slower exact split exists. `complete_tied_layers` makes most ties
+    agree by splitting both names; what is left (a holder with no whole style of that layout,
+    a group settling kept whole at this tp beside a twin it did not) is replicated: an entry
+    of a whole style (``colwise_gather_output``, ``vocab_parallel``...) or a parameter entry
+    directly, a column or row layer with its inferred group (`tpkit.plan.settle.keep_whole`),
+    each with a note. A transformers entry in no inferred group cannot be replicated alone
+    (its partner would get a split input) and is left to validation, as a user's is."""
+    owners: dict[int, list[str]] = {}
+    for full, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(full)
+    tied = [names for names in owners.values() if len(names) > 1]
+    for _ in range(3):  # keeping a group whole may leave another tie split two ways
+        layouts, changed = param_layouts(model, plan) if tied else {}, False
+        for names in tied:
+            if len({layouts[n][1] for n in names}) < 2:
+                continue
+            hits = [plan.style_for(x) for n in names for x in (n, n.rpartition(".")[0]) if x]
+            if any(h is not None and plan.source(h[1]) == Source.USER for h in hits):
+                continue  # a user's choice: validation names it
+            why = f"tied parameters {', '.join(names)} would otherwise be split differently"
+            for name in names:
+                if layouts[name][1].sharded:
+                    changed |= _keep_name_whole(model, plan, name, why)
+        if not changed:
+            break
+    return plan
+
+
+def _keep_name_whole(model: nn.Module, plan: Plan, name: str, why: str) -> bool:
+    """Replicate what splits parameter ``name``: its own entry, its module's entry of a whole
+    style, or its module's inferred group; False when none of them can be."""
+    if plan.style_for(name) is not None:
+        plan.set(name, "replicate", plan.source(plan.style_for(name)[1]))
+        plan.notes[name] = f"replicated: {why}"
+        return True
+    module = name.rpartition(".")[0]
+    hit = plan.style_for(module) if module else None
+    if hit is None:
+        return False
+    if style_spec(hit[0]).role == "whole":
+        plan.set(module, "replicate", plan.source(hit[1]))
+        plan.notes[module] = f"replicated: {why}"
+        return True
+    for group in group_instances(model, plan):
+        if any(matches(p, module) for p in group.modules):
+            keep_whole(plan, group, why, model)
+            return True
+    return False

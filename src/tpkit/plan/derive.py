@@ -20,6 +20,7 @@ from torch import nn
 
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.complete import (
+    agree_tied,
     complete_grad_allreduce,
     complete_param_grads,
     complete_tied_layers,
@@ -103,11 +104,13 @@ def derive_plan(
         else:
             out = _base_plan(model, example_inputs).merged(_user_plan(plan))
         gather_reduced_pairs(model, out, example_inputs)  # reductions over split features
-        out = complete_grad_allreduce(model, complete_tied_layers(model, out), example_inputs)
+        out = complete_tied_layers(model, out, example_inputs)
+        out = complete_grad_allreduce(model, out, example_inputs)
         if tp_size is not None and tp_size > 1:
             if plan == "auto":
                 out = _config_plan_at(model, out, tp_size, example_inputs)
             settle(model, out, tp_size, lambda p, tp: dry_run(model, p, example_inputs, tp))
+        agree_tied(model, out)  # a tie still split two ways: whole, never refused
         # last: settling may gather a column layer, whose output is then whole
         return complete_param_grads(model, out, example_inputs)
 
@@ -142,7 +145,8 @@ def _config_plan_at(model: nn.Module, plan: Plan, tp: int, example) -> Plan:
     except ValueError:
         return plan  # validation names the problem
     with reuse_traces():
-        inferred = complete_grad_allreduce(model, complete_tied_layers(model, inferred), example)
+        inferred = complete_tied_layers(model, inferred, example)
+        inferred = complete_grad_allreduce(model, inferred, example)
     inferred.notes[type(model).__name__] = (
         f"transformers' base_model_tp_plan is not used at tp_size={tp}: {bad[0]}; the "
         "inferred plan is, its groups that cannot split at tp gathered or whole (pass "

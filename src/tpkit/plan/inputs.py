@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 import weakref
 from collections.abc import Iterator
@@ -80,6 +81,9 @@ _IMAGE_END = ("vision_end_token_id", "image_end_token_id", "eoi_token_id")
 _AUDIO_TOKEN = ("audio_token_id", "audio_token_index")
 #: an audio-LLM's placeholders per made-up audio, measured once per model (`_audio_tokens`)
 _AUDIO_TOKENS: weakref.WeakKeyDictionary[nn.Module, int | None] = weakref.WeakKeyDictionary()
+#: the ``input_ids`` layout of a model with ``num_codebooks``, read once per model off its
+#: input embedding (`_codebook_ids_shape`): the width of a last dim of codebooks, 0 stacked
+_CODEBOOK_WIDTH: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 #: forward arguments named ``<stem>_ids`` that are not an index set by a config list
 #: (`_config_ids`): token, position and segment ids have their own rules or defaults
 _OWN_IDS = ("input", "position", "token_type", "decoder_input", "decoder_position", "cache")
@@ -531,9 +535,12 @@ def _dummy_names(model: nn.Module) -> list[str]:
 def _model_input(model: nn.Module, config: Any, name: str, batch: int, seq: int) -> Any:
     if name.endswith("input_ids") or name == "labels":
         codebooks = getattr(config, "num_codebooks", None)  # MusicGen: codebooks stacked in batch
-        rows = batch * (codebooks if isinstance(codebooks, int) and codebooks > 0 else 1)
+        codebooks = codebooks if isinstance(codebooks, int) and codebooks > 0 else None
+        shape = (batch * (codebooks or 1), seq)
+        if name == "input_ids" and codebooks:
+            shape = _codebook_ids_shape(model, shape, batch, codebooks) or shape
         start = getattr(config, "decoder_start_token_id", None) if "decoder" in name else None
-        ids = torch.zeros((rows, seq), dtype=torch.long, device="meta")
+        ids = torch.zeros(shape, dtype=torch.long, device="meta")
         return ids.fill_(start) if isinstance(start, int) and start >= 0 else ids
     dtype = _float_dtype(model)
     if name == "pixel_values":
@@ -548,6 +555,53 @@ def _model_input(model: nn.Module, config: Any, name: str, batch: int, seq: int)
     if name == "attention_mask":
         return torch.ones((batch, seq), dtype=torch.long, device="meta")
     return None  # anything else required keeps its default error: validation names it
+
+
+def _codebook_ids_shape(
+    model: nn.Module, stacked: tuple[int, int], batch: int, codebooks: int
+) -> tuple[int, ...] | None:
+    """The ``input_ids`` layout of a model with ``num_codebooks``, read off its input
+    embedding: MusicGen's decoder takes the codebooks stacked in the batch ([batch *
+    codebooks, seq], ``stacked``; its embedding is a ModuleList the decoder indexes), Kyutai's
+    speech-to-text one row per step of its text token and each codebook's audio token
+    ([batch, seq, 1 + codebooks]: its embedding adds one offset per last-dim position and sums
+    them). Stacked ids there failed its trace, and the model took the per-layer fallback.
+    The embedding is run on fake ids of each layout, ``stacked`` first, once per model (later
+    calls come from dry runs, whose weights are fakes of another mode); the first it embeds
+    to one vector per (row, step) wins. None for the stacked layout, also when the embedding
+    takes none of them or cannot be called alone."""
+    seq = stacked[1]
+    if model not in _CODEBOOK_WIDTH:
+        width = _embedded_width(model, (stacked, (1, seq, codebooks + 1), (1, seq, codebooks)))
+        if width is None:
+            return None
+        _CODEBOOK_WIDTH[model] = width
+    width = _CODEBOOK_WIDTH[model]
+    return (batch, seq, width) if width else None
+
+
+def _embedded_width(model: nn.Module, shapes: tuple[tuple[int, ...], ...]) -> int | None:
+    """The last dim of the first of ``shapes`` (0 for a 2-D one) that ``model``'s input
+    embedding turns into [rows, steps, features] on fake ids, or None."""
+    embed = input_embeddings(model)
+    if embed is None:
+        return None
+    held = next(iter(embed.parameters()), None)  # meta or real: the ids go where it is
+    device = held.device if held is not None else torch.device("cpu")
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level, quiet.level = quiet.level, logging.CRITICAL  # a refused layout is no error here
+    try:
+        for shape in shapes:
+            try:
+                with FakeTensorMode(allow_non_fake_inputs=True):
+                    out = embed(torch.zeros(shape, dtype=torch.long, device=device))
+            except Exception:  # noqa: BLE001, S112 - an embedding may refuse all but its own
+                continue
+            if isinstance(out, torch.Tensor) and out.ndim == 3 and out.shape[:2] == shape[:2]:
+                return shape[2] if len(shape) == 3 else 0
+    finally:
+        quiet.setLevel(level)
+    return None
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype:

@@ -128,6 +128,8 @@ class _Tracer(TorchFunctionMode):
         # id of a linear-like module's parameter -> every module holding it (tied weights: a
         # tied head's weight read by its embedding's lookup is read inside its own forward)
         self.weights: dict[int, set[str]] = {}
+        # a transposed linear weight (``weight.T``) -> the linears holding it (`_table_lookup`)
+        self.transposed: dict[int, set[str]] = {}
         # tensor -> (linear, part) of the first uneven cut of its features its values come from
         self.parts: dict[int, frozenset[tuple[str, int]]] = {}
         self.first_input: dict[str, torch.Tensor] = {}  # module -> the first tensor it was given
@@ -171,6 +173,7 @@ class _Tracer(TorchFunctionMode):
                 for owner in owners:
                     self.nodes[owner].needs_whole = "its weight is read outside its own forward"
                     self.nodes[owner].read_outside = True
+        self._table_lookup(func, args, out)
         # features flow through float tensors; an index or a mask (a router's top-k choice)
         # says where rows go, not what they hold
         feats = [t for t in inputs if t.is_floating_point() or t.is_complex()]
@@ -209,6 +212,25 @@ class _Tracer(TorchFunctionMode):
         if followed and not self._reduction(name, args, kwargs, outs):
             self._follow_features(name, args, kwargs, out, outs)
         return out
+
+    def _table_lookup(self, func: Any, args: tuple, out: Any) -> None:
+        """A linear whose weight its own forward also looks rows up in, transposed (Ovis2.5's
+        ``visual_embeddings_table``: ``F.embedding(ids, self.weight.T)`` for its indicator
+        tokens) reads it by input features, which a row split cuts: each rank would look up
+        ids in its own rows only (an IndexError, or another id's row with no error). It is
+        marked read outside its forward, so it stays whole (`tpkit.plan.infer`)."""
+        name = getattr(func, "__name__", "")
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        views = ("__get__", "t", "transpose")
+        if name in views and first is not None and id(first) in self.weights:
+            if isinstance(out, torch.Tensor):
+                self.keep.append(out)
+                self.transposed[id(out)] = self.weights[id(first)]
+        elif name == "embedding" and len(args) > 1 and id(args[1]) in self.transposed:
+            for owner in self.transposed[id(args[1])]:
+                if self.nodes[owner].kind == "linear":
+                    self.nodes[owner].needs_whole = "its weight is looked up as a table"
+                    self.nodes[owner].read_outside = True
 
     def _join(self, name: str, args: tuple, kwargs: Mapping) -> None:
         """``cat`` / ``stack`` of tensors along (or next to) a linear's features: each rank

@@ -228,6 +228,23 @@ _BUILTIN = (
         aliases=("embedding_bag_colwise",),
     ),
     StyleSpec(
+        "mha_heads",
+        "whole",
+        "nn.MultiheadAttention by heads: [q; k; v] each split by output rows (whole heads), "
+        "this rank's heads attend, out_proj (rowwise) all-reduced",
+        shard="out",
+        packed_parts=3,  # in_proj_weight / in_proj_bias; q/k/v_proj_weight and bias_k/v: 1
+        collective="all_reduce",
+    ),
+    StyleSpec(
+        "mha_functional",
+        "whole",
+        "a module calling torch's multi_head_attention_forward on its child linears (q, k, v "
+        "colwise, out rowwise; never called): the call run on this rank's heads, its per-head "
+        "mask sliced, output all-reduced",
+        collective="all_reduce",
+    ),
+    StyleSpec(
         "vocab_parallel",
         "whole",
         "E[x] = sum_i E_i[x - off_i], masked to rank i's rows: rows split by vocab, all-reduced",

@@ -32,6 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tpkit.compat import FakeTensorMode
+from tpkit.plan.attention import SELF_CONTAINED
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.fake import (
     REAL_TRACE_MAX_PARAMS,
@@ -106,10 +107,13 @@ def _uneven(model: nn.Module, plan: Plan, tp: int) -> bool:
 def _shard_shapes(model: nn.Module, plan: Plan, tp: int, rank: int = 0) -> dict[int, tuple]:
     """id(parameter) -> ``rank``'s shard shape, for every parameter the plan splits."""
     layouts = param_layouts(model, plan)
+    # an attention split by heads is one self-contained region (whole in, whole out): its
+    # forward runs as it is, on whole weights, with its out_proj's
+    whole = tuple(f"{t.name}." for t in plan.resolve(model) if t.style in SELF_CONTAINED)
     shapes = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         layout = layouts[name][1]
-        if layout.sharded:
+        if layout.sharded and not name.startswith(whole):
             shapes[id(p)] = local_shape(tuple(p.shape), layout, tp, rank)
     return shapes
 

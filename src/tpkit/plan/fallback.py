@@ -34,6 +34,7 @@ from collections.abc import Collection, Mapping
 from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
+from tpkit.plan.attention import mha_splits
 from tpkit.plan.convs import CONVS, conv_pairs, shared_params, splittable_conv
 from tpkit.plan.experts import fused_experts
 from tpkit.plan.layout import kind_of, out_width, param_layouts
@@ -79,9 +80,14 @@ def fallback_plan(
         plan.set(name, style, SOURCE)
         plan.notes[name] = f"per-layer fallback, {pairs.notes[name]}: {why}"
     plan.fixups.update(pairs.fixups)
+    attention, _, whole = mha_splits(model, shared, tp=tp)  # exact wherever they sit: by heads
+    for name, style in attention.items():
+        plan.set(name, style, SOURCE)
+        plan.notes[name] = f"per-layer fallback, split by heads: {why}"
+    plan.notes.update((name, f"replicated: {reason}") for name, reason in whole.items())
     experts: list[str] = []  # fused experts split here: their parameters are theirs
     for name, mod in model.named_modules():
-        if not name or name in pairs.styles:
+        if not name or name in pairs.styles or name in attention or name in whole:
             continue  # the model itself: never a leaf layer worth a collective
         if any(name.startswith(f"{e}.") for e in experts):
             continue

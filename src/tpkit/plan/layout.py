@@ -7,6 +7,7 @@ it into a DTensor placement, `tpkit.pretrained` into byte ranges of a file, `exp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch import nn
@@ -106,8 +107,14 @@ def param_layout(
     s = style_spec(style)
     if s.shard is None or s.own_entries:
         return REPLICATED
+    if s.name == "mha_heads":  # nn.MultiheadAttention's own parameters, by name
+        return _MHA_LAYOUTS.get(param_name, REPLICATED)
     if ndim <= 1:
         return ParamLayout(0, s.packed_parts) if s.shard == "out" else REPLICATED
+    if s.shard == "out" and module is not None and kind_of(module) is None:
+        p = module._parameters.get(param_name)
+        if p is not None and math.prod(p.shape[1:]) == 1 and not isinstance(module, _CONVS):
+            return ParamLayout(0)  # a bare per-head parameter [heads, 1, 1]: by its first dim
     conv1d = is_conv1d(module)
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):  # [out, in / groups, *kernel]
         return ParamLayout(0 if s.shard == "out" else 1, s.packed_parts)
@@ -120,6 +127,19 @@ def param_layout(
     if s.shard == "out":
         return ParamLayout(ndim - 1 if conv1d else ndim - 2, s.packed_parts)
     return ParamLayout(0 if conv1d else ndim - 1, s.packed_parts)  # "in"
+
+
+#: ``mha_heads``: where each of ``nn.MultiheadAttention``'s own parameters holds its heads
+#: (``out_proj`` is a child with its own ``rowwise`` entry)
+_MHA_LAYOUTS = {
+    "in_proj_weight": ParamLayout(0, 3),  # [q; k; v] packed, [3 E, E]
+    "in_proj_bias": ParamLayout(0, 3),
+    "q_proj_weight": ParamLayout(0),  # [E, E], [E, kdim], [E, vdim]
+    "k_proj_weight": ParamLayout(0),
+    "v_proj_weight": ParamLayout(0),
+    "bias_k": ParamLayout(2),  # [1, 1, E]
+    "bias_v": ParamLayout(2),
+}
 
 
 def chunk_sizes(size: int, parts: int) -> list[int]:

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 from torch import nn
 
+from tpkit.plan.attention import SELF_CONTAINED
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.fixups import HEAD_ATTRS, WIDTH_ATTRS
 from tpkit.plan.gathered import gather_group
@@ -124,7 +125,7 @@ def lay_out(model: nn.Module, plan: Plan, tp: int) -> None:
         settle_heads(model, plan, tp)
     # counts only: a head count read off the model is what inference's tp=2 dry run must see
     for group, why in undivided_groups(plan, tp):
-        keep_whole(plan, group, why)
+        keep_whole(plan, group, why, model)  # a layer's group: its fix-ups only
 
 
 def keep_whole(plan: Plan, group: Group, why: str, model: nn.Module | None = None) -> None:
@@ -285,6 +286,11 @@ def constraints(model: nn.Module, plan: Plan, per_owner: bool = False) -> list[C
         )
     for owner, label, count in _head_constraints(model, plan, per_owner):
         out.append(Constraint(owner, owner, label, count))
+    for t in plan.resolve(model):  # an attention split by heads: whole heads per rank
+        if t.kind == "module" and t.style in SELF_CONTAINED:
+            heads = getattr(model.get_submodule(t.name), "num_heads", None)
+            if isinstance(heads, int):
+                out.append(Constraint(t.name, t.name, f"num_heads={heads}", heads))
     for name, module in model.named_modules() if plan.fixups else ():
         for attr in plan.fixups_for(name).get("divide", []):
             value = getattr(module, attr, None)

@@ -4,6 +4,7 @@
     linear.py     colwise, packed colwise, gathered head, rowwise and its variants
     embedding.py  vocab-parallel embedding, per-head (column) embedding
     combined.py   modules split by their own entries (experts, all_reduce), partial gradients
+    attention.py  nn.MultiheadAttention split by heads (its projections are bare parameters)
     conv.py       convolutions by channels: gathered, or paired colwise -> rowwise with the
                   BatchNorm / GroupNorm between them on the rank's channels
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from tpkit.plan.catalogue import StyleSpec, bind, canonical_style, implementation, register_spec
+from tpkit.styles.attention import FunctionalAttentionStyle, MultiheadAttentionStyle
 from tpkit.styles.base import (
     ParentSwap,
     ReplicateGradAllReduceStyle,
@@ -68,12 +70,14 @@ __all__ = [
     "ConvGatherStyle",
     "ConvPackedColwiseStyle",
     "ConvRowwiseStyle",
+    "FunctionalAttentionStyle",
     "NormChannelStyle",
     "GatherColumnsEmbeddingStyle",
     "GatherOutputStyle",
     "MoeExpertsStyle",
     "MoeIdentityExpertStyle",
     "MoeReducedInputStyle",
+    "MultiheadAttentionStyle",
     "PackedColwiseStyle",
     "PackedQKVColwiseStyle",
     "PackedRowwiseStyle",
@@ -121,6 +125,8 @@ for _cls in (
     MoeIdentityExpertStyle,
     MoeReducedInputStyle,
     TailGradAllReduceStyle,
+    MultiheadAttentionStyle,
+    FunctionalAttentionStyle,
 ):
     bind(_cls.name, _cls)
 

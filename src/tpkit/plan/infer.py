@@ -44,12 +44,14 @@ far (styles, style arguments, fix-ups, notes, groups); each pass takes it and fi
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
 
+from tpkit.plan.attention import functional_splits, mha_splits
 from tpkit.plan.convs import conv_pairs, shared_params, splittable_conv
 from tpkit.plan.dryrun import dry_run
 from tpkit.plan.experts import expert_groups
@@ -527,14 +529,19 @@ def _infer_once(model: nn.Module, example_inputs) -> Plan:
         draft.styles[name] = style
         draft.why.pop(name, None)
     draft.add_groups(mixer_groups)
-    _conv_pairs(model, draft, example_inputs)
+    _attention(model, draft)
     _tables(model, draft)
     gathered, draft.notes = gathered_pairs(
         model, draft.nodes, draft.candidates, draft.styles, draft.why
     )
     draft.groups.extend(gathered)
+    _conv_pairs(model, draft, example_inputs)  # last: beside the gathered pairs too
     runs = lambda plan, tp: dry_run(model, plan, example_inputs, tp)  # noqa: E731
     return fewest_replicated(model, draft.plan(model), runs)
+
+
+#: fewer output channels per rank than this: a convolution nothing pairs is not worth a gather
+_MIN_CONV_CHANNELS = 64
 
 
 def _conv_pairs(model: nn.Module, draft: Draft, example_inputs) -> None:
@@ -553,6 +560,39 @@ def _conv_pairs(model: nn.Module, draft: Draft, example_inputs) -> None:
         draft.notes[name] = pairs.notes[name]
     draft.fixups.update(pairs.fixups)
     draft.add_groups(pairs.groups)
+    modules = dict(model.named_modules())
+    for name, broke in pairs.broken.items():
+        # a convolution whose channels are then read across (a conformer's LayerNorm over the
+        # channels after its depthwise conv): split by output channels and gathered, as the
+        # per-layer fallback does; exact whatever reads it
+        mod = modules.get(name)
+        if name in draft.styles or mod is None or not free(name, mod):
+            continue
+        if getattr(mod, "groups", 0) == 1 and mod.out_channels >= 2 * _MIN_CONV_CHANNELS:
+            draft.styles[name] = "conv_colwise_gather"
+            draft.why.pop(name, None)
+            draft.notes[name] = f"not paired ({broke}): output channels gathered"
+            draft.groups.append(Group((name,)))
+
+
+def _attention(model: nn.Module, draft: Draft) -> None:
+    """``nn.MultiheadAttention`` split by heads (`tpkit.plan.attention`): its projections are
+    bare parameters the trace does not see as layers; then modules calling torch's
+    ``multi_head_attention_forward`` on their child linears (WavLM); one group each."""
+    styles, groups, why = mha_splits(model, shared_params(model), set(draft.styles))
+    for name, style in styles.items():
+        draft.styles[name] = style
+        draft.why.pop(name, None)
+    draft.why.update(why)
+    draft.groups.extend(groups)
+    calls = draft.info.get("functional_mha", {})
+    taken = {n for n, s in draft.styles.items() if s != "replicate"}
+    styles, args, groups = functional_splits(model, calls, taken)
+    for name, style in styles.items():
+        draft.styles[name] = style
+        draft.why.pop(name, None)
+    draft.args.update(args)
+    draft.groups.extend(groups)
 
 
 def _owner_fixups(owner: nn.Module, widths: set[int], info: dict, owner_name: str) -> dict:
@@ -605,7 +645,8 @@ def _head_buffers(owner: nn.Module, heads: int) -> dict[str, int]:
 
 
 def _per_head_params(owner: nn.Module, widths: set[int]) -> list[str]:
-    """The owner's own 1-D parameters with one value per head (GPT-OSS's attention ``sinks``),
+    """The owner's own parameters with one value per head (GPT-OSS's attention ``sinks``,
+    Swin-v2's ``logit_scale`` of shape [heads, 1, 1]),
     read by its code next to the rank's heads: they are split as the heads are. Head counts
     come from the owner's head attributes, or its split widths over its ``head_dim``."""
     heads = {v for a in HEAD_ATTRS if isinstance(v := owner.__dict__.get(a), int)}
@@ -613,10 +654,10 @@ def _per_head_params(owner: nn.Module, widths: set[int]) -> list[str]:
     if isinstance(head_dim, int) and head_dim > 0:
         heads |= {w // head_dim for w in widths if w % head_dim == 0}
     heads.discard(head_dim)  # a [head_dim] parameter (DiffLlama's lambdas) acts within a head
-    return [
+    return [  # [heads] or [heads, 1, 1] (Swin-v2's logit_scale)
         n
         for n, p in owner.named_parameters(recurse=False)
-        if p.ndim == 1 and p.shape[0] in heads and p.shape[0] > 1
+        if p.ndim >= 1 and p.shape[0] in heads and p.shape[0] > 1 and math.prod(p.shape[1:]) == 1
     ]
 
 
@@ -638,11 +679,20 @@ def _common_head_inputs(fixups: dict[str, dict]) -> dict[str, dict]:
 
 
 def _collapse_groups(groups: list[Group]) -> list[Group]:
-    """One group per layer kind: names to ``*`` patterns, the first layer's group kept."""
-    seen: dict[tuple, Group] = {}
+    """One group per layer kind: names to ``*`` patterns, with the counts every layer of that
+    kind shares. Where the layers' counts differ (Swin-v2's heads per stage: 3, 6, 12, 24),
+    that kind's groups stay per layer, so that settling keeps whole only the layers tp does
+    not divide (the first layer's counts stood for all: every stage whole at tp=2)."""
+    kinds: dict[tuple, list[Group]] = {}
     for g in groups:
-        key = tuple(generic_name(m) for m in g.modules)
-        if key not in seen:
-            counts = {re.sub(r"\.\d+\.", ".*.", k + ".")[:-1]: v for k, v in g.counts.items()}
-            seen[key] = Group(key, tuple(generic_name(o) for o in g.owners), counts)
-    return list(seen.values())
+        kinds.setdefault(tuple(generic_name(m) for m in g.modules), []).append(g)
+    out = []
+    for key, same in kinds.items():
+        counts = [
+            {re.sub(r"\.\d+\.", ".*.", k + ".")[:-1]: v for k, v in g.counts.items()} for g in same
+        ]
+        if all(c == counts[0] for c in counts):
+            out.append(Group(key, tuple(generic_name(o) for o in same[0].owners), counts[0]))
+        else:
+            out.extend(same)
+    return out

@@ -98,6 +98,46 @@ _ELEMENTWISE = frozenset(
 
 # ops that contract a head-split tensor with another one per head (a table read by each head)
 _PER_HEAD_PRODUCTS = frozenset({"matmul", "__matmul__", "bmm", "einsum", "baddbmm"})
+#: torch's ``multi_head_attention_forward``'s positional arguments, in order
+_MHA_ARGS = (
+    "query",
+    "key",
+    "value",
+    "embed_dim_to_check",
+    "num_heads",
+    "in_proj_weight",
+    "in_proj_bias",
+    "bias_k",
+    "bias_v",
+    "add_zero_attn",
+    "dropout_p",
+    "out_proj_weight",
+    "out_proj_bias",
+    "training",
+    "key_padding_mask",
+    "need_weights",
+    "attn_mask",
+    "use_separate_proj_weight",
+    "q_proj_weight",
+    "k_proj_weight",
+    "v_proj_weight",
+)
+
+
+def _einsum_lacks(args: tuple, a: torch.Tensor, b: torch.Tensor, j: int) -> bool:
+    """In ``torch.einsum(equation, *operands)``, operand ``a`` has no subscript for dim ``j``
+    of operand ``b`` (``b``'s heads): every head reads all of ``a``. False where the equation
+    cannot be read (an ellipsis, operands not found)."""
+    if not args or not isinstance(args[0], str) or "..." in args[0] or b.shape[j] <= 1:
+        return False
+    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+    subs = args[0].replace(" ", "").split("->")[0].split(",")
+    ia = next((i for i, t in enumerate(ops) if t is a), None)
+    ib = next((i for i, t in enumerate(ops) if t is b), None)
+    if ia is None or ib is None or len(subs) != len(ops) or len(subs[ib]) != b.ndim:
+        return False
+    return subs[ib][j] not in subs[ia]
+
 
 # ops that join tensors along a dim (`_Tracer._join`)
 _JOINS = frozenset({"cat", "concat", "concatenate", "stack", "hstack"})
@@ -135,6 +175,9 @@ class _Tracer(TorchFunctionMode):
         self.first_input: dict[str, torch.Tensor] = {}  # module -> the first tensor it was given
         self.head_tables: set[str] = set()  # embeddings broadcast over a linear's heads
         self.where: list[str] = []  # the modules whose forward is running, innermost last
+        # module -> {"q", "k", "v", "out": linear, "heads": n}: its forward calls torch's
+        # multi_head_attention_forward on its child linears' weights (WavLM's attention)
+        self.functional_mha: dict[str, dict[str, Any]] = {}
         # tensor -> as `origin`, for pieces of a linear's output cut along other dims (one
         # token's row): followed only to find reductions over the features (`_reduction`)
         self.seen: dict[int, tuple[str, int, bool]] = {}
@@ -174,12 +217,14 @@ class _Tracer(TorchFunctionMode):
                     self.nodes[owner].needs_whole = "its weight is read outside its own forward"
                     self.nodes[owner].read_outside = True
         self._table_lookup(func, args, out)
+        if func is torch.nn.functional.multi_head_attention_forward:
+            self._functional_mha(args, kwargs)
         # features flow through float tensors; an index or a mask (a router's top-k choice)
         # says where rows go, not what they hold
         feats = [t for t in inputs if t.is_floating_point() or t.is_complex()]
         name = getattr(func, "__name__", "")
-        if name in _ELEMENTWISE and len(feats) > 1:
-            self._per_head_tables(feats)
+        if (name in _ELEMENTWISE or name in _PER_HEAD_PRODUCTS) and len(feats) > 1:
+            self._per_head_tables(feats, name, args)
         params = frozenset().union(*(self.params.get(id(t), frozenset()) for t in feats))
         if params and len(feats) > 1 and (name in _ELEMENTWISE or name in _PER_HEAD_PRODUCTS):
             self._partial_params(name, feats)
@@ -310,15 +355,41 @@ class _Tracer(TorchFunctionMode):
                 self._see(first, (lin, j_new, heads))
         return True
 
-    def _per_head_tables(self, feats: list[torch.Tensor]) -> None:
+    def _functional_mha(self, args: tuple, kwargs: dict) -> None:
+        """Which child linears a module hands torch's ``multi_head_attention_forward`` as its
+        separate q / k / v and output weights (WavLM's attention reads them there, never calling
+        them): `tpkit.plan.attention` splits such a call by heads."""
+        call = dict(zip(_MHA_ARGS, args, strict=False)) | kwargs
+        if not call.get("use_separate_proj_weight"):  # in_proj_weight is ignored then
+            return
+        if call.get("static_k") is not None or call.get("static_v") is not None:
+            return
+        found: dict[str, Any] = {"heads": call.get("num_heads")}
+        for role, key in (
+            ("q", "q_proj_weight"),
+            ("k", "k_proj_weight"),
+            ("v", "v_proj_weight"),
+            ("out", "out_proj_weight"),
+        ):
+            owners = self.weights.get(id(call.get(key)), set())
+            if len(owners) != 1 or self.nodes[next(iter(owners))].kind != "linear":
+                return
+            found[role] = next(iter(owners))
+        if self.where and isinstance(found["heads"], int):
+            self.functional_mha[self.where[-1]] = found
+
+    def _per_head_tables(self, feats: list[torch.Tensor], name: str = "", args=()) -> None:
         """An embedding's output broadcast over the heads of a split linear's output (RoFormer's
-        sinusoidal table times each head's queries) is one table every head reads: a rank
+        sinusoidal table times each head's queries; Wav2Vec2-BERT's relative-distance table in
+        ``einsum("bhld,lrd->bhlr", query, table)``) is one table every head reads: a rank
         keeps it whole for its heads (its gradient all-reduced), like Qwen3's ``q_norm``. Its
         tag stops here, so the attention's output linear does not count it as a column."""
         for b in feats:
             if id(b) not in self.origin or not self.origin[id(b)][2]:
                 continue
             lin, j, _ = self.origin[id(b)]
+            if name in _PER_HEAD_PRODUCTS and name != "einsum" and j >= b.ndim - 2:
+                continue  # heads in a matrix dim of a product: not a broadcast
             for a in feats:
                 tags = self.tag(a)
                 if a is b or not tags or any(self.nodes.get(t) is None for t in tags):
@@ -326,7 +397,11 @@ class _Tracer(TorchFunctionMode):
                 if any(self.nodes[t].kind != "embedding" for t in tags):
                     continue
                 k = j - (b.ndim - a.ndim)  # a's dim under b's heads, broadcasting from the right
-                if b.shape[j] > 1 and (k < 0 or a.shape[k] == 1):
+                if name == "einsum":
+                    broadcast = _einsum_lacks(args, a, b, j)
+                else:
+                    broadcast = b.shape[j] > 1 and (k < 0 or a.shape[k] == 1)
+                if broadcast:
                     self.head_tables |= tags
                     self.nodes[lin].per_head_consumers |= tags
 
@@ -714,6 +789,7 @@ class _TraceHooks:
             "blocks": [n for n, _ in self.blocks],
             "module_inputs": self.module_inputs,
             "input_params": self.input_params,
+            "functional_mha": self.tracer.functional_mha,
             "batch": _batch(model, example),
         }
 

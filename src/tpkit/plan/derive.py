@@ -36,6 +36,7 @@ from tpkit.plan.layout import kind_of
 from tpkit.plan.settle import head_constraints, settle, settle_heads
 from tpkit.plan.spec import Plan, Source, matches
 from tpkit.plan.trace import reuse_traces, trace
+from tpkit.plan.untraced import complete_towers, complete_untraced_layers
 
 __all__ = ["MODES", "PlanLike", "check_plan_arg", "derive_plan"]
 
@@ -106,13 +107,33 @@ def derive_plan(
         gather_reduced_pairs(model, out, example_inputs)  # reductions over split features
         out = complete_tied_layers(model, out, example_inputs)
         out = complete_grad_allreduce(model, out, example_inputs)
+        if tp_size is not None and tp_size > 1 and plan == "auto":
+            out = _config_plan_at(model, out, tp_size, example_inputs)
+        if not (isinstance(plan, str) and plan in ("config", "infer")):
+            _untraced(model, out, example_inputs, tp_size)
         if tp_size is not None and tp_size > 1:
-            if plan == "auto":
-                out = _config_plan_at(model, out, tp_size, example_inputs)
             settle(model, out, tp_size, lambda p, tp: dry_run(model, p, example_inputs, tp))
         agree_tied(model, out)  # a tie still split two ways: whole, never refused
         # last: settling may gather a column layer, whose output is then whole
         return complete_param_grads(model, out, example_inputs)
+
+
+def _untraced(model: nn.Module, plan: Plan, example, tp: int | None) -> None:
+    """What the model's trace never ran (`tpkit.plan.untraced`): each tower planned as the
+    model it is and joined under its path, then each other layer no entry names split per
+    layer; nothing when the model cannot be traced (the per-layer fallback covers it all)."""
+    try:
+        called = set(trace(model, example)["module_inputs"])
+    except Exception:  # noqa: BLE001 - model code may do anything on meta
+        return
+    complete_towers(model, plan, called, lambda sub: derive_plan(sub, "auto", tp))
+    convs = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    layers = (n for n, m in model.named_modules() if kind_of(m) or isinstance(m, convs))
+    if all(n in called or plan.style_for(n) for n in layers):
+        return  # every layer ran (or is named): nothing for the fallback to add
+    why = "the model's trace never ran it"
+    fallback = fallback_plan(model, why, tp, _read_outside(model, example), example=example)
+    complete_untraced_layers(model, plan, called, fallback)
 
 
 def _config_plan_at(model: nn.Module, plan: Plan, tp: int, example) -> Plan:

@@ -1,0 +1,123 @@
+"""What the model's trace never ran (`tpkit.plan.untraced`): towers planned on their own,
+other layers split per layer.
+
+A VLM or audio LLM traced on its text alone (its tower inputs could not be made up) used to
+leave every tower whole: Voxtral's audio tower, MOSS-Transcribe's, GIT's vision encoder
+(full-size shares 0.51-0.86). Each untraced tower that is a model of its own (a config and a
+main input) now gets its own plan, joined under its path, and the split model still gives the
+unsharded outputs and gradients when the tower does run. Layers run only under some inputs
+(LUKE's entity table, Longformer's global projections) take the per-layer fallback's split.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+
+import torch
+from torch import nn
+
+TOL = 1e-5
+
+
+class TextWithTower(nn.Module):
+    """A text model with a ViT tower its forward runs only when given pixels, and a table and
+    a projection it runs only when given extra ids."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import ViTConfig, ViTModel
+
+        config = ViTConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            image_size=16,
+            patch_size=8,
+        )
+        self.tower = ViTModel(config, add_pooling_layer=False)
+        self.emb = nn.Embedding(50, 32)
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+        self.head = nn.Linear(32, 50)
+        self.extra = nn.Embedding(64, 32)
+        self.side = nn.Linear(32, 32)
+
+    def forward(self, ids, pixel_values=None, extra_ids=None):
+        x = self.emb(ids)
+        if extra_ids is not None:
+            x = x + self.side(self.extra(extra_ids))
+        if pixel_values is not None:
+            x = x + self.tower(pixel_values=pixel_values).last_hidden_state.mean(1, keepdim=True)
+        return self.head(x + self.down(torch.relu(self.up(x))))
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 50, (2, 5), generator=g), torch.randn(2, 3, 16, 16, generator=g)
+
+
+def run_parity() -> dict:
+    """Run on every rank: traced on ids alone, run with the tower; outputs and gradients."""
+    try:
+        import tpkit
+        from tpkit.parallelize import tp_state
+
+        torch.manual_seed(0)
+        ref = TextWithTower().eval()
+        ids, pixels = _inputs()
+        model = tpkit.tensor_parallel(copy.deepcopy(ref), example_inputs=(ids,))
+        outs = []
+        for m in (ref, model):
+            y = m(ids, pixel_values=pixels, extra_ids=(ids * 7) % 64)
+            (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
+            outs.append(y.detach())
+        want = dict(ref.named_parameters())
+        grad, missing = 0.0, []
+        for n, p in model.named_parameters():
+            if (p.grad is None) != (want[n].grad is None):
+                missing.append(n)
+            elif p.grad is not None:
+                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                grad = max(grad, (g - want[n].grad).abs().max().item())
+        plan = tp_state(model).plan
+        return {
+            "out": (outs[0] - outs[1]).abs().max().item(),
+            "grad": grad,
+            "missing": missing,
+            "styles": dict(plan.items()),
+            "notes": dict(plan.notes),
+        }
+    except Exception:  # noqa: BLE001 - shown by the test
+        return {"error": traceback.format_exc()}
+
+
+def test_untraced_tower_is_planned_on_its_own_and_matches_unsharded(ranks2):
+    for r in ranks2.run(run_parity, timeout=300):
+        assert "error" not in r, r.get("error")
+        assert r["out"] <= TOL and r["grad"] <= TOL and not r["missing"], r
+        tower = {k: v for k, v in r["styles"].items() if k.startswith("tower.")}
+        assert tower.get("tower.layers.*.attention.q_proj") == "colwise", tower
+        assert tower.get("tower.layers.*.mlp.fc2") == "rowwise", tower
+        assert "tower" in r["notes"]["TextWithTower towers"]
+        assert r["styles"]["extra"] in ("vocab_parallel", "colwise_embedding_gather"), r["styles"]
+        assert r["styles"]["side"] == "colwise_gather_output", r["styles"]
+
+
+def test_a_traced_tower_keeps_the_model_plan():
+    """Traced with pixels, the tower's entries come from the model's own trace (no towers
+    note); a user's entry inside the tower keeps the tower from being planned as a model
+    (the user's entry stands; its other layers are then split per layer)."""
+    from tpkit.plan import derive_plan
+
+    torch.manual_seed(0)
+    model = TextWithTower().eval()
+    ids, pixels = _inputs()
+    plan = derive_plan(model, "auto", 2, example_inputs={"ids": ids, "pixel_values": pixels})
+    assert "TextWithTower towers" not in plan.notes
+    assert plan.style_for("tower.layers.0.attention.q_proj")[0] == "colwise"
+    user = derive_plan(model, {"tower.layers.0.mlp.fc2": "replicate"}, 2, (ids,))
+    assert "TextWithTower towers" not in user.notes
+    assert user["tower.layers.0.mlp.fc2"] == "replicate"
+    assert user.style_for("tower.layers.1.mlp.fc2")[0] == "colwise_gather_output"

@@ -99,6 +99,12 @@ TOKEN_IDS = (
 )
 
 
+#: widths of an MLA query / key head that are its no-rope plus its rope part: kept so where the
+#: default config has them so (Mistral-4's 64 + 64 = 128; shrunk to 16 each, a 16-wide head
+#: left the rotary half its keys' width)
+MLA_HEAD_WIDTHS = ("qk_head_dim", "head_dim")
+
+
 def architectures() -> list[tuple[str, str, str]]:
     """(model_type, class name, kind) for every causal-LM and seq2seq architecture."""
     from transformers.models.auto.modeling_auto import (
@@ -169,6 +175,15 @@ PATCHES = {
         }
         for t in ("qwen4_exp", "qwen4_exp_text")
     },
+    # the per-layer MLP kinds are unset by default, and read per layer (DeepSeek-OCR-2's
+    # published model: the first layer dense, the rest sparse)
+    "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"]},
+    # the sliding layers' heads are nope + rope wide (the default says so only in its
+    # per-layer overrides, 192 + 64, which name layers past the 2 tiny ones)
+    "dots3_note_text": {"head_dim": 32},
+    # the model builds a sliding-window mask whether or not a layer slides, and the default
+    # sets no window (Step-3.5's text model, Step-3.7's too)
+    "step3p5": {"sliding_window": 4},
     # the shared attention block is tied across its uses, so it must be used twice
     "zamba": {
         "num_hidden_layers": 3,
@@ -271,6 +286,15 @@ def _shrink(fields: dict) -> dict:
     for k in ("n_group", "num_expert_group", "num_group"):  # grouped routing over the 4 experts
         if (fields.get(k) or 0) > 2:
             kwargs.update({k: 2, "topk_group": 1})
+    for k in MLA_HEAD_WIDTHS:  # an MLA head as wide as its no-rope and rope parts (Mistral-4)
+        nope, rope = fields.get("qk_nope_head_dim"), fields.get("qk_rope_head_dim")
+        if (
+            isinstance(nope, int)
+            and isinstance(rope, int)
+            and rope
+            and fields.get(k) == nope + rope
+        ):
+            kwargs[k] = kwargs["qk_nope_head_dim"] + kwargs["qk_rope_head_dim"]
     for k in ("n_shared_experts",):  # None in some defaults, multiplied by a size in the model
         if k in fields and fields[k] is None:
             kwargs[k] = 1
@@ -550,6 +574,10 @@ def _shrink_tree(fields: dict, top: bool) -> dict:
     for k, v in fields.items():
         if _is_sub(v):
             kwargs[k] = _restage({**v, **_shrink_tree(v, False)})
+    for k, v in PATCHES.get(fields.get("model_type"), {}).items():  # a sub-config's own bugs
+        if "." in k:
+            continue
+        kwargs[k] = {**kwargs[k], **v} if isinstance(kwargs.get(k), dict) else v
     if top:
         _fit_towers(fields, kwargs)
     return kwargs
@@ -620,27 +648,89 @@ def _fit_rope(fields: dict, kwargs: dict) -> None:
 def _fit_towers(fields: dict, kwargs: dict) -> None:
     """Relations between the shrunk sub-configs a config checks as it is built: a tower's
     output width (`OUTPUT_WIDTHS`: Granite-Docling's ``out_hidden_size``, Inkling-2's
-    ``text_hidden_size``) is the text model's hidden size, a top-level copy of a tower's width
-    (`TOWER_WIDTHS`) is the tower's, and another sub-config's list of a tower's layer indexes
-    (`TOWER_LAYERS`) past its cut layers names its last ones (-1, -2)."""
+    ``text_hidden_size``), and any tower width the shrinker left at the text model's default
+    hidden size (dots3-note's adapters' ``adapter_out_dim`` 5120, Florence-2's
+    ``projection_dim``), is the text model's hidden size (its first `SIZES` width field); a
+    top-level copy of a tower's width (`TOWER_WIDTHS`, or any top-level width left at a
+    sub-config's default hidden size: Kimi-K2.5's ``projection_hidden_size``) is the tower's;
+    lists of a tower's layer indexes (`TOWER_LAYERS`) name layers it has (`_fit_tower_layers`);
+    discrete tokenizers' code ranges fit the tiny vocabulary (`_fit_offsets`)."""
     text = kwargs.get("text_config") if isinstance(kwargs.get("text_config"), dict) else kwargs
     width = text.get("hidden_size")
+    default = fields.get("text_config") if isinstance(fields.get("text_config"), dict) else fields
+    text_width = next((default[k] for k in SIZES[64] if isinstance(default.get(k), int)), None)
+    tiny_width = next((text[k] for k in SIZES[64] if isinstance(text.get(k), int)), None)
     vision = kwargs.get("vision_config") if isinstance(kwargs.get("vision_config"), dict) else {}
     layers = vision.get("num_hidden_layers")
+    _fit_offsets(fields, kwargs)
     for k, sub in TOWER_WIDTHS.items():
         inner = kwargs.get(sub)
         if isinstance(fields.get(k), int) and isinstance(inner, dict) and "hidden_size" in inner:
             kwargs[k] = inner["hidden_size"]
+    widths = {  # each sub-config's default hidden size: its tiny one
+        fields[name]["hidden_size"]: sub["hidden_size"]
+        for name, sub in kwargs.items()
+        if isinstance(sub, dict)
+        and isinstance(fields.get(name), dict)
+        and isinstance(fields[name].get("hidden_size"), int)
+        and isinstance(sub.get("hidden_size"), int)
+    }
+    for k, v in fields.items():  # a projector's width left at a tower's (Kimi-K2.5's 1152)
+        if k not in kwargs and k.endswith(_WIDTHS) and type(v) is int and v in widths:
+            kwargs[k] = widths[v]
     for name, sub in kwargs.items():
         if not isinstance(sub, dict) or not isinstance(fields.get(name), dict):
             continue
         for k in OUTPUT_WIDTHS:
             if name != "text_config" and isinstance(sub.get(k), int) and isinstance(width, int):
                 sub[k] = width
-        for k in TOWER_LAYERS:
-            v = sub.get(k)
-            if isinstance(layers, int) and _ints(v) and max(v) >= layers:
-                sub[k] = [-1 - i for i in range(min(len(v), layers))]
+        for k, v in sub.items():  # a width left at the text model's default width (an adapter's)
+            left = type(v) is int and v == fields[name].get(k) == text_width != tiny_width
+            left = left and isinstance(tiny_width, int)
+            if name != "text_config" and k.endswith(_WIDTHS) and left:
+                sub[k] = tiny_width
+        _fit_tower_layers(sub, layers)
+    _fit_tower_layers(kwargs, layers, fields)
+
+
+def _fit_tower_layers(sub: dict, layers, fields: dict | None = None) -> None:
+    """`TOWER_LAYERS` of ``sub`` (a sub-config's, or the top-level one from ``fields``:
+    VipLLaVA's [-2, -5, -8, -11, 6]) that name vision layers past the tiny tower's ``layers``
+    name its last ones, -1, -2, at most one per layer (the projector reads as many as the list
+    names); negative ones only, past its first hidden state, the last ones in turn, as many as
+    before."""
+    for k in TOWER_LAYERS:
+        v = sub.get(k, (fields or {}).get(k))
+        if not isinstance(layers, int) or not _ints(v):
+            continue
+        if max(v) >= layers:
+            sub[k] = [-1 - i for i in range(min(len(v), layers))]
+        elif min(v) < -layers - 1:  # hidden states: the embeddings, then one per layer
+            sub[k] = [-1 - i % (layers + 1) for i in range(len(v))]
+
+
+#: where a discrete tokenizer's codes start in the text vocabulary (Apertus-1.5's image codes at
+#: 131272, its audio codes right after the image codebook), by the sub-config whose
+#: ``codebook_size`` the range spans
+TOKEN_OFFSETS = {"image_token_offset": "vision_config", "audio_token_offset": "audio_config"}
+#: a discrete tokenizer's codebook in a tiny model: its code ranges fit the 101-id vocabulary
+CODEBOOK = 16
+
+
+def _fit_offsets(fields: dict, kwargs: dict) -> None:
+    """Code ranges of discrete image / audio tokenizers (`TOKEN_OFFSETS`) laid out again in
+    the tiny vocabulary, in their default order, one after the other from a third of it, each
+    `CODEBOOK` codes: the default ranges (131072 image codes, 4096 audio codes) end past the
+    101 ids and strict configs check both that they are adjacent and that they fit."""
+    ranges = sorted((v, k) for k, v in fields.items() if k in TOKEN_OFFSETS and isinstance(v, int))
+    start = VOCAB // 3
+    for _, k in ranges:
+        sub = kwargs.get(TOKEN_OFFSETS[k])
+        if not isinstance(sub, dict) or not isinstance(sub.get("codebook_size"), int):
+            return
+        sub["codebook_size"] = CODEBOOK
+        kwargs[k] = start
+        start += CODEBOOK
 
 
 def tiny_family_config(model_type: str, class_name: str | None = None):
@@ -667,8 +757,8 @@ def tiny_family_config(model_type: str, class_name: str | None = None):
     fields = cls().to_dict()
     kwargs = _shrink_tree(fields, True)
     for k, v in FAMILY_PATCHES.get(model_type, {}).items():  # checked as the config is built
-        sub, attr = k.split(".", 1)
-        kwargs[sub][attr] = v
+        sub, attr = k.split(".", 1) if "." in k else ("", k)
+        (kwargs[sub] if sub else kwargs)[attr] = v
     config = cls(**kwargs)
     for sub in ("text_config", "vision_config", "audio_config"):  # eager everywhere
         if getattr(config, sub, None) is not None and hasattr(getattr(config, sub), "use_cache"):
@@ -677,10 +767,13 @@ def tiny_family_config(model_type: str, class_name: str | None = None):
         config.use_cache = False
     _fit_family(config)
     _fit_vision(config)
-    k, token = IMAGE_PLACEHOLDER
-    fills = hasattr(getattr(transformers, class_name or "", None), "get_image_features")
-    if fills and k in vars(config) and getattr(config, k) is None:
-        setattr(config, k, token)
+    for (k, token), method in (
+        (IMAGE_PLACEHOLDER, "get_image_features"),
+        (VIDEO_PLACEHOLDER, "get_video_features"),
+    ):
+        fills = hasattr(getattr(transformers, class_name or "", None), method)
+        if fills and k in vars(config) and getattr(config, k) is None:
+            setattr(config, k, token)
     for k, v in CLASS_PATCHES.get(class_name, {}).items():
         sub, attr = k.split(".", 1) if "." in k else ("", k)
         setattr(getattr(config, sub) if sub else config, attr, v)
@@ -688,11 +781,28 @@ def tiny_family_config(model_type: str, class_name: str | None = None):
     return config
 
 
-#: relations between sub-configs that a config checks as it is built and no rule here keeps
-#: (sub-config.field), by model type
+#: relations between sub-configs that a config checks as it is built, or the model relies on,
+#: and no rule here keeps (sub-config.field, or a top-level field), by model type
 FAMILY_PATCHES = {
     # the adaptor's MLP is a quarter of the text model's width (64 // 4)
     "fun_asr_nano": {"adaptor_config.intermediate_size": 16},
+    # the aligner gives image features ``projection_dim`` wide into the text model: the default
+    # says 2048 (Janus-Pro-1B's text width) against its own 4096-wide text config
+    "janus": {"vision_config.projection_dim": 64},
+    # its rotary pairs the height and width sections, so they must stay equal: the code's own
+    # default [22, 22, 20] (not the [16, 24, 24] `_fit_family` assumes where a config names none)
+    "ernie4_5_vl_moe": {
+        "text_config.rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 500000.0,
+            "mrope_section": [22, 22, 20],
+        }
+    },
+    # the projector reads 2 x 2 merged patches of the tower (4 x its 64) and is 128 wide inside
+    **{
+        t: {"out_hidden_size": 256, "projector_hidden_size": 128}
+        for t in ("muse_glimmer", "muse_spark")
+    },
 }
 #: flags a head class needs that its family's default config leaves off (sub-config.field)
 CLASS_PATCHES = {
@@ -720,6 +830,12 @@ PLACEHOLDER_FIELDS = {"audio_token_id": TEXT_IDS}
 #: Nemotron-H-Omni's towers then need inputs no rule here makes (patch grids, tiles), and they
 #: run text-only as before
 IMAGE_PLACEHOLDER = ("image_token_index", TEXT_IDS + 1)
+#: the video placeholder a default config leaves None (InstructBLIP-Video's): a free id, for a
+#: class that fills video placeholders (``get_video_features``)
+VIDEO_PLACEHOLDER = ("video_token_index", TEXT_IDS + 2)
+#: frames of the made-up video of a VLM that reads its ``pixel_values`` as one (`_fit_video`):
+#: one, as each frame gives its 32 query tokens and the tiny text model has 64 positions
+VIDEO_FRAMES = 1
 #: fields of a vision / audio sub-config that give the width its features reach the text model
 #: with (Qwen3-VL's, GLM-4V's merger output): set to the text model's hidden size, which the
 #: placeholder embeddings they replace have (the shrunk default left 3584 / 4096 against 64)
@@ -731,6 +847,12 @@ LAYER_INDEXES = ("_indexes", "_indices")
 #: fields giving the tokens an image is pooled to (Gemma-3's 256: a 16 x 16 average pool of the
 #: patch grid): past the tiny grid (4 x 4 patches) the pool's stride is 0 (`_fit_family`)
 TOKENS_PER_IMAGE = ("mm_tokens_per_image", "vision_soft_tokens_per_image")
+
+#: endings of a table of query tokens per image patch count (Aria's projector: 1225 or 4900
+#: patches, a 490 / 980 px image, give 128 or 256 queries): re-keyed to the tiny image's patch
+#: count, with as many queries as a pool to half the grid's side (`TOKENS_PER_IMAGE`), and its
+#: ``max_value_`` copy (the learned queries' count) set to match (`_fit_family`)
+QUERIES_BY_PATCHES = ("patch_to_query_dict",)
 
 
 #: an any-resolution VLM's tile grids (LLaVA-NeXT's [[336, 672], ...] px): the tiny image is cut
@@ -774,6 +896,11 @@ def _fit_family(config) -> None:
     for k in TOKENS_PER_IMAGE:  # pooled to a square of tokens: at most half the patch grid's side
         if side and isinstance(getattr(config, k, None), int) and getattr(config, k) > side**2:
             setattr(config, k, max(1, side // 2) ** 2)
+    for k, v in list(vars(config).items()):  # queries per patch count: the tiny image's count
+        if side and k.endswith(QUERIES_BY_PATCHES) and isinstance(v, dict) and v:
+            setattr(config, k, {side**2: max(1, side // 2) ** 2})
+            if isinstance(getattr(config, f"max_value_{k}", None), int):
+                setattr(config, f"max_value_{k}", max(1, side // 2) ** 2)
     text = getattr(config, "text_config", None) or config
     rope = getattr(text, "rope_parameters", None)
     reads = "mrope_section" in (getattr(type(text), "ignore_keys_at_rope_validation", None) or ())
@@ -946,7 +1073,9 @@ def family_inputs(model, family: str) -> dict:
     if isinstance(getattr(config, ANY_RES, None), list) and pixels is not None and pixels.ndim == 4:
         out["pixel_values"] = torch.randn((pixels.shape[0], 2, *pixels.shape[1:]), generator=g)
     _fit_image_sizes(model, out)
+    _fit_patch_pixels(model, out)
     params = inspect.signature(model.forward).parameters
+    _fit_more_pixels(model, out, params, g)
     if (
         token is not None
         and "pixel_values" in out
@@ -968,10 +1097,160 @@ def family_inputs(model, family: str) -> dict:
         per_row = n // ids.shape[0]
         image = torch.full((ids.shape[0], per_row), token, dtype=torch.long)
         out["input_ids"] = torch.cat([ids[:, :1], image, ids[:, 1:]], dim=1)
+    elif placed and "pixel_values" in out:
+        _recount_placeholders(model, out, token)
+    _fit_position_mask(model, out, params)
+    _fit_video(model, out, top, g)
     _fit_noise(model, out, g)
     _fit_patches(model, out)
     _fit_tiles(model, out)
     return _fit_layout(model, out)
+
+
+def _fit_more_pixels(model, out: dict, params, g) -> None:
+    """A second image input of the forward that ``get_image_features`` requires (DeepSeek-VL
+    hybrid's ``high_res_pixel_values``: ``<prefix>pixel_values``) made like ``pixel_values``, at
+    the image size of the sub-config it names (``<prefix>vision_config``) where there is one."""
+    import inspect
+
+    import torch
+
+    pixels = out.get("pixel_values")
+    inner = next((m for m in model.modules() if hasattr(m, "get_image_features")), None)
+    if inner is None or not isinstance(pixels, torch.Tensor) or pixels.ndim != 4:
+        return
+    needs = inspect.signature(inner.get_image_features).parameters
+    for k, p in needs.items():
+        if k == "pixel_values" or not k.endswith("pixel_values") or k in out or k not in params:
+            continue
+        if p.default is not inspect.Parameter.empty:
+            continue
+        sub = getattr(model.config, k[: -len("pixel_values")] + "vision_config", None)
+        size = getattr(sub, "image_size", None)
+        size = (size, size) if isinstance(size, int) else tuple(pixels.shape[-2:])
+        out[k] = torch.randn((*pixels.shape[:2], *size), generator=g)
+
+
+def _fit_patch_pixels(model, out: dict) -> None:
+    """Flattened patches [patches, channels x patch x patch] (the trace's layout for a tower
+    that reads an ``image_grid_thw``: Qwen2-VL's, whose patch embedding unflattens them) in the
+    first layout the tower runs on, where it does not run on them: each patch an image
+    [patches, channels, patch, patch] (Kimi-K2.5's conv stem), or those as one sequence
+    [1, patches, channels, patch, patch] (PaddleOCR-VL's), or flattened patches as wide as the
+    tower's first linear reads (Muse's two frames per patch, ``patch_temporal``)."""
+    import torch
+
+    pixels = out.get("pixel_values")
+    vision = getattr(model.config, "vision_config", None)
+    patch = getattr(vision, "patch_size", None)
+    if not isinstance(pixels, torch.Tensor) or pixels.ndim != 2 or not isinstance(patch, int):
+        return
+    channels = getattr(vision, "num_channels", None) or 3
+    tower = next((m for m in model.modules() if getattr(m, "config", None) is vision), model)
+    first = next((m for m in tower.modules() if isinstance(m, torch.nn.Linear)), None)
+    candidates = [pixels]
+    if pixels.shape[1] == channels * patch * patch:
+        images = pixels.view(-1, channels, patch, patch)
+        candidates += [images, images[None]]
+    if first is not None and first.in_features % pixels.shape[1] == 0:
+        # patches of more frames than the trace read off the config (Muse's ``patch_temporal``)
+        g = torch.Generator().manual_seed(3)
+        candidates.append(torch.randn((pixels.shape[0], first.in_features), generator=g))
+    for candidate in candidates:
+        try:
+            _image_tokens(model, candidate, out)
+        except Exception:  # noqa: BLE001, S112 - the tower's own error for another layout
+            continue
+        out["pixel_values"] = candidate
+        return
+
+
+def _fit_video(model, out: dict, top: int, g) -> None:
+    """A VLM whose only visual input is a video given as ``pixel_values`` (a
+    ``get_video_features`` and no ``get_image_features``: InstructBLIP-Video) gets the made-up
+    image as `VIDEO_FRAMES` frames [batch, frames, channels, height, width], text ids where the
+    trace made none, and as many video placeholders per row as the features it gives, after
+    the first id."""
+    import inspect
+
+    import torch
+
+    inner = next((m for m in model.modules() if hasattr(m, "get_video_features")), None)
+    pixels = out.get("pixel_values")
+    token = getattr(model.config, "video_token_id", None)
+    if inner is None or any(hasattr(m, "get_image_features") for m in model.modules()):
+        return
+    if not isinstance(pixels, torch.Tensor) or pixels.ndim != 4 or not isinstance(token, int):
+        return
+    video = pixels[:, None].expand(-1, VIDEO_FRAMES, -1, -1, -1).contiguous()
+    params = inspect.signature(inner.get_video_features).parameters
+    extra = {k: v for k, v in out.items() if k in params and k != "pixel_values"}
+    with torch.no_grad():
+        feats = inner.get_video_features(pixel_values=video, **extra)
+    feats = getattr(feats, "pooler_output", feats)
+    rows = video.shape[0]
+    ids = out.get("input_ids")
+    ids = ids if ids is not None else torch.randint(3, top, (rows, SEQ), generator=g)
+    placeholders = torch.full((rows, feats.numel() // feats.shape[-1] // rows), token)
+    out["input_ids"] = torch.cat([ids[:, :1], placeholders, ids[:, 1:]], dim=1)
+    out["pixel_values"] = video
+
+
+#: a forward argument that marks the positions image embeddings fill (Kosmos-2's), instead of a
+#: placeholder token id
+POSITION_MASK = "image_embeds_position_mask"
+
+
+def _fit_position_mask(model, out: dict, params) -> None:
+    """A VLM that takes the image's positions as a mask (`POSITION_MASK`) rather than as
+    placeholder ids is given as many positions per row as its tower gives features, after the
+    first id (the ids there are text ids, which the image embeddings replace)."""
+    import torch
+
+    ids, pixels = out.get("input_ids"), out.get("pixel_values")
+    if POSITION_MASK not in params or POSITION_MASK in out or ids is None or pixels is None:
+        return
+    rows = ids.shape[0]
+    per_row = _image_tokens(model, pixels, out) // rows
+    image = ids[:, 1:2].expand(rows, per_row)
+    out["input_ids"] = torch.cat([ids[:, :1], image, ids[:, 1:]], dim=1)
+    mask = torch.zeros(out["input_ids"].shape, dtype=torch.long)
+    mask[:, 1 : 1 + per_row] = 1
+    out[POSITION_MASK] = mask
+
+
+#: per-token type ids that mark each placeholder's kind (HunYuan-VL's ``mm_token_type_ids``)
+TOKEN_TYPES = ("mm_token_type_ids", "token_type_ids")
+
+
+def _recount_placeholders(model, out: dict, token: int) -> None:
+    """Placeholders the trace made up (one per merged patch of the ``image_grid_thw`` it made
+    up) re-counted against the rows ``get_image_features`` gives, where these differ: a tower
+    that adds rows of its own (HunYuan-VL's row breaks and image start / end embeddings, 8 for
+    a 2 x 2 merged grid) is given that many per text row, after its first id, with the token
+    type ids (`TOKEN_TYPES`) of the placeholders moved along. Left as made up where the tower
+    does not run on the made-up inputs or the rows do not split evenly over the text rows."""
+    import torch
+
+    ids = out["input_ids"]
+    have = ids == token
+    try:
+        n = _image_tokens(model, out["pixel_values"], out)
+    except Exception:  # noqa: BLE001 - the tower's own error: the forward reports it
+        return
+    rows = ids.shape[0]
+    if n == int(have.sum()) or n % rows or bool((have.sum(1) != have.sum(1)[0]).any()):
+        return
+    text = ids[~have].view(rows, -1)
+    image = torch.full((rows, n // rows), token, dtype=torch.long)
+    out["input_ids"] = torch.cat([text[:, :1], image, text[:, 1:]], dim=1)
+    for k in TOKEN_TYPES:
+        types = out.get(k)
+        if isinstance(types, torch.Tensor) and types.shape == ids.shape:
+            kind = int(types[have][0])
+            plain = types[~have].view(rows, -1)
+            marks = torch.full((rows, n // rows), kind, dtype=types.dtype)
+            out[k] = torch.cat([plain[:, :1], marks, plain[:, 1:]], dim=1)
 
 
 def _fit_image_sizes(model, out: dict) -> None:
@@ -1165,6 +1444,7 @@ def _fit_layout(model, out: dict) -> dict:
     reference then reports). A copy, so that no state a forward leaves behind reaches the
     model."""
     import copy
+    import inspect
 
     import torch
 
@@ -1173,18 +1453,27 @@ def _fit_layout(model, out: dict) -> dict:
         return out
     x = out[key]
     others = [x.unsqueeze(1)] if x.ndim == 2 else [x.transpose(1, 2)] if x.ndim == 3 else []
+    if x.ndim == 2 and x.shape[-1] > WAVE_CUT:  # a whole number of a codec's frames
+        others.append(x[:, :WAVE_CUT])
     first = next((m for m in model.modules() if isinstance(m, torch.nn.Linear)), None)
     if x.ndim == 3 and first is not None and first.in_features != x.shape[-1]:
         # frames stacked or expanded as the processor does (Granite-Speech: 4 x 80 mel bins,
         # FunASR: 7 x 80) before the encoder's first linear: features as wide as it reads
         g = torch.Generator().manual_seed(2)
         others.append(torch.randn((*x.shape[:2], first.in_features), generator=g))
+        # and half as many of them, for a position table that ends before the made-up frame
+        # count (FunASR's 63 positions for 64 frames)
+        others.append(torch.randn((x.shape[0], x.shape[1] // 2, first.in_features), generator=g))
     if not others:
         return out
     probe = copy.deepcopy(model)
-    for candidate in (x, *others):
+    masked = any(k in inspect.signature(model.forward).parameters for k in AUDIO_MASKS)
+    tries = [(c, None) for c in (x, *others)]  # no mask first: the model's own default
+    if masked:  # a frame mask over the last axis, else (features [batch, frames, bins]) the 2nd
+        tries += [(c, a) for c in (x, *others) for a in ((-1, 1) if c.ndim == 3 else (-1,))]
+    for candidate, axis in tries:
         try:
-            given = _place_audio(probe, {**out, key: candidate.contiguous()}, key)
+            given = _place_audio(probe, {**out, key: candidate.contiguous()}, key, axis)
             with torch.no_grad():
                 probe(**given)
         except Exception:  # noqa: BLE001, S112 - model code may raise anything for a layout
@@ -1193,14 +1482,36 @@ def _fit_layout(model, out: dict) -> dict:
     return out
 
 
-def _place_audio(model, out: dict, key: str) -> dict:
+#: forward arguments masking an audio input's padding (per sample or per frame), which some
+#: audio-LLMs read unconditionally (Qwen-Omni's ``feature_attention_mask``, Apertus-1.5's
+#: ``padding_mask``): all ones, every frame real, over the layout's last axis or (features
+#: [batch, frames, bins]: FunASR's) its second (`_fit_layout` tries both)
+AUDIO_MASKS = ("feature_attention_mask", "padding_mask", "input_features_mask")
+
+
+#: a made-up waveform cut to this many samples, for a codec that takes only a whole number
+#: of its frames (Muse-Spark's 96 samples; the processor pads to it): 15360 = 2**10 x 15, a
+#: multiple of the common hops (96, 120, 128, 160, 240, 256, 320, 480, 512, 640...)
+WAVE_CUT = 15360
+
+
+def _place_audio(model, out: dict, key: str, axis: int | None = None) -> dict:
     """``out`` with as many audio placeholders per row (after its first id) as the model's
     ``get_audio_features`` gives rows for the audio ``out[key]``, where the config names an
     audio token and the ids carry none: an audio-LLM whose tower reads a waveform (OmniASR),
-    which `tpkit.plan.inputs` does not count (it counts for ``input_features``)."""
+    which `tpkit.plan.inputs` does not count (it counts for ``input_features``). With an
+    ``axis``, an all-ones frame mask (`AUDIO_MASKS`) over that axis of the audio is given too,
+    where the forward takes one."""
+    import inspect
+
     import torch
 
     config = model.config
+    params = inspect.signature(model.forward).parameters
+    mask = next((k for k in AUDIO_MASKS if k in params), None) if axis is not None else None
+    if mask is not None and mask not in out:  # every frame real (a required mask: Qwen-Omni's)
+        shape = (out[key].shape[0], out[key].shape[axis])
+        out = {**out, mask: torch.ones(shape, dtype=torch.long)}
     token = next(
         (
             getattr(config, k)
@@ -1213,8 +1524,10 @@ def _place_audio(model, out: dict, key: str) -> dict:
     inner = next((m for m in model.modules() if hasattr(m, "get_audio_features")), None)
     if token is None or ids is None or inner is None or bool((ids == token).any()):
         return out
+    takes = inspect.signature(inner.get_audio_features).parameters
+    extra = {mask: out[mask]} if mask in takes else {}
     with torch.no_grad():
-        feats = inner.get_audio_features(out[key])
+        feats = inner.get_audio_features(out[key], **extra)
     feats = getattr(feats, "pooler_output", feats)
     parts = [feats] if isinstance(feats, torch.Tensor) else list(feats)
     per_row = sum(t.numel() // t.shape[-1] for t in parts) // ids.shape[0]
@@ -1246,14 +1559,29 @@ def _image_layout(model, pixel_values, given: dict | None = None):
     """(placeholders, pixels) for `_image_tokens`: the made-up [batch, channels, height,
     width] images, else one image per row as [batch, 1, channels, height, width] (Idefics-3's
     and ModernVBERT's layout, images per text row: nothing but their code says so), the first
-    the vision tower runs on."""
+    the vision tower runs on; that one with a mask of its real tiles (`TILE_MASK`, all true:
+    Granite-Docling's tiles), which is then put in ``given`` too."""
+    import torch
+
     try:
         return _image_tokens(model, pixel_values, given), pixel_values
     except Exception:  # noqa: BLE001 - the other layout, else its error
         if pixel_values.ndim != 4:
             raise
-        pixel_values = pixel_values.unsqueeze(1)
+    pixel_values = pixel_values.unsqueeze(1)
+    try:
         return _image_tokens(model, pixel_values, given), pixel_values
+    except Exception:  # noqa: BLE001 - with a tile mask, else its error
+        if given is None or TILE_MASK in given:
+            raise
+        mask = torch.ones(pixel_values.shape[:2], dtype=torch.bool)
+        n = _image_tokens(model, pixel_values, {**given, TILE_MASK: mask})
+        given[TILE_MASK] = mask
+        return n, pixel_values
+
+
+#: the mask of an image's real tiles [batch, tiles] that a tiled VLM's tower reads
+TILE_MASK = "pixel_attention_mask"
 
 
 def _random_text(ids, top: int, g):

@@ -102,15 +102,21 @@ def test_vlm_transformers_plan_checked_on_the_traced_inputs(arch):
     assert not wrong, wrong
 
 
-def test_transformers_plan_completed_where_the_dataflow_is_not_traced():
-    """Pure, on meta: ERNIE-4.5-VL (MoE) cannot be traced on made-up inputs. Its transformers
-    plan now names its language model's layers, but no expert (nor its tower's attention):
-    taken alone it split 8% of the tiny model, where the per-layer fallback split 99%. The
-    layers it leaves whole take the per-layer fallback; the language model keeps transformers'
-    entries, and the share split does not drop."""
+def test_transformers_plan_completed_where_the_dataflow_is_not_traced(monkeypatch):
+    """Pure, on meta: ERNIE-4.5-VL (MoE) as when it could not be traced on made-up inputs (its
+    tiny config now can be: the inferred plan is made to fail here). Its transformers plan
+    names its language model's layers, but no expert (nor its tower's attention): taken alone
+    it split 8% of the tiny model, where the per-layer fallback split 99%. The layers it leaves
+    whole take the per-layer fallback; the language model keeps transformers' entries, and the
+    share split does not drop."""
+    import tpkit.plan.derive as derive
     from tpkit.plan import param_layouts
     from tpkit.plan.spec import Source
 
+    def untraceable(model, example=None):
+        raise ValueError("Could not trace (made to fail by the test)")
+
+    monkeypatch.setattr(derive, "infer_plan", untraceable)
     model, plan = _derived(ERNIE_VL)
     targets = _language_layer_targets(model, plan, "model.language_model")
     attn = [t for t in targets if "self_attn." in t.name]

@@ -208,3 +208,25 @@ def test_vlm_round3_config_relations() -> None:
     assert config.max_value_projector_patch_to_query_dict == 4
     text = tiny_family_config("mistral4", "Mistral4ForCausalLM")
     assert text.head_dim == text.qk_nope_head_dim + text.qk_rope_head_dim == 32
+
+
+def test_ctc_full_config_has_a_vocabulary():
+    """Wav2Vec2-BERT's and -Conformer's default configs leave ``vocab_size`` None, which their
+    CTC head refuses: the full-size share of their CTC rows could not be measured."""
+    from tests.tiny import full_config
+
+    for model_type, cls in (
+        ("wav2vec2-bert", "Wav2Vec2BertForCTC"),
+        ("wav2vec2-conformer", "Wav2Vec2ConformerForCTC"),
+    ):
+        assert full_config(model_type, cls).vocab_size == 32
+
+
+def test_block_diffusion_canvas_is_given():
+    """DiffusionGemma draws its decoder canvas with ``torch.randint`` when none is given: each
+    rank and each run saw other tokens (its sweep row's 1.21 "mismatch")."""
+    from tests.tiny import build_family, family_inputs
+
+    model = build_family("diffusion_gemma", "DiffusionGemmaForBlockDiffusion", device="meta")
+    x = family_inputs(model, "image-text-to-text")
+    assert x["decoder_input_ids"].shape == (x["input_ids"].shape[0], model.config.canvas_length)

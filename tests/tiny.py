@@ -228,6 +228,7 @@ FULL_PATCHES = {
 }
 #: unset fields the modeling code divides by, filled as the model's own default would read them
 _UNSET = {
+    "vocab_size": lambda c: 32,  # a CTC head's default (Wav2Vec2-BERT / -Conformer leave it None)
     "head_dim": lambda c: c.hidden_size // c.num_attention_heads,
     "num_key_value_heads": lambda c: c.num_attention_heads,
 }
@@ -1100,11 +1101,25 @@ def family_inputs(model, family: str) -> dict:
     elif placed and "pixel_values" in out:
         _recount_placeholders(model, out, token)
     _fit_position_mask(model, out, params)
+    _fit_canvas(model, out, params, top, g)
     _fit_video(model, out, top, g)
     _fit_noise(model, out, g)
     _fit_patches(model, out)
     _fit_tiles(model, out)
     return _fit_layout(model, out)
+
+
+def _fit_canvas(model, out: dict, params, top: int, g) -> None:
+    """A block-diffusion decoder's canvas (``config.canvas_length`` ids): left out, the model
+    draws it with ``torch.randint`` on every call (DiffusionGemma), so each rank and each run
+    would see other tokens."""
+    import torch
+
+    length = getattr(model.config, "canvas_length", None)
+    wanted = "decoder_input_ids" in params and "decoder_input_ids" not in out
+    if isinstance(length, int) and wanted and "input_ids" in out:
+        shape = (out["input_ids"].shape[0], length)
+        out["decoder_input_ids"] = torch.randint(3, top, shape, generator=g)
 
 
 def _fit_more_pixels(model, out: dict, params, g) -> None:

@@ -323,7 +323,8 @@ def _tables(model: nn.Module, draft: Draft) -> None:
     masking its input would mask the wrong tensor) is split by columns and gathered
     (``colwise_embedding_gather``): exact for any lookup. One collective per lookup, so a table
     under `TABLE_SHARE` of the parameters stays whole; so do tied weights, a weight read
-    outside the table's forward, ``max_norm`` (rows renormalised over all their columns) and
+    outside the table's forward, a table the trace never ran (a tower's position table whose
+    weight its code interpolates: how it is read is unknown), ``max_norm`` (rows renormalised over all their columns) and
     sparse gradients."""
     styles = draft.styles
     total = sum(p.numel() for p in model.parameters() if p.ndim >= 2)
@@ -334,6 +335,8 @@ def _tables(model: nn.Module, draft: Draft) -> None:
         mod = model.get_submodule(name)
         if node.kind != "embedding" or name in styles or node.src or node.read_outside:
             continue
+        if name not in draft.info.get("module_inputs", {name: None}):
+            continue  # never run by the trace: how its weight is read is unknown
         if not isinstance(mod, nn.Embedding) or mod.max_norm is not None or mod.sparse:
             continue
         if counts.get(id(mod.weight), 0) > 1 or mod.weight.numel() < TABLE_SHARE * total:

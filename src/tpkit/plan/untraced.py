@@ -18,11 +18,12 @@ hands its output on whole (row layers all-reduce, gathered layers gather), which
 parent calls it. A tower whose weights the parent reads outside the tower would break that;
 the trace of the whole model would have said so, and such a tower was called by it.
 
-Layers outside such towers that the trace never ran and no entry names (LUKE's 128M-row
-entity table, looked up only when entity ids are given; Longformer's global-attention
-projections, used only under a global mask) take the per-layer fallback's split
-(`tpkit.plan.fallback`: whole input, output gathered, or a vocab-parallel lookup): exact
-whatever code runs around them. Only those styles: a paired split needs a trace of the pair.
+Layers outside such towers that the trace never ran and no entry names (Longformer's
+global-attention projections, used only under a global mask) take the per-layer fallback's
+split (`tpkit.plan.fallback`: whole input, output gathered): exact whatever code runs around
+them. Only those styles: a paired split needs a trace of the pair. Not tables: a table's
+weight is often read without a call (a vision tower's position table, interpolated to the
+image grid), and a split one read so is a DTensor amid plain tensors.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def complete_towers(
             sub_plan = derive(sub)
         except Exception:  # noqa: BLE001 - a tower no derivation plans stays whole, as before
             continue
-        if _join(plan, sub_plan, name):
+        if _join(plan, sub_plan, name, sub):
             done.append(name)
     if done:
         plan.notes[type(model).__name__ + " towers"] = (
@@ -75,9 +76,12 @@ def complete_untraced_layers(
     splits the layer on its own (a gathered or vocab-parallel style: role "whole"). Returns the
     layers added."""
     added = []
+    modules = dict(model.named_modules())
     for name in fallback:
         if name in called or style_spec(fallback[name]).role != "whole":
             continue
+        if isinstance(modules.get(name), (nn.Embedding, nn.EmbeddingBag)):
+            continue  # a table's weight is often read without a call (interpolated positions)
         parts = name.split(".")
         if any(plan.style_for(".".join(parts[:i])) for i in range(1, len(parts) + 1)):
             continue
@@ -93,12 +97,22 @@ def _is_tower(module: nn.Module) -> bool:
     )
 
 
-def _join(plan: Plan, sub: Plan, prefix: str) -> bool:
+def _join(plan: Plan, sub: Plan, prefix: str, tower: nn.Module) -> bool:
     """``sub``'s entries, arguments, fix-ups, notes and groups under ``prefix``; False when it
-    splits nothing (then nothing is added)."""
-    if all(style == "replicate" for style in sub.values()):
+    splits nothing (then nothing is added). A table the tower's per-layer fallback splits is
+    left out: no trace saw how its weight is read (a position table interpolated by hand)."""
+    modules = dict(tower.named_modules())
+    unseen = {
+        p
+        for p in sub
+        if sub.source(p) == "fallback"
+        and isinstance(modules.get(p), (nn.Embedding, nn.EmbeddingBag))
+    }
+    if all(style == "replicate" for p, style in sub.items() if p not in unseen):
         return False
     for pattern, style in sub.items():
+        if pattern in unseen:
+            continue
         full = f"{prefix}.{pattern}"
         plan.set(full, style, sub.source(pattern), sub.args.get(pattern))
     plan.fixups.update((f"{prefix}.{k}", v) for k, v in sub.fixups.items())

@@ -18,9 +18,9 @@ Writes ``benchmarks/results/coverage.json`` and ``coverage.md``.
 
 Every family a user loads with an Auto class (issue 29: image-text-to-text, speech-to-text,
 CTC, audio and image classification, vision encoders, masked LM, dual encoders, besides the text
-ones; `tests.tiny.FAMILIES`): ``--families`` enumerates their mappings instead, builds each tiny
-model with every sub-config shrunk (`tests.tiny.tiny_family_config`), feeds it the inputs its
-forward reads (`tests.tiny.family_inputs`: pixels, audio, image placeholders; no downloads),
+ones; `tests.tiny_family.FAMILIES`): ``--families`` enumerates their mappings instead, builds each tiny
+model with every sub-config shrunk (`tests.tiny_family.tiny_family_config`), feeds it the inputs its
+forward reads (`tests.tiny_inputs.family_inputs`: pixels, audio, image placeholders; no downloads),
 checks tp=2 parity of its first output and every gradient, and reports per family. It writes
 ``coverage_families.json`` / ``.md``.
 
@@ -47,15 +47,9 @@ import sys
 import time
 from pathlib import Path
 
-from tests.tiny import (
-    FAMILIES,
-    architectures,
-    build_family,
-    family_architectures,
-    family_inputs,
-    tiny_config,
-    tiny_family_config,
-)
+from tests.tiny import architectures, tiny_config
+from tests.tiny_family import FAMILIES, build_family, family_architectures, tiny_family_config
+from tests.tiny_inputs import family_inputs
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -75,7 +69,7 @@ build = build_family
 
 
 def inputs(model, kind: str) -> dict:
-    """`tests.tiny.family_inputs` (the text kinds as before)."""
+    """`tests.tiny_inputs.family_inputs` (the text kinds as before)."""
     return family_inputs(model, kind)
 
 
@@ -269,7 +263,7 @@ def run(
     retry: tuple[str, ...] = (),
 ) -> dict:
     """The text report (``families`` None) or the families report (``families``: names of
-    `tests.tiny.FAMILIES`, or ``["all"]``).
+    `tests.tiny_family.FAMILIES`, or ``["all"]``).
 
     Written after every architecture (JSON and markdown, each atomically: a temporary file
     then `os.replace`), so a run killed at any point loses at most the row it was on; ``resume``

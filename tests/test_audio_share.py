@@ -34,7 +34,8 @@ def w2vb_parity() -> dict:
 
         import tpkit
         from tests.test_families import _parity
-        from tests.tiny import family_inputs, tiny_config
+        from tests.tiny import tiny_config
+        from tests.tiny_inputs import family_inputs
         from tpkit.parallelize import tp_state
 
         config = tiny_config(*W2VB)
@@ -72,7 +73,7 @@ def test_wav2vec2_bert_attention_and_convolutions_split_with_parity(ranks2):
 def wavlm_parity() -> dict:
     try:
         from tests.test_families import family_parity
-        from tests.tiny import build_family
+        from tests.tiny_family import build_family
         from tpkit.plan import derive_plan
 
         r = family_parity("wavlm", "WavLMForSequenceClassification", "audio-classification")

@@ -4,7 +4,7 @@ A multimodal model's vision and audio towers run in the trace only when their in
 with the token ids (`tpkit.plan.inputs`): before, a tiny LLaVA's trace fed ``input_ids`` alone,
 its CLIP vision tower and projector never ran, and inference left every one of their linears
 whole ("its output reaches no row-parallel partner"). Each check here is tp=2 against the
-unsharded tiny model (`tests.tiny.build_family`, inputs from `tests.tiny.family_inputs`): the
+unsharded tiny model (`tests.tiny_family.build_family`, inputs from `tests.tiny_inputs.family_inputs`): the
 first output and every gradient within 1e-5, and the tower's linears asserted split.
 """
 
@@ -27,7 +27,8 @@ def _first(out):
 def _split_family(model_type: str, class_name: str, family: str) -> tuple:
     """The tiny model, its inputs and ``tensor_parallel`` of a copy (run on every rank)."""
     import tpkit
-    from tests.tiny import build_family, family_inputs
+    from tests.tiny_family import build_family
+    from tests.tiny_inputs import family_inputs
 
     ref = build_family(model_type, class_name)
     x = family_inputs(ref, family)
@@ -81,7 +82,7 @@ def _check(results: list[dict]) -> dict:
 
 def test_vlm_trace_inputs_reach_the_vision_tower():
     """Pure: the made-up trace inputs of a VLM carry pixel values sized from its vision config."""
-    from tests.tiny import build_family
+    from tests.tiny_family import build_family
     from tpkit.plan.inputs import synthesize_inputs
 
     model = build_family(*LLAVA[:2], device="meta")
@@ -162,7 +163,7 @@ def test_grid_vlm_trace_inputs_agree():
     """Pure: a grid VLM's made-up inputs are one image per row, flattened patches as wide as
     channels x temporal x patch**2, the grid with real values and as many placeholders per row
     as the tower gives features, marked in ``mm_token_type_ids``."""
-    from tests.tiny import build_family
+    from tests.tiny_family import build_family
     from tpkit.plan.inputs import GRID_IMAGE, synthesize_inputs
 
     model = build_family(*QWEN2_VL[:2], device="meta")
@@ -217,7 +218,7 @@ def test_audio_llm_trace_inputs_agree():
     ones, and as many audio placeholders per row as its tower gives features (measured: the
     tiny Qwen2-Audio's 64 frames, conv stride 2 then pooling 2: 16), so the audio tower runs
     in the trace instead of the text-only retry."""
-    from tests.tiny import build_family
+    from tests.tiny_family import build_family
     from tpkit.plan.inputs import synthesize_inputs
 
     model = build_family(*QWEN2_AUDIO[:2])

@@ -130,7 +130,8 @@ def diffusion_gemma_parity() -> dict:
     draws it with ``torch.randint`` on each call (each rank and each run different tokens)."""
     import tpkit
     from tests.test_families import _parity
-    from tests.tiny import build_family, family_inputs
+    from tests.tiny_family import build_family
+    from tests.tiny_inputs import family_inputs
 
     ref = build_family(*DIFFUSION_GEMMA[:2])
     x = family_inputs(ref, DIFFUSION_GEMMA[2])
@@ -163,7 +164,7 @@ def test_kyutai_trace_ids_follow_its_embedding():
     """Pure: the made-up ids have one last-dim entry per text and codebook token, as Kyutai's
     embedding adds its per-codebook offsets; the dataflow is traced (no per-layer fallback)
     and the layers' attention is split by heads."""
-    from tests.tiny import build_family
+    from tests.tiny_family import build_family
     from tpkit.plan import derive_plan
     from tpkit.plan.inputs import synthesize_inputs
 

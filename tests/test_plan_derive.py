@@ -375,7 +375,7 @@ def test_a_head_tied_to_the_embedding_that_no_accessor_names_is_gathered():
     computed as if whole: every dry run failed, every group was kept whole, and the tied bias,
     split under one name and whole under the other, got the plan refused. Now the head computes
     with the split table (gathered), both names of its bias alike, and the towers split."""
-    from tests.tiny import build_family
+    from tests.tiny_family import build_family
     from tpkit.plan import derive_plan
     from tpkit.plan.layout import param_styles
 

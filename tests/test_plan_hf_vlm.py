@@ -8,7 +8,7 @@ joins each sub-model's plan to that sub-model's path (``init_parallel_plans``); 
 now does the same, and the vision tower, whose config ships no plan, is still split by the
 inferred plan (`tpkit.plan.complete.complete_with_inferred`).
 
-Pure tests on meta (tiny family models, `tests.tiny.build_family`), and one tp=2 parity check
+Pure tests on meta (tiny family models, `tests.tiny_family.build_family`), and one tp=2 parity check
 against the unsharded model (`tests.test_families.family_parity`).
 """
 
@@ -36,7 +36,7 @@ PATHS = {
 
 
 def _derived(arch: tuple[str, str, str]):
-    from tests.tiny import build_family
+    from tests.tiny_family import build_family
     from tpkit.plan import derive_plan
 
     model = build_family(*arch[:2], device="meta")
@@ -136,7 +136,7 @@ def test_hf_plan_is_transformers_merged_plan(arch):
     """Pure, on meta: `hf_plan` holds exactly the plan transformers builds on the instance
     (``model.tp_plan``: each sub-model's plan under its path, the input embedding by vocab,
     the class's ``lm_head``), style for style."""
-    from tests.tiny import build_family
+    from tests.tiny_family import build_family
     from tpkit.plan.hf import hf_plan
     from tpkit.plan.spec import canonical_style
 

@@ -367,7 +367,7 @@ def test_a_models_own_conv_subclass_is_not_read_as_experts():
     forward failed adding its bias on the time dim."""
     from torch import nn
 
-    from tests.tiny import build_family
+    from tests.tiny_family import build_family
     from tpkit.plan import derive_plan
     from tpkit.plan.layout import kind_of
 

@@ -232,7 +232,7 @@ def test_naflex_models_get_flattened_patches_and_their_grid():
     per-layer fallback, and the split position table (read whole by the resize) failed the
     split forward with "mixed torch.Tensor and DTensor". Now the plan is traced: attention and
     MLP pairs, the position table whole."""
-    from tests.tiny import build_family
+    from tests.tiny_family import build_family
     from tpkit.plan import derive_plan
     from tpkit.plan.inputs import synthesize_inputs
 

@@ -101,7 +101,7 @@ def test_mlcd_class_pos_emb_gradient_matches_unsharded(ranks2):
 def test_the_plan_names_the_parameter_not_its_module():
     """Pure, on meta: MLCD's settled tp=2 plan holds a parameter entry for ``class_pos_emb``
     (the model itself holds it, with other parameters) and says why."""
-    from tests.tiny import build_family
+    from tests.tiny_family import build_family
     from tpkit.plan import derive_plan
 
     model = build_family("mlcd", "MLCDVisionModel", device="meta")
@@ -116,7 +116,8 @@ def check_donut_swin_trained_bias() -> dict:
     hid a scrambled bias from the output): first output and every gradient against unsharded."""
     import tpkit
     from tests.test_families import _parity
-    from tests.tiny import build_family, family_inputs
+    from tests.tiny_family import build_family
+    from tests.tiny_inputs import family_inputs
 
     torch.manual_seed(0)
     ref = build_family("donut-swin", "DonutSwinForImageClassification")

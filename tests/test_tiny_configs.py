@@ -1,13 +1,14 @@
 """Issue 29: tiny configs and made-up inputs that did not run even unsharded (the coverage
 sweep's "reference fails" / "unbuildable" rows). Pure, single process: the unsharded tiny model
-of each fixed architecture runs a forward on `tests.tiny.family_inputs`."""
+of each fixed architecture runs a forward on `tests.tiny_inputs.family_inputs`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.tiny import build_family, family_inputs, tiny_family_config
+from tests.tiny_family import build_family, tiny_family_config
+from tests.tiny_inputs import family_inputs
 
 #: (model_type, class, family) fixed here, each with what had failed
 FIXED = [
@@ -225,7 +226,8 @@ def test_ctc_full_config_has_a_vocabulary():
 def test_block_diffusion_canvas_is_given():
     """DiffusionGemma draws its decoder canvas with ``torch.randint`` when none is given: each
     rank and each run saw other tokens (its sweep row's 1.21 "mismatch")."""
-    from tests.tiny import build_family, family_inputs
+    from tests.tiny_family import build_family
+    from tests.tiny_inputs import family_inputs
 
     model = build_family("diffusion_gemma", "DiffusionGemmaForBlockDiffusion", device="meta")
     x = family_inputs(model, "image-text-to-text")

@@ -29,7 +29,7 @@ from tests.test_families import _check, family_parity
 
 GLMASR = ("glmasr", "GlmAsrForConditionalGeneration")
 AUDIOFLAMINGO3 = ("audioflamingo3", "AudioFlamingo3ForConditionalGeneration")
-#: the family name that makes `tests.tiny.family_inputs` give the made-up audio, not text alone
+#: the family name that makes `tests.tiny_inputs.family_inputs` give the made-up audio, not text alone
 AUDIO = "audio-text-to-text"
 #: modules of the audio side, by name part
 TOWER = ("audio_tower", "multi_modal_projector")
@@ -41,7 +41,7 @@ def test_audio_placeholders_match_the_features_the_forward_keeps():
     rows, whose merge the tiny build halves; it was 32)."""
     import torch
 
-    from tests.tiny import build_family
+    from tests.tiny_family import build_family
     from tpkit.plan.inputs import synthesize_inputs
 
     model = build_family(*GLMASR)

@@ -12,7 +12,7 @@ their vision towers stayed whole (tower share split, tiny family models on meta,
 - PaddleOCR-VL's patch embedding takes each patch as [channels, patch, patch], not flattened:
   the trace retries with the patches unflattened (`tpkit.plan.inputs.unflattened_patches`)
   before it keeps to the text, and its rotary's code-default sections are scaled to the tiny
-  head (`tests.tiny._fit_rotary_sections`).
+  head (`tests.tiny_family._fit_rotary_sections`).
 
 Parity: tp=2 against the unsharded tiny model, first output and every gradient within 1e-5,
 the tower's linears asserted split (`tests.test_families.family_parity`).
@@ -33,7 +33,7 @@ PADDLE = ("paddleocr_vl", "PaddleOCRVLForConditionalGeneration", "image-text-to-
 def _traced_tower(arch: tuple[str, str, str]) -> dict:
     """The tiny model on meta, planned at tp=2: whether the trace kept to the text, and which
     vision-side modules the plan splits."""
-    from tests.tiny import build_family
+    from tests.tiny_family import build_family
     from tpkit.plan import derive_plan
     from tpkit.plan import inputs as plan_inputs
 
@@ -58,7 +58,7 @@ def test_merge_sizes_and_unflattened_patches_are_made_up():
     """Pure: VideoLLaMA-3 gets one merge size per image; PaddleOCR-VL, after its trace,
     keeps its patches as [patches, channels, patch, patch], its grid and placeholders
     unchanged."""
-    from tests.tiny import build_family
+    from tests.tiny_family import build_family
     from tpkit.plan.inputs import GRID_IMAGE, synthesize_inputs, unflattened_patches
 
     video = build_family(*VIDEO_LLAMA_3[:2], device="meta")

@@ -130,7 +130,7 @@ def hunyuan_parity() -> dict:
     hand (``position_embedding.weight[1:]`` interpolated to the image grid)."""
     try:
         from tests.test_families import family_parity
-        from tests.tiny import build_family
+        from tests.tiny_family import build_family
         from tpkit.plan import derive_plan
 
         arch = ("hunyuan_vl", "HunYuanVLForConditionalGeneration")

@@ -20,7 +20,8 @@ def swiftformer_parity() -> dict:
     try:
         import tpkit
         from tests.test_families import _parity
-        from tests.tiny import build_family, family_inputs
+        from tests.tiny_family import build_family
+        from tests.tiny_inputs import family_inputs
         from tpkit.parallelize import tp_state
 
         ref = build_family("swiftformer", "SwiftFormerForImageClassification")

@@ -203,9 +203,7 @@ class FunctionalAttentionStyle(TPStyle):
             )
         batched = query.dim() == 3
         if not batched:
-            query, key, value = (x.unsqueeze(1) for x in (query, key, value))
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask.unsqueeze(0)
+            query, key, value, key_padding_mask = _as_batch(query, key, value, key_padding_mask)
         width = q_proj_weight.shape[0]
         bq, bk, bv = in_proj_bias.chunk(3) if in_proj_bias is not None else (None,) * 3
         mine = slice(self.rank * width, (self.rank + 1) * width)  # whole bias_k / bias_v
@@ -227,10 +225,7 @@ class FunctionalAttentionStyle(TPStyle):
             average_attn_weights,
             is_causal,
         )
-        if not batched:
-            out = out.squeeze(1)
-            probs = probs.squeeze(0) if probs is not None else None
-        return out, probs
+        return (out, probs) if batched else _unbatch(out, probs)
 
 
 def heads_attention(
@@ -369,9 +364,7 @@ def _forward(
     style = style_of(self)
     batched = query.dim() == 3
     if not batched:  # [L, E]: one sequence
-        query, key, value = (x.unsqueeze(1) for x in (query, key, value))
-        if key_padding_mask is not None:
-            key_padding_mask = key_padding_mask.unsqueeze(0)
+        query, key, value, key_padding_mask = _as_batch(query, key, value, key_padding_mask)
     elif self.batch_first:
         same_kv = key is value
         same_q = query is key
@@ -390,8 +383,28 @@ def _forward(
         is_causal,
     )
     if not batched:
-        out = out.squeeze(1)
-        weights = weights.squeeze(0) if weights is not None else None
-    elif self.batch_first:
+        return _unbatch(out, weights)
+    if self.batch_first:
         out = out.transpose(1, 0)
     return out, weights
+
+
+def _as_batch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """An unbatched call ([L, E], a [S] padding mask) as a batch of one, as torch's own
+    ``multi_head_attention_forward`` reads it."""
+    query, key, value = (x.unsqueeze(1) for x in (query, key, value))
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.unsqueeze(0)
+    return query, key, value, key_padding_mask
+
+
+def _unbatch(
+    out: torch.Tensor, weights: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_as_batch`'s batch of one back to the unbatched shapes torch returns."""
+    return out.squeeze(1), weights.squeeze(0) if weights is not None else None

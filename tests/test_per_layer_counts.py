@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import traceback
 
-TOL = 1e-5
+from tests.test_families import check_parity
 
 
 def _swinv2():
@@ -56,8 +56,5 @@ def swin_parity() -> dict:
 
 
 def test_swinv2_split_per_stage_matches_unsharded(ranks2):
-    for r in ranks2.run(swin_parity, timeout=300):
-        assert "error" not in r, r.get("error")
-        assert r["out"] <= TOL * max(1.0, r["scale"]), r
-        assert r["grad"] <= TOL * max(1.0, r["grad_scale"]), r
-        assert not r["missing"] and r["sharded"], r
+    for r in check_parity(ranks2.run(swin_parity, timeout=300)):
+        assert r["sharded"], r

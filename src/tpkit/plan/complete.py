@@ -10,6 +10,7 @@
 - `complete_tied_layers`: a linear or embedding that computes with a weight tied to a split
   table takes the table's split in its compute (ShieldGemma-2's inner ``lm_head``); a module
   whose weights are all tied to a split twin's takes the twin's entry (DiffusionGemma).
+- `note_whole_params`: why each bare parameter of a module tpkit has no style for stays whole.
 - `agree_tied`: the last resort, after settling: tied parameters a derived plan still splits
   differently are kept whole under every name, with a note, never refused.
 
@@ -34,6 +35,7 @@ __all__ = [
     "complete_param_grads",
     "complete_tied_layers",
     "complete_with_inferred",
+    "note_whole_params",
 ]
 
 
@@ -371,3 +373,34 @@ def _keep_name_whole(model: nn.Module, plan: Plan, name: str, why: str) -> bool:
             keep_whole(plan, group, why, model)
             return True
     return False
+
+
+def note_whole_params(model: nn.Module, plan: Plan) -> Plan:
+    """Note (in place) why each module's own bare >=2-D parameters that ``plan`` leaves whole
+    stay so, where nothing names the module: a module that is no layer tpkit splits (not a
+    linear, table, convolution or other ``torch.nn`` layer) runs its own code on its
+    parameters, and no style runs that code on a shard, so no split of them is proven exact.
+    YOLOS's mid-layer position table (15% of the model) is interpolated over the patch grid
+    and added to the whole hidden states in every layer: split along the features it would
+    have to be gathered back on every forward. Without the note `tpkit plan` and the
+    full-size report said only "no plan entry splits it". Changes no layout."""
+    layouts = param_layouts(model, plan)
+    for name, module in model.named_modules():
+        if kind_of(module) or type(module).__module__.startswith("torch.nn"):
+            continue
+        own = [
+            (pname, p) for pname, p in module._parameters.items() if p is not None and p.ndim >= 2
+        ]
+        full = [(f"{name}.{k}" if name else k, p) for k, p in own]
+        whole = [(n, p) for n, p in full if n in layouts and not layouts[n][1].sharded]
+        if not whole or name in plan.notes or plan.style_for(name) is not None:
+            continue
+        if any(plan.style_for(n) is not None for n, _ in whole):
+            continue  # an entry of its own decided (and noted) it
+        what = ", ".join(f"{n.rpartition('.')[2]} {list(p.shape)}" for n, p in whole)
+        plan.notes[name or type(module).__name__] = (
+            f"replicated: bare parameter {what} of {type(module).__name__}, read by its own "
+            "code, which no style runs on a shard: no split of it is proven exact, so it "
+            "stays whole"
+        )
+    return plan

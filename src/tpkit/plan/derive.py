@@ -25,6 +25,7 @@ from tpkit.plan.complete import (
     complete_param_grads,
     complete_tied_layers,
     complete_with_inferred,
+    note_whole_params,
 )
 from tpkit.plan.dryrun import dry_run
 from tpkit.plan.fallback import fallback_plan, splits_anything
@@ -115,7 +116,8 @@ def derive_plan(
             settle(model, out, tp_size, lambda p, tp: dry_run(model, p, example_inputs, tp))
         agree_tied(model, out)  # a tie still split two ways: whole, never refused
         # last: settling may gather a column layer, whose output is then whole
-        return complete_param_grads(model, out, example_inputs)
+        out = complete_param_grads(model, out, example_inputs)
+        return note_whole_params(model, out)
 
 
 def _untraced(model: nn.Module, plan: Plan, example, tp: int | None) -> None:
@@ -230,7 +232,10 @@ def _whole_read_outside(model: nn.Module, plan: Plan, example) -> Plan:
     it as a shard (Gemma-4's pad row read off its text embedding: "mixed torch.Tensor and
     DTensor" once transformers' text plan, joined under ``model.language_model``, was used and
     the embedding made vocab-parallel beside it). Inference already keeps them whole; this
-    does it for transformers' plan too. User entries are left to the user."""
+    does it for transformers' plan too. User entries are left to the user. The only exact
+    split would hand that code the whole table, gathered on every forward: as much traffic
+    and transient memory as the table, so whole it stays, and its note says why (Gemma-4's
+    table, 12% of the full-size model)."""
     modules = dict(model.named_modules())
     # tables only: a linear read outside is the SSM planner's (Mamba's ``dt_proj.weight``, whose
     # channels the mixer splits with it) or a dry run's concern
@@ -245,7 +250,11 @@ def _whole_read_outside(model: nn.Module, plan: Plan, example) -> Plan:
             continue
         plan.set(name, "replicate", plan.source(hit[1]))
         why = "is" if name in names else "is tied to one"
-        plan.notes[name] = f"replicated: its weight {why} read outside its own forward"
+        plan.notes[name] = (
+            f"replicated: its weight {why} read outside its own forward, by code that would "
+            "get this rank's shard where it reads the whole table; the exact alternative, the "
+            "table gathered for that code on every forward, moves and holds all of it each step"
+        )
     return plan
 
 

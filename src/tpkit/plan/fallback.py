@@ -72,7 +72,7 @@ def fallback_plan(
     pairs (`tpkit.plan.convs`) are found on a fake forward with ``example`` (the trace inputs,
     else made up) and take the paired styles; a model that cannot be traced pairs none."""
     tp = tp_size if tp_size and tp_size > 1 else 2
-    shared = shared_params(model)
+    shared = shared_params(model) - _tied_tables(model)
     shared.update(id(model.get_submodule(n).weight) for n in read_outside)
     plan = Plan()
     pairs = conv_pairs(model, tp, lambda _, mod: splittable_conv(mod, shared), example)
@@ -114,6 +114,31 @@ def fallback_plan(
         elif reason is not None:
             plan.notes[name] = f"replicated: {reason}"
     return plan
+
+
+def _tied_tables(model: nn.Module) -> set[int]:
+    """ids of the tied weights whose every holder is a plain ``nn.Linear`` or ``nn.Embedding``
+    holding it as its ``weight`` (a BERT decoder's word table and the head tied to it): each
+    holder's fallback style (``colwise_gather_output``, ``vocab_parallel``) splits the same
+    rows of the same [rows, columns] weight and computes only with it in its own forward, so
+    the tie is split one way and each holder is exact as an untied one; left whole, a
+    speech-encoder-decoder's BERT decoder kept its 10% table whole at full size."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for pname, p in mod._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((mod, pname))
+    plain = (nn.Linear, nn.Embedding)
+    return {
+        key
+        for key, hold in holders.items()
+        if len(hold) > 1
+        and all(
+            pname == "weight"
+            and any(type(mod).forward is c.forward and isinstance(mod, c) for c in plain)
+            for mod, pname in hold
+        )
+    }
 
 
 def _experts_styles(mod: nn.Module, tp: int, shared: set[int]) -> tuple[dict, str | None]:

@@ -158,14 +158,20 @@ def hf_plan(model: nn.Module) -> Plan | None:
                 if isinstance(key, str):
                     plan.set(_join(prefix, key), style, Source.CLASS)
     _gathered_head(model, plan, embed)
+    for path, sub in _sub_models(model):  # a sub-model's own head (Nemotron-H Omni's text LM)
+        if path:
+            _gathered_head(model, plan, input_embeddings(sub), output_embeddings(sub))
     return plan
 
 
-def _gathered_head(model: nn.Module, plan: Plan, embed: nn.Module | None) -> None:
-    """The output head split and gathered where the class ships no ``_tp_plan`` for it
-    (Nemotron-H: a quarter of the model left whole), as for the embedding above; a head tied to
-    an embedding laid out otherwise is left to the plan."""
-    head = output_embeddings(model)
+def _gathered_head(
+    model: nn.Module, plan: Plan, embed: nn.Module | None, head: nn.Module | None = None
+) -> None:
+    """The output head (``model``'s, else ``head``: a sub-model's) split and gathered where the
+    class ships no ``_tp_plan`` for it (Nemotron-H: a quarter of the model left whole; inside
+    Nemotron-H Omni, whose wrapper has no head of its own, a fifth), as for the embedding
+    above; a head tied to an embedding laid out otherwise is left to the plan."""
+    head = output_embeddings(model) if head is None else head
     if not isinstance(head, nn.Linear):
         return
     names = {id(m): n for n, m in model.named_modules()}

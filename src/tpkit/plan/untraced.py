@@ -73,8 +73,10 @@ def complete_untraced_layers(
 ) -> list[str]:
     """Add to ``plan`` (in place) ``fallback``'s entry for each layer the trace never ran
     (not in ``called``) that no entry of ``plan`` names, nor a module above it, when that entry
-    splits the layer on its own (a gathered or vocab-parallel style: role "whole"). Returns the
-    layers added."""
+    splits the layer on its own with a whole input and a gathered output (role "whole":
+    ``colwise_gather_output``, ``conv_colwise_gather``). Tables (``nn.Embedding``,
+    ``nn.EmbeddingBag``) are never added, whatever the fallback gives them: no trace saw how
+    their weight is read. Returns the layers added."""
     added = []
     modules = dict(model.named_modules())
     for name in fallback:

@@ -30,6 +30,23 @@ model's output, a second use of one module) breaks the pair: A goes back to the 
 fallback (``conv_colwise_gather``, `tpkit.plan.fallback`). Several convolutions reading one
 split output (branches) all take ``conv_rowwise``.
 
+Two kinds of convolution that no pair takes are still split by output channels and gathered
+(``conv_colwise_gather``, one group each), as ``conv_pairs``' own entries, since the callers'
+per-layer rules keep them whole:
+
+- a grouped or depthwise convolution whose input is whole (SqueezeBERT's grouped 1x1 q, k, v
+  and feed-forward; RegNet's grouped 3x3 where its column's pair breaks): each rank's torch
+  chunk of the output channels, its rows padded with zero rows to the whole groups they touch
+  and the input narrowed to those groups (`tpkit.plan.layout.GroupedRows`), so groups tp does
+  not divide (17 at tp=2) are exact too;
+- a convolution subclass with its own ``forward`` that a probe shows computes each output
+  channel from that channel's weight rows alone (`rows_exact`: BiT's weight standardization,
+  per output channel over the input channels and kernel), with ``out_channels`` set to the
+  rank's count (``shard_width`` fix-up: its forward reshapes the weight by it). It may also be
+  a column (``conv_colwise``), never a row nor inside a pair: its statistics span the input
+  channels, so a rank's input-channel slice would be standardized by other numbers. A
+  subclass the probe does not pass (a transform over the whole weight) stays whole.
+
 Why a trace of its own: `tpkit.plan.trace` follows linear-like modules' features on the last
 dim; a convolution's channels are dim 1 (0 unbatched) and what may ride between a pair is a
 short allow-list, so this is a separate, smaller tagger on the same fake-tensor forward
@@ -45,6 +62,9 @@ split with its attention and feed-forward; the per-layer fallback uses the same 
 from __future__ import annotations
 
 import contextlib
+import copy
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,11 +81,14 @@ from tpkit.plan.reductions import reduced_dims
 from tpkit.plan.shadow import ShadowValues, needs_values
 
 __all__ = [
+    "MIN_GATHER_CHANNELS",
     "NORMS",
     "CONVS",
     "TRANSPOSED_CONVS",
     "ConvPairs",
     "conv_pairs",
+    "own_forward",
+    "rows_exact",
     "shared_params",
     "splittable_conv",
 ]
@@ -73,6 +96,11 @@ __all__ = [
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm)
+#: a grouped or transformed convolution read whole is gathered from this many output channels
+#: per rank (the per-layer fallback's ``MIN_PER_RANK``); a depthwise one (one input channel per
+#: group) read whole stays whole: its weight is a kernel per channel, as small as a norm's, and
+#: splitting it would add an all-gather of its output to save next to nothing
+MIN_GATHER_CHANNELS = 2
 #: fixpoint rounds at most (each round excludes at least one more convolution)
 _ROUNDS = 16
 
@@ -134,11 +162,84 @@ def shared_params(model: nn.Module) -> set[int]:
 def splittable_conv(module: nn.Module, shared: set[int]) -> bool:
     """A convolution or norm the paired styles may split: its own parameters (none in
     ``shared``), not parametrized (weight norm computes over the whole weight), and its class's
-    own ``forward`` (a subclass's forward could read across the weight)."""
+    own ``forward`` (a subclass's forward could read across the weight), or a convolution
+    subclass whose forward a probe shows computes each output channel from that channel's
+    weight rows alone (`rows_exact`: weight standardization); such a one is only ever split by
+    its output channels (never read split: the roles `conv_pairs` gives check `own_forward`)."""
     if is_parametrized(module) or any(id(p) in shared for p in module.parameters(recurse=False)):
         return False
+    return own_forward(module) or rows_exact(module)
+
+
+def own_forward(module: nn.Module) -> bool:
+    """``module`` is a convolution or norm running its torch class's own ``forward``."""
     base = next((c for c in (*CONVS, *TRANSPOSED_CONVS, *NORMS) if isinstance(module, c)), None)
     return base is not None and type(module).forward is base.forward
+
+
+#: module -> what its `rows_exact` probe found (one probe per module, computed outside traces)
+_ROWS_EXACT: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def rows_exact(module: nn.Module) -> bool:
+    """A convolution subclass with its own ``forward`` (BiT's ``WeightStandardizedConv2d``:
+    the weight standardized per output channel, then ``conv2d``) whose output channels are
+    exact when each rank runs that forward on its rows of the weight (and bias), its
+    ``out_channels`` set to their count (the plan's ``shard_width`` fix-up): checked once per
+    module by running it on small random float64 weights and input, whole and per rank's rows
+    at tp 2 and 3, every part compared with the whole output's channels. A transform over the
+    input channels (weight standardization spans them) makes the module unfit to be read
+    split: it is only ever split by output channels. Anything the probe cannot run (children
+    with parameters or buffers, an error) is False: the module stays whole."""
+    if not isinstance(module, CONVS) or own_forward(module):
+        return False
+    if module not in _ROWS_EXACT:
+        try:
+            _ROWS_EXACT[module] = _probe_rows(module)
+        except Exception:  # noqa: BLE001 - model code may do anything: not provably exact
+            _ROWS_EXACT[module] = False
+    return _ROWS_EXACT[module]
+
+
+def _probe_rows(module: nn.Module) -> bool:
+    if any(True for c in module.children() for _ in (*c.parameters(), *c.buffers())):
+        return False
+    if any(b is not None for b in module._buffers.values()):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    params = {
+        n: torch.randn(p.shape, generator=gen, dtype=torch.float64, device="cpu")
+        for n, p in module._parameters.items()
+        if p is not None
+    }
+    kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
+    spatial = [dilation[i] * (kernel[i] - 1) + 2 * stride[i] + 1 for i in range(len(kernel))]
+    x = torch.randn(
+        2, module.in_channels, *spatial, generator=gen, dtype=torch.float64, device="cpu"
+    )
+
+    def run(rows: slice | None) -> torch.Tensor:
+        probe = copy.copy(module)  # shallow: its own dicts below, nothing of the module changed
+        probe._forward_hooks, probe._forward_pre_hooks = OrderedDict(), OrderedDict()
+        local = {n: (p if rows is None else p[rows]) for n, p in params.items()}
+        probe._parameters = {n: local.get(n) for n in module._parameters}  # None kept (bias)
+        probe._buffers = {}
+        probe.out_channels = local["weight"].shape[0]
+        return type(module).forward(probe, x)
+
+    with torch.no_grad():
+        whole = run(None)
+        out = module.out_channels
+        if not isinstance(whole, torch.Tensor) or whole.ndim < 2 or whole.shape[1] != out:
+            return False
+        for tp in (2, 3):
+            for r, size in enumerate(chunk_sizes(out, tp)):
+                lo = r * chunk_sizes(out, tp)[0]
+                if size and not torch.allclose(
+                    run(slice(lo, lo + size)), whole[:, lo : lo + size], rtol=1e-9, atol=1e-12
+                ):
+                    return False
+    return True
 
 
 def conv_pairs(
@@ -154,6 +255,8 @@ def conv_pairs(
     forward cannot run on fake tensors pairs nothing (nor does one without a convolution)."""
     if not any(isinstance(m, CONVS + TRANSPOSED_CONVS) for m in model.modules()):
         return ConvPairs()
+    for mod in model.modules():  # probed here, outside the fake forwards that ask
+        rows_exact(mod)
     excluded: set[str] = set()
     broken: dict[str, str] = {}
     for _ in range(_ROUNDS):
@@ -193,6 +296,9 @@ def _result(found: _ConvTrace, broken: dict[str, str], tp: int) -> ConvPairs:
         else:
             out.styles[col] = "conv_colwise"
             out.notes[col] = f"paired convolution: output channels split, read split by {partners}"
+        if not own_forward(found.modules[col]):  # its forward reads out_channels (a reshape)
+            out.fixups[col] = {"shard_width": {"out_channels": ["weight", 0]}}
+            out.notes[col] += "; its own forward transforms the weight per output channel"
         for row in rows:
             out.styles[row] = "conv_rowwise"
             out.notes[row] = f"paired convolution: input channels split (from {col}), all-reduced"
@@ -216,6 +322,23 @@ def _result(found: _ConvTrace, broken: dict[str, str], tp: int) -> ConvPairs:
             out.notes[name] = f"grouped convolution on {col}'s split channels (groups / {tp})"
             out.fixups[name] = {"divide": ["groups", "in_channels", "out_channels"]}
     out.groups = [{"modules": members[col], "owners": [], "counts": counts[col]} for col in members]
+    for name in sorted(found.gathered - out.styles.keys() - found.sources):
+        mod = found.modules[name]
+        out.styles[name] = "conv_colwise_gather"
+        if mod.groups > 1:
+            out.notes[name] = (
+                f"grouped convolution (groups={mod.groups}) read whole: output channels split "
+                "(rows padded to whole groups, input narrowed to them), all-gathered"
+            )
+        else:
+            out.notes[name] = "output channels split, all-gathered"
+        if not own_forward(mod):
+            out.fixups[name] = {"shard_width": {"out_channels": ["weight", 0]}}
+            out.notes[name] += (
+                "; its own forward transforms the weight per output channel (checked on random "
+                "weights), over the input channels too: never read split"
+            )
+        out.groups.append({"modules": [name], "owners": [], "counts": {}})
     return out
 
 
@@ -261,6 +384,8 @@ class _ConvTrace(TorchFunctionMode):
         self.packed: set[str] = set()  # columns whose output a GLU splits into halves
         self.direct: dict[str, str] = {}  # column -> a module reading its halves unconsumed
         self.broken: dict[str, str] = {}
+        self.gathered: set[str] = set()  # grouped / transformed convs read whole: gathered
+        self.modules = dict(model.named_modules())
 
     # -- the forward ---------------------------------------------------------------------------
     def run(self, example: tuple | Mapping | None, values: bool = False) -> _ConvTrace:
@@ -316,6 +441,7 @@ class _ConvTrace(TorchFunctionMode):
                 self._break(self.tag[id(t)][0], f"{name} reads it as a second input")
         kernel = mod.weight.ndim - 2 if isinstance(mod, CONVS + TRANSPOSED_CONVS) else 0
         plain = self.splittable(name, mod)
+        own = own_forward(mod)
         if isinstance(mod, NORMS):
             if not col:
                 return
@@ -332,20 +458,30 @@ class _ConvTrace(TorchFunctionMode):
         if col:
             if dim != x.ndim - kernel - 1:
                 self._break(col, f"{name} reads another dim than its channels")
-            elif mod.groups == 1 and plain:
+            elif mod.groups == 1 and plain and own:
                 self.plans[name] = ("row", col, kernel)
                 self.rows.setdefault(col, set()).add(name)
-            elif isinstance(mod, CONVS) and plain and mod.groups % self.tp == 0:
+            elif isinstance(mod, CONVS) and plain and own and mod.groups % self.tp == 0:
                 self.plans[name] = ("follow", col, kernel)
                 self.followers[name] = (col, mod)
             else:
                 why = "cannot be split" if not plain else f"has groups={mod.groups}"
+                if plain and not own:
+                    why = "transforms its weight over the input channels in its own forward"
                 self._break(col, f"{name} {why} (tp={self.tp})")
             return
         sizes = chunk_sizes(mod.out_channels, self.tp)
         if mod.groups == 1 and plain and name not in self.excluded and min(sizes) >= 1:
             self.plans[name] = ("col", name, kernel)
             self.sources.add(name)
+        elif (
+            isinstance(mod, CONVS)
+            and plain
+            and (mod.groups > 1 or not own)
+            and (mod.in_channels > mod.groups or not own)
+            and min(sizes) >= MIN_GATHER_CHANNELS
+        ):
+            self.gathered.add(name)  # its input whole: gathered on its own
 
     def _post(self, mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         name = self.names[id(mod)]
@@ -408,6 +544,8 @@ class _ConvTrace(TorchFunctionMode):
             self._break(col, "glu() over another dim than its channels")
         elif stage != _DIRECT or id(x) not in self.tag or x.shape[dim] % 2:
             self._break(col, "glu() halves channels that are no longer its own output's")
+        elif not own_forward(self.modules[col]):  # its probe checked contiguous rows only
+            self._break(col, "glu() halves the channels of a convolution with its own forward")
         else:
             self.packed.add(col)
             self._set(out, col, dim, _FOLLOWED)

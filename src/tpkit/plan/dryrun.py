@@ -45,6 +45,7 @@ from tpkit.plan.fake import (
 from tpkit.plan.fixups import apply_fixups
 from tpkit.plan.layout import (
     chunk_offset,
+    grouped_rows_hooks,
     in_width,
     kind_of,
     local_shape,
@@ -139,6 +140,7 @@ def _width_hooks(
             w = mod.weight
             width = w.shape[param_layout(t.style, "weight", w.ndim, mod).dim]
             conv = isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d))  # gathered on channels
+            hooks += grouped_rows_hooks(mod, tp, rank) if conv else []  # whole groups, padded
             hooks.append(mod.register_forward_hook(_widen(int(width), w.ndim - 2 if conv else 0)))
         elif t.style == "rowwise_split_input":
             local = in_width(mod, kind)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
 from tpkit.plan.catalogue import style_spec
@@ -17,9 +19,11 @@ from tpkit.plan.spec import Plan
 
 __all__ = [
     "REPLICATED",
+    "GroupedRows",
     "ParamLayout",
     "chunk_offset",
     "chunk_sizes",
+    "grouped_rows_hooks",
     "in_width",
     "is_conv1d",
     "kind_of",
@@ -205,3 +209,79 @@ def tp_regions(model: nn.Module, plan: Plan) -> dict[str, list[str]]:
         if style_spec(style).splits_input and parent in regions:
             regions[parent].append(name)
     return regions
+
+
+@dataclass(frozen=True)
+class GroupedRows:
+    """How one rank computes its torch.chunk of a grouped convolution's output channels from
+    the whole input (``conv_colwise_gather`` on ``groups > 1``): its rows padded with ``pad``
+    zero rows before and after to the whole groups they touch (``groups`` of them), the input
+    narrowed to those groups' channels (``start``, ``width``), the padded output channels
+    dropped (``keep`` channels from ``pad[0]``). Zero rows add nothing to the rows kept and
+    get no gradient, so this is exact at any tp, 17 groups at tp=2 included, for at most two
+    groups' extra work. The style (`tpkit.styles.conv.ConvGatherStyle`) and the dry run
+    (`grouped_rows_hooks`) both run it."""
+
+    pad: tuple[int, int]
+    groups: int
+    start: int
+    width: int
+    keep: int
+
+    @classmethod
+    def of(cls, module: nn.Module, tp: int, rank: int) -> GroupedRows:
+        """``rank``'s rows of ``module`` (a grouped ``nn.Conv1d/2d/3d``) at ``tp``."""
+        out, per_in = module.out_channels, module.in_channels // module.groups
+        per_out = out // module.groups
+        lo = rank * -(-out // tp)
+        keep = chunk_sizes(out, tp)[rank]
+        first, last = min(lo, out) // per_out, -(-(lo + keep) // per_out)
+        first = min(first, last)
+        pad = (lo - first * per_out, last * per_out - lo - keep) if keep else (0, 0)
+        return cls(pad, last - first, first * per_in, (last - first) * per_in, keep)
+
+    def enter(self, module: nn.Module) -> tuple[int, dict[str, torch.Tensor | None]]:
+        """Pad the module's (local) weight and bias in place and set its groups; returns what
+        `leave` puts back."""
+        params = module._parameters
+        saved = {n: params.get(n) for n in ("weight", "bias")}
+        for n, p in saved.items():
+            if p is not None:  # zero rows up to whole groups: constants, no gradient
+                zeros = (p.new_zeros(k, *p.shape[1:]) for k in self.pad)
+                params[n] = torch.cat([next(zeros), p, next(zeros)])
+        groups, module.groups = module.groups, self.groups
+        return groups, saved
+
+    @staticmethod
+    def leave(module: nn.Module, state: tuple[int, dict[str, torch.Tensor | None]]) -> None:
+        """Undo `enter`."""
+        module.groups = state[0]
+        module._parameters.update(state[1])
+
+    def narrow_input(self, x: torch.Tensor, kernel_dims: int) -> torch.Tensor:
+        """The input channels of this rank's groups."""
+        return x.narrow(x.ndim - kernel_dims - 1, self.start, self.width)
+
+    def narrow_output(self, y: torch.Tensor, kernel_dims: int) -> torch.Tensor:
+        """This rank's channels of the padded output."""
+        return y.narrow(y.ndim - kernel_dims - 1, self.pad[0], self.keep)
+
+
+def grouped_rows_hooks(module: nn.Module, tp: int, rank: int) -> list:
+    """Forward hooks doing what ``conv_colwise_gather`` does to a grouped convolution's
+    shapes (`GroupedRows`), for the dry run (`tpkit.plan.dryrun`); none for another module."""
+    if not isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or module.groups == 1:
+        return []
+    rows, kernel, states = GroupedRows.of(module, tp, rank), module.weight.ndim - 2, []
+
+    def pre(mod: nn.Module, args: tuple) -> tuple:
+        states.append(rows.enter(mod))
+        return (rows.narrow_input(args[0], kernel), *args[1:]) if args else args
+
+    def post(mod: nn.Module, args: tuple, output: Any) -> Any:
+        if states:
+            GroupedRows.leave(mod, states.pop())
+        return rows.narrow_output(output, kernel) if isinstance(output, torch.Tensor) else output
+
+    post_hook = module.register_forward_hook(post, always_call=True)  # groups put back always
+    return [module.register_forward_pre_hook(pre), post_hook]

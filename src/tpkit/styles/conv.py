@@ -1,9 +1,11 @@
 """Convolutions split by channels: gathered per layer, or paired like Megatron's linears.
 
-- ``conv_colwise_gather`` (`ConvGatherStyle`): an ``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` with
-  ``groups=1`` keeps its weight ``[out, in, *kernel]`` split on dim 0 (the bias with it), so
+- ``conv_colwise_gather`` (`ConvGatherStyle`): an ``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` keeps
+  its weight ``[out, in / groups, *kernel]`` split on dim 0 (the bias with it), so
   each rank computes its own output channels from the whole input; the channels are then
-  all-gathered (uneven counts allowed). Exact like ``colwise_gather_output`` for a linear,
+  all-gathered (uneven counts allowed) into the unsharded output's memory layout. A grouped
+  convolution too: its rows padded to whole groups, its input narrowed to them
+  (`tpkit.plan.layout.GroupedRows`). Exact like ``colwise_gather_output`` for a linear,
   whatever code follows: each output channel is one rank's whole sum, and the input gradient (a
   sum over output channels) is all-reduced by f. The per-layer fallback's conv style.
 - ``conv_colwise`` (`ConvColwiseStyle`): the same split, the output left split on the channel
@@ -40,8 +42,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tpkit.dist.comm import gather_from_tp
-from tpkit.plan.layout import chunk_sizes
-from tpkit.styles.base import TPStyle, map_output
+from tpkit.plan.layout import GroupedRows, chunk_sizes
+from tpkit.styles.base import TPStyle, map_output, replace_first_tensor
 from tpkit.styles.linear import ColwiseStyle, RowwiseStyle
 
 __all__ = [
@@ -78,22 +80,46 @@ def _channel_dim(y: torch.Tensor, kernel_dims: int) -> int:
 
 
 class ConvGatherStyle(ColwiseStyle):
-    """Y = [conv(X, W_0), ..., conv(X, W_t-1)] along the channel dim (see the module doc)."""
+    """Y = [conv(X, W_0), ..., conv(X, W_t-1)] along the channel dim (see the module doc).
+
+    A grouped convolution (``groups > 1``, depthwise too) takes the same torch.chunk of its
+    output channels, which need not fall on whole groups (17 groups at tp=2): its rows padded
+    with zero rows to the whole groups they touch, the input narrowed to those groups'
+    channels (after f, so its gradient is whole), and the padded channels dropped before the
+    gather (`tpkit.plan.layout.GroupedRows`, which the dry run runs too)."""
 
     name = "conv_colwise_gather"
 
     def _setup(self, module: nn.Module) -> None:
-        _check_conv(self, module, transposed_ok=False)
+        if not isinstance(module, CONVS):
+            _check_conv(self, module, transposed_ok=False)
         self.sizes = chunk_sizes(module.weight.shape[0], self.tp)
         self.kernel_dims = module.weight.ndim - 2
+        self.rows = GroupedRows.of(module, self.tp, self.rank) if module.groups > 1 else None
+        self._entered: list[Any] = []
+
+    def _prepare_input(self, module: nn.Module, args: tuple, kwargs: dict):
+        args, kwargs = super()._prepare_input(module, args, kwargs)  # f: the input's gradient
+        if self.rows is None:
+            return args, kwargs
+        self._entered.append(self.rows.enter(module))  # the local shards, swapped in already
+        kernel = self.kernel_dims
+        return replace_first_tensor(args, kwargs, lambda x: self.rows.narrow_input(x, kernel))
 
     def _prepare_output(self, module: nn.Module, output: Any) -> Any:
+        if self.rows is not None and self._entered:
+            GroupedRows.leave(module, self._entered.pop())
+            kernel = self.kernel_dims
+            output = map_output(output, lambda y: self.rows.narrow_output(y, kernel))
         return map_output(output, self._gather)
 
     def _gather(self, y: torch.Tensor) -> torch.Tensor:
         channel = _channel_dim(y, self.kernel_dims)
         last = y.movedim(channel, -1).contiguous()
-        return gather_from_tp(last, self.sizes, self.rank, self.group).movedim(-1, channel)
+        whole = gather_from_tp(last, self.sizes, self.rank, self.group).movedim(-1, channel)
+        # the unsharded convolution's memory layout: code after it (GroupNorm, the next
+        # convolution) then sums in the same order, so its numbers match bit for bit
+        return whole.contiguous() if y.is_contiguous() else whole
 
 
 class ConvColwiseStyle(ColwiseStyle):

@@ -16,6 +16,10 @@ From the trace's tags:
   and plain colwise is right;
 - an ``nn.Embedding`` inside a block whose output reaches a row linear (T5's relative attention
   bias ``[buckets, heads]``) is split by heads (``colwise_embedding``);
+- a module whose 1-D parameters hold one value per head of a column output (NeoMME's
+  exclusive self-attention ``alpha``) has them split with the heads (``colwise``);
+- a linear beside a pair's columns whose output reaches nothing the model returns
+  (`Node.dead`: MRA's key and value without its attention kernel) is split with them;
 - a module with 1-D parameters acting per head on a column output (Qwen3 ``q_norm``), or an
   ``nn.Embedding`` whose output is broadcast over a column output's heads (RoFormer's
   sinusoidal table), gets ``replicated_with_grad_allreduce``;
@@ -265,11 +269,10 @@ def _vocabulary(model: nn.Module, draft: Draft) -> None:
             draft.why[name] = "its weight is read outside its own forward"
             exclude.add(name)
             continue
-        if (
-            isinstance(mod, nn.Embedding)
-            and embed_weight is not None
-            and mod.weight is embed_weight
-        ):
+        lookup = isinstance(mod, nn.Embedding) or (
+            name in nodes and nodes[name].kind == "embedding"
+        )
+        if lookup and embed_weight is not None and mod.weight is embed_weight:
             styles[name] = "vocab_parallel"
             exclude.add(name)
         elif head is not None and mod is head and kind_of(mod) == "linear":
@@ -337,7 +340,8 @@ def _tables(model: nn.Module, draft: Draft) -> None:
             continue
         if name not in draft.info.get("module_inputs", {name: None}):
             continue  # never run by the trace: how its weight is read is unknown
-        if not isinstance(mod, nn.Embedding) or mod.max_norm is not None or mod.sparse:
+        # a functional table (`tpkit.plan.trace`: F.embedding on its own weight) says the same
+        if getattr(mod, "max_norm", None) is not None or getattr(mod, "sparse", False):
             continue
         if counts.get(id(mod.weight), 0) > 1 or mod.weight.numel() < TABLE_SHARE * total:
             continue
@@ -362,11 +366,23 @@ def _group(model: nn.Module, draft: Draft, r: str, cols: set[str]) -> Group:
         v = nodes[c]
         styles[c] = _column_style(v)
         counts[f"output features of {c}"] = v.out // max(1, v.split)
-        for user in sorted(v.per_head_consumers - set(pair)):
-            styles[user] = "replicated_with_grad_allreduce"
-            pair.append(user)  # replicated with the group: then its gradient is whole
     styles[r] = "rowwise"
     counts[f"input features of {r}"] = in_width(modules[r], nodes[r].kind)
+    parents = {n.rsplit(".", 1)[0] for n in pair if "." in n} | {_common_parent(pair)}
+    for name in _dead_siblings(nodes, styles, parents, pair):
+        styles[name] = "colwise"
+        counts[f"output features of {name}"] = nodes[name].out
+        pair.append(name)
+    heads = _head_counts([modules[o] for o in sorted(parents) if o in modules], counts)
+    for c in sorted(cols):
+        for user in sorted(nodes[c].per_head_consumers - set(pair)):
+            split = _one_per_head(modules.get(user), heads)
+            for pname in split:
+                styles[f"{user}.{pname}"] = "colwise"  # one value per head: split as the heads
+                pair.append(f"{user}.{pname}")
+            if not split:
+                styles[user] = "replicated_with_grad_allreduce"
+                pair.append(user)  # replicated with the group: then its gradient is whole
     owners = {n.rsplit(".", 1)[0] for n in pair if "." in n}
     owners.add(_common_parent(pair))
     widths = set(counts.values())
@@ -383,6 +399,20 @@ def _group(model: nn.Module, draft: Draft, r: str, cols: set[str]) -> Group:
             styles[conv] = "channelwise"
             pair.append(conv)
     return Group(tuple(pair), tuple(sorted(owners & set(fixups))), counts)
+
+
+def _dead_siblings(nodes: dict[str, Node], styles: dict, parents: set[str], pair: list[str]):
+    """Linears beside a pair's columns (the same parent) whose output reaches nothing the
+    model returns (`Node.dead`: MRA's key and value where its attention kernel is missing and
+    the attention is zeros made like the queries): split by columns with them, so the code
+    that shapes their output per head (``view(b, -1, heads, d)``) sees the rank's heads as it
+    does for the queries; exact, since no value of theirs reaches the output or a gradient."""
+    widths = {nodes[c].out for c in pair if c in nodes}
+    for name, v in nodes.items():
+        if not v.dead or name in styles or name in pair or v.kind != "linear":
+            continue
+        if name.rpartition(".")[0] in parents and v.out in widths and not v.consumers:
+            yield name
 
 
 def _channel_convs(owner: nn.Module, name: str, widths: set[int], info: dict, styles: dict):
@@ -543,7 +573,8 @@ def _infer_once(model: nn.Module, example_inputs) -> Plan:
     return fewest_replicated(model, draft.plan(model), runs)
 
 
-#: fewer output channels per rank than this: a convolution nothing pairs is not worth a gather
+#: fewer output channels per rank than this at tp=2 (inference plans at tp=2: a convolution
+#: must have twice this many in all) and a convolution nothing pairs is not worth a gather
 _MIN_CONV_CHANNELS = 64
 
 
@@ -647,6 +678,41 @@ def _head_buffers(owner: nn.Module, heads: int) -> dict[str, int]:
     return out
 
 
+def _head_counts(owners: list[nn.Module], counts: dict[str, int]) -> tuple[set[int], set[int]]:
+    """A group's head counts and head widths, from its owners: their head attributes
+    (``num_heads``, ...) and ``head_dim``, their split widths over ``head_dim``. Without a
+    ``head_dim`` every split width over every head count may be a head's width."""
+    widths = set(counts.values())
+    heads: set[int] = set()
+    dims: set[int] = set()
+    for owner in owners:
+        heads |= {v for a in HEAD_ATTRS if isinstance(v := owner.__dict__.get(a), int) and v > 1}
+        head_dim = owner.__dict__.get("head_dim")
+        if isinstance(head_dim, int) and head_dim > 0:
+            dims.add(head_dim)
+            heads |= {w // head_dim for w in widths if w % head_dim == 0 and w > head_dim}
+    if not dims:
+        dims = {w // h for w in widths for h in heads if w % h == 0}
+    return heads, dims
+
+
+def _one_per_head(module: nn.Module | None, heads: tuple[set[int], set[int]]) -> list[str]:
+    """The parameters of a per-head consumer (`Node.per_head_consumers`) that hold one value
+    per head (NeoMME's exclusive self-attention ``alpha`` [heads], scaling each head's output):
+    split with the heads, not replicated (a rank's heads read their own values; whole, the
+    split forward broadcasts all heads' values against the rank's). All of its parameters, or
+    none: 1-D, as long as a head count of the group and not as a head's width (a per-head norm
+    [head_dim] acts within each head, the same on every rank)."""
+    if module is None or any(True for _ in module.children()):
+        return []
+    params = list(module.named_parameters(recurse=False))
+    if not params:
+        return []
+    counts, dims = heads
+    ok = all(p.ndim == 1 and p.shape[0] in counts and p.shape[0] not in dims for _, p in params)
+    return [n for n, _ in params] if ok else []
+
+
 def _per_head_params(owner: nn.Module, widths: set[int]) -> list[str]:
     """The owner's own parameters with one value per head (GPT-OSS's attention ``sinks``,
     Swin-v2's ``logit_scale`` of shape [heads, 1, 1]),
@@ -692,7 +758,7 @@ def _collapse_groups(groups: list[Group]) -> list[Group]:
     out = []
     for key, same in kinds.items():
         counts = [
-            {re.sub(r"\.\d+\.", ".*.", k + ".")[:-1]: v for k, v in g.counts.items()} for g in same
+            {re.sub(r"(?<=\.)\d+(?=\.|$)", "*", k): v for k, v in g.counts.items()} for g in same
         ]
         if all(c == counts[0] for c in counts):
             out.append(Group(key, tuple(generic_name(o) for o in same[0].owners), counts[0]))

@@ -9,6 +9,11 @@ stream feed it, who consumes its output, whether it writes into the stream, whet
 output is needed somewhere, and how its features are split or sliced afterwards (packed parts,
 uneven cuts, per-head reshapes). `tpkit.plan.infer` turns that into column/row pairs.
 
+A module of the model's own with a 2-D ``weight`` that its forward hands to ``F.linear`` /
+``F.embedding`` (I-BERT's ``QuantLinear``) is a linear-like module from that call on
+(`_Tracer._functional_layer`). What each tensor was computed from is kept too, so that a
+linear none of whose output reaches the model's output is marked (`Node.dead`).
+
 It runs the model as the dry run does (`tpkit.plan.fake`), with tags added.
 """
 
@@ -80,6 +85,10 @@ class Node:
     # in the rotary cos/sin that multiply each head's queries): a rank's gradient for them
     # covers its heads only (`tpkit.plan.complete.complete_param_grads`)
     partial_params: set[str] = field(default_factory=set)
+    # no value of its output reaches the model's output (MRA's key and value on a machine
+    # without its attention kernel, which returns zeros): `tpkit.plan.infer` splits it with
+    # its siblings, exact whatever its shards hold
+    dead: bool = False
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -139,6 +148,20 @@ def _einsum_lacks(args: tuple, a: torch.Tensor, b: torch.Tensor, j: int) -> bool
     return subs[ib][j] not in subs[ia]
 
 
+# calls that read a tensor's metadata, not its values (`_Tracer._record_made_from`)
+_METADATA = frozenset(
+    {"size", "dim", "numel", "stride", "__get__", "is_floating_point", "is_complex"}
+    | {"element_size", "is_contiguous", "storage_offset", "__len__", "ndimension", "nelement"}
+)
+
+# ``tensor.new_*(size)``: a new tensor with the given tensor's dtype and device, none of its
+# values (Funnel's ``inputs_embeds.new_ones(...)`` for its <cls> mask: no embedding's output)
+_NEW_FROM = frozenset({"new_ones", "new_zeros", "new_empty", "new_full", "new_tensor"})
+
+# ``a.type_as(b)``, ``a.expand_as(b)``...: ``a``'s values in ``b``'s dtype or shape, none of
+# ``b``'s values (Funnel's attention mask made ``type_as`` its embeddings: no embedding's output)
+_LIKE = frozenset({"type_as", "expand_as", "view_as", "reshape_as"})
+
 # ops that join tensors along a dim (`_Tracer._join`)
 _JOINS = frozenset({"cat", "concat", "concatenate", "stack", "hstack"})
 
@@ -187,6 +210,15 @@ class _Tracer(TorchFunctionMode):
         # tensor -> the bare parameters whose values reach it with no linear-like module in
         # between (`Node.partial_params`)
         self.params: dict[int, frozenset[str]] = {}
+        # functional layers (`_functional_layer`): id of a candidate's weight -> its name; the
+        # candidates whose first forward is running, innermost last, with what `pre` saw
+        self.candidate_weights: dict[int, str] = {}
+        # liveness (`dead_nodes`): tensor -> the tensors it was computed from; tensors whose
+        # values left the trace (the model's output, a Python number); each node's outputs
+        self.made_from: dict[int, set[int]] = {}
+        self.escaped: set[int] = set()
+        self.node_outputs: dict[str, list[int]] = {}
+        self.pending: list[tuple[str, nn.Module, list, frozenset[str]]] = []
 
     def tag(self, t: torch.Tensor) -> frozenset[str]:
         return self.tags.get(id(t), frozenset())
@@ -205,6 +237,9 @@ class _Tracer(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inputs = _tensors((args, kwargs))
+        name = getattr(func, "__name__", "")
+        if self.pending and name in ("linear", "embedding"):
+            self._functional_layer(name, args, kwargs)
         # a call that returns no tensor read metadata only (LongT5 asks its bias table's
         # ``weight.device``), not the values
         reads_values = bool(_tensors(out))
@@ -222,7 +257,6 @@ class _Tracer(TorchFunctionMode):
         # features flow through float tensors; an index or a mask (a router's top-k choice)
         # says where rows go, not what they hold
         feats = [t for t in inputs if t.is_floating_point() or t.is_complex()]
-        name = getattr(func, "__name__", "")
         if (name in _ELEMENTWISE or name in _PER_HEAD_PRODUCTS) and len(feats) > 1:
             self._per_head_tables(feats, name, args)
         params = frozenset().union(*(self.params.get(id(t), frozenset()) for t in feats))
@@ -230,6 +264,10 @@ class _Tracer(TorchFunctionMode):
             self._partial_params(name, feats)
         tags: frozenset[str] = frozenset().union(*(self.tag(t) for t in feats))
         tags -= self.head_tables
+        if name in _NEW_FROM:
+            tags = frozenset()  # a new tensor of its own shape: only the dtype and device read
+        elif name in _LIKE and args and isinstance(args[0], torch.Tensor):
+            tags = self.tag(args[0]) - self.head_tables  # the other: its dtype or shape only
         if STREAM in tags and len(tags) > 1:
             tags = self.into_stream(tags)
         if name == "embedding" and self.active and args:
@@ -243,6 +281,7 @@ class _Tracer(TorchFunctionMode):
         outs = _tensors(out)
         for t in outs:
             self.set_tag(t, tags)
+        self._record_made_from(name, inputs, outs + ([args[0]] if written else []))
         if params:
             for t in outs + ([args[0]] if written else []):
                 self.params[id(t)] = params
@@ -257,6 +296,55 @@ class _Tracer(TorchFunctionMode):
         if followed and not self._reduction(name, args, kwargs, outs):
             self._follow_features(name, args, kwargs, out, outs)
         return out
+
+    def _record_made_from(self, name: str, inputs: list, outs: list) -> None:
+        """What each output was computed from (`dead_nodes`); a call that hands values back as
+        Python numbers (``.item()``, ``.tolist()``, a branch on a tensor) lets them escape."""
+        if not outs:
+            if name not in _METADATA:
+                self.escaped.update(id(t) for t in inputs)
+            return
+        ids = {id(t) for t in inputs}
+        for t in outs:
+            self.made_from.setdefault(id(t), set()).update(ids - {id(t)})
+
+    def dead_nodes(self, roots: list[torch.Tensor]) -> None:
+        """Mark `Node.dead` every node no output of which the values reaching ``roots`` (the
+        model's output) or a Python number were computed from."""
+        live: set[int] = set()
+        todo = [id(t) for t in roots] + list(self.escaped)
+        while todo:
+            i = todo.pop()
+            if i not in live:
+                live.add(i)
+                todo.extend(self.made_from.get(i, ()))
+        for name, outs in self.node_outputs.items():
+            self.nodes[name].dead = not any(i in live for i in outs)
+
+    def _functional_layer(self, name: str, args: tuple, kwargs: Mapping) -> None:
+        """A module that is no ``nn.Linear`` / ``nn.Embedding`` but whose forward applies
+        ``F.linear`` / ``F.embedding`` to its own 2-D ``weight`` (I-BERT's ``QuantLinear`` and
+        ``QuantEmbedding`` outside quant mode, which return ``(output, None)``) computes what
+        they compute: from this call on it is a linear-like module of the trace (`Node`), its
+        inputs its sources and its first output its features, so inference splits it as one
+        (the styles keep its forward and swap in the rank's shards). A weight changed first
+        (``F.linear(x, w * scale)``, quant mode's integer weight) is no match."""
+        cand, mod, ins, tags = self.pending[-1]
+        w = kwargs.get("weight", args[1] if len(args) > 1 else None)
+        if cand in self.nodes or w is None or self.candidate_weights.get(id(w)) != cand:
+            return
+        kind = "linear" if name == "linear" else "embedding"
+        node = self.nodes[cand] = Node(kind, out_width(mod, kind))
+        for p in mod.parameters(recurse=False):
+            self.weights.setdefault(id(p), set()).add(cand)
+            self.params.pop(id(p), None)  # a layer's weight, no bare parameter
+        self.active.append(cand)
+        node.src |= tags
+        for src in tags & self.nodes.keys():
+            self.nodes[src].consumers.add(cand)
+        for _, t in ins:
+            for lin, i in self.parts.get(id(t), ()):
+                self.nodes[lin].cut_reach[i].add(cand)
 
     def _table_lookup(self, func: Any, args: tuple, out: Any) -> None:
         """A linear whose weight its own forward also looks rows up in, transposed (Ovis2.5's
@@ -388,8 +476,12 @@ class _Tracer(TorchFunctionMode):
             if id(b) not in self.origin or not self.origin[id(b)][2]:
                 continue
             lin, j, _ = self.origin[id(b)]
-            if name in _PER_HEAD_PRODUCTS and name != "einsum" and j >= b.ndim - 2:
-                continue  # heads in a matrix dim of a product: not a broadcast
+            # heads in the rows of a product's first operand (SpeechT5's queries, heads merged
+            # into the batch, times its relative position table): every row reads all of the
+            # other operand; heads in another matrix dim of a product: not a broadcast
+            rows = name in ("matmul", "__matmul__", "bmm") and b is args[0] and j == b.ndim - 2
+            if name in _PER_HEAD_PRODUCTS and name != "einsum" and j >= b.ndim - 2 and not rows:
+                continue
             for a in feats:
                 tags = self.tag(a)
                 if a is b or not tags or any(self.nodes.get(t) is None for t in tags):
@@ -399,6 +491,8 @@ class _Tracer(TorchFunctionMode):
                 k = j - (b.ndim - a.ndim)  # a's dim under b's heads, broadcasting from the right
                 if name == "einsum":
                     broadcast = _einsum_lacks(args, a, b, j)
+                elif rows:
+                    broadcast = b.shape[j] > 1 and a is args[1]
                 else:
                     broadcast = b.shape[j] > 1 and (k < 0 or a.shape[k] == 1)
                 if broadcast:
@@ -481,6 +575,10 @@ class _Tracer(TorchFunctionMode):
                 heads = True
             elif j_new is not None and new.shape[j_new] > src.shape[j]:
                 heads = False  # heads merged back into one feature dim
+            elif j_new is None and heads:
+                # heads merged into the batch ([B, H, T, d] -> [B * H, T, d]: SpeechT5's
+                # attention): that dim still counts heads, a rank holds its heads of each row
+                j_new = _heads_into_outer(tuple(src.shape), j, tuple(new.shape))
         elif name == "transpose":
             a, b = (_norm_dim(int(d), src.ndim) for d in args[1:3])
             j_new = b if j == a else a if j == b else j
@@ -517,6 +615,30 @@ class _Tracer(TorchFunctionMode):
                 return not (isinstance(item, slice) and item == slice(None))
             dim += 1
         return False
+
+
+def _heads_into_outer(old: tuple, j: int, new: tuple) -> int | None:
+    """Where the heads dim ``j`` of ``old`` lands when a reshape merges it, whole, with the dims
+    before it into one (``[B, H, T, d] -> [B * H, T, d]``), the dims after it kept as they
+    are; None for any other reshape."""
+    for k in range(j + 1):
+        prefix, merged = math.prod(old[:k]), math.prod(old[k : j + 1])
+        acc = 1
+        for i, size in enumerate(new):
+            if acc == prefix and size == merged and tuple(new[i + 1 :]) == tuple(old[j + 1 :]):
+                return i
+            acc *= size
+            if acc > prefix:
+                break
+    return None
+
+
+def _maybe_layer(module: nn.Module) -> bool:
+    """A leaf module of a model's own class with a 2-D ``weight``: it may apply ``F.linear`` or
+    ``F.embedding`` to it (`_Tracer._functional_layer` decides, on its first call)."""
+    w = module._parameters.get("weight")
+    own = not type(module).__module__.startswith("torch.nn")
+    return own and w is not None and w.ndim == 2 and not module._modules
 
 
 def _one_head(old: tuple, j: int, new: tuple) -> bool:
@@ -595,8 +717,11 @@ def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.ModuleList) or not len(mod):
             continue
+        if all(isinstance(m, nn.ModuleList) for m in mod):
+            continue  # a list of lists (Funnel's blocks of layers): the layers are the blocks
         types = {type(m) for m in mod}
-        holds = [any(kind_of(m) for m in block.modules()) for block in mod]
+        # a functional layer (`_maybe_layer`: I-BERT's QuantLinear) counts as a linear here
+        holds = [any(kind_of(m) or _maybe_layer(m) for m in block.modules()) for block in mod]
         mixed = len(types) > 1 and len(mod) > 1 and all(holds) and _layers(name)
         mixed = mixed and _MIXED.get()
         nested = any(name.startswith(p + ".") for p, _ in lists)
@@ -755,6 +880,10 @@ class _TraceHooks:
             n: Node(k, out_width(m, k)) for n, m in model.named_modules() if (k := kind_of(m))
         }
         self.tracer = _Tracer(self.nodes)
+        # modules that may be functional layers (`_Tracer._functional_layer`)
+        self.candidates = {
+            n for n, m in model.named_modules() if n not in self.nodes and _maybe_layer(m)
+        }
         self.blocks = blocks(model)
         self.block_ids = {id(m) for _, m in self.blocks}
         self.module_inputs: dict[str, list[tuple[str, tuple, frozenset]]] = {}
@@ -814,6 +943,9 @@ class _TraceHooks:
                 for p in self.modules[n].parameters(recurse=False):
                     tracer.weights.setdefault(id(p), set()).add(n)
             tracer.params = {}
+            tracer.candidate_weights = {
+                id(self.modules[n]._parameters["weight"]): n for n in self.candidates
+            }
             for owner, module in self.modules.items():
                 for pname, p in module.named_parameters(recurse=False):
                     if owner not in nodes and id(p) not in tracer.weights:
@@ -837,7 +969,11 @@ class _TraceHooks:
                 entry = self.input_params.setdefault(name, {})
                 entry[key] = entry.get(key, frozenset()) | tracer.params[id(t)]
         tags = frozenset().union(*(tracer.tag(t) for _, t in ins))
-        if name in nodes:
+        if name in self.candidates and name not in nodes:
+            if ins:
+                tracer.first_input[name] = ins[0][1]
+            tracer.pending.append((name, mod, ins, tags))  # a node once it calls F.linear
+        elif name in nodes:
             if ins:  # BART's position table looks up arange(seq) + 2, not its input_ids
                 tracer.first_input[name] = ins[0][1]
             nodes[name].src |= tags
@@ -867,11 +1003,18 @@ class _TraceHooks:
         tracer, name = self.tracer, self.names[id(mod)]
         if tracer.where:
             tracer.where.pop()
+        if mod is self.model:
+            tracer.dead_nodes(_tensors(output))
+        if tracer.pending and tracer.pending[-1][0] == name:
+            _, _, _, tags = tracer.pending.pop()
+            if name not in self.nodes:  # not a functional layer: a module with parameters
+                self._parameter_consumer(name, mod, tags)
         if name in self.nodes:
             tracer.active.pop()
             for t in _tensors(output):
                 tracer.params.pop(id(t), None)  # a linear's input gradient is whole again
             for t in _tensors(output)[:1]:
+                tracer.node_outputs.setdefault(name, []).append(id(t))
                 tracer.parts.pop(id(t), None)  # a cut's parts are followed to the next linear
                 tracer.set_tag(t, frozenset({name}))
                 tracer.origin[id(t)] = (name, t.ndim - 1, False)

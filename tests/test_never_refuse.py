@@ -132,7 +132,7 @@ def bag_seq():
 
 def conv_net(dims: int, bias: bool) -> nn.Sequential:
     """Convolutions the fallback splits by output channels (6, then 5: uneven at tp=2), a
-    grouped one it keeps whole, then a Linear."""
+    grouped one too (rows padded to whole groups), then a Linear."""
     conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
     return nn.Sequential(
         conv(3, 6, 3, bias=bias),
@@ -333,7 +333,7 @@ def test_fallback_when_untraceable():
 
 def test_fallback_when_nothing_paired():
     """Conv2d + ReLU + Flatten + Linear traces, but has no pair: each layer takes the fallback;
-    a grouped convolution stays whole, with the reason."""
+    a grouped convolution is gathered too."""
     from tpkit.plan.derive import derive_plan
     from tpkit.plan.validate import validate
 
@@ -346,10 +346,7 @@ def test_fallback_when_nothing_paired():
         validate(model, derive_plan(model, "auto", 4), 4)
     model = _build("conv2d_bias")
     plan = derive_plan(model, "auto", 2)
-    assert plan["0"] == plan["3"] == "conv_colwise_gather" and "2" not in plan
-    assert (
-        plan.notes["2"] == "replicated: groups=2: its output channels read their own input groups"
-    )
+    assert plan["0"] == plan["2"] == plan["3"] == "conv_colwise_gather"  # 2: grouped, padded
 
 
 class ReadsWeight(nn.Module):
@@ -395,8 +392,8 @@ def test_parity_tp2(ranks2, name):
         assert not r["missing"], r
         assert r["split"], r
     notes = results[0]["notes"]
-    if name in CONVS:  # the convolutions themselves split, the grouped one whole
+    if name in CONVS:  # the convolutions themselves split, the grouped one too
         split = results[0]["split"]
-        assert "0.weight" in split and "3.weight" in split and "2.weight" not in split, split
+        assert {"0.weight", "2.weight", "3.weight"} <= set(split), split
     if name in ("conv_seq", "untraceable", *CONVS):
         assert any(n.startswith("per-layer fallback") for n in notes.values()), notes

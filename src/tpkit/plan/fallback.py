@@ -10,8 +10,10 @@ unsharded values:
 - ``nn.Embedding``: ``vocab_parallel`` (rows split, the masked lookups all-reduced: exact for
   any ids), ``colwise_embedding_gather`` (columns split, gathered) where the rows are too few;
 - ``nn.EmbeddingBag``: ``colwise_embedding_gather`` (exact in every bag mode);
-- ``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` with ``groups=1``: ``conv_colwise_gather`` (output
-  channels split, all-gathered on the channel dim, `tpkit.styles.conv`), unless it pairs:
+- ``nn.Conv1d`` / ``Conv2d`` / ``Conv3d``: ``conv_colwise_gather`` (output channels split,
+  all-gathered on the channel dim, `tpkit.styles.conv`; a grouped one's rows padded to whole
+  groups and its input narrowed to them, `tpkit.plan.layout.GroupedRows`, so any groups are
+  exact at any tp), unless it pairs:
   convolutions whose channels reach another convolution only through per-channel ops
   (activations, pooling, BatchNorm, GroupNorm and grouped convolutions tp divides) are split
   like a column/row pair instead, one all-reduce per pair (`tpkit.plan.convs`), transposed
@@ -22,8 +24,9 @@ slowest exact split, which is why a traced plan is always tried first. A layer t
 worth it (fewer than `MIN_PER_RANK` features or rows per rank), a weight shared with another
 module or read outside its forward, a subclass that overrides ``forward`` (the style runs it
 on the shard, and it may compute over the whole weight), ``max_norm`` (renormalises each row
-over all its columns), sparse gradients, a parametrized weight (weight norm) and grouped
-convolutions stay whole. The old ``tensor_parallel`` package split every
+over all its columns), sparse gradients, a parametrized weight (weight norm) and depthwise
+convolutions (one input channel per group: a kernel per channel, as small as a norm's, not
+worth an all-gather) stay whole. The old ``tensor_parallel`` package split every
 layer this way; tpkit keeps it as the floor under inference instead of a refusal.
 """
 
@@ -187,10 +190,14 @@ def _style(mod: nn.Module, tp: int, shared: set[int]) -> tuple[str | None, str |
         # weight (a norm of it) would be wrong, and nothing here can tell
         return None, f"{type(mod).__name__} overrides forward: what it computes is unknown"
     if kind in _CONVS:
-        if mod.groups != 1:
-            return None, f"groups={mod.groups}: its output channels read their own input groups"
+        if mod.groups > 1 and mod.in_channels == mod.groups:
+            return None, (
+                f"depthwise (groups={mod.groups}): a kernel per channel, not worth an all-gather"
+            )
         if mod.out_channels // tp < MIN_PER_RANK:
             return None, f"too small to split at tp={tp}"
+        # a grouped one too: each rank's rows padded to whole groups, its input narrowed to
+        # them (`tpkit.plan.layout.GroupedRows`), exact whether or not tp divides the groups
         return "conv_colwise_gather", None
     bag = kind == "bag"
     if bag or kind == "embedding":

@@ -220,13 +220,16 @@ class GroupedRows:
     dropped (``keep`` channels from ``pad[0]``). Zero rows add nothing to the rows kept and
     get no gradient, so this is exact at any tp, 17 groups at tp=2 included, for at most two
     groups' extra work. The style (`tpkit.styles.conv.ConvGatherStyle`) and the dry run
-    (`grouped_rows_hooks`) both run it."""
+    (`grouped_rows_hooks`) both run it. The input must be whole (``channels``, the module's
+    ``in_channels``): a narrowed slice of a split input could have the right shape on some
+    ranks and hold other channels, so any other width is an error, in the dry run too."""
 
     pad: tuple[int, int]
     groups: int
     start: int
     width: int
     keep: int
+    channels: int = 0
 
     @classmethod
     def of(cls, module: nn.Module, tp: int, rank: int) -> GroupedRows:
@@ -238,7 +241,8 @@ class GroupedRows:
         first, last = min(lo, out) // per_out, -(-(lo + keep) // per_out)
         first = min(first, last)
         pad = (lo - first * per_out, last * per_out - lo - keep) if keep else (0, 0)
-        return cls(pad, last - first, first * per_in, (last - first) * per_in, keep)
+        groups = last - first
+        return cls(pad, groups, first * per_in, groups * per_in, keep, module.in_channels)
 
     def enter(self, module: nn.Module) -> tuple[int, dict[str, torch.Tensor | None]]:
         """Pad the module's (local) weight and bias in place and set its groups; returns what
@@ -259,8 +263,16 @@ class GroupedRows:
         module._parameters.update(state[1])
 
     def narrow_input(self, x: torch.Tensor, kernel_dims: int) -> torch.Tensor:
-        """The input channels of this rank's groups."""
-        return x.narrow(x.ndim - kernel_dims - 1, self.start, self.width)
+        """The input channels of this rank's groups, from the whole input."""
+        dim = x.ndim - kernel_dims - 1
+        if self.channels and (dim < 0 or x.shape[dim] != self.channels):
+            got = x.shape[dim] if dim >= 0 else tuple(x.shape)
+            raise ValueError(
+                f"conv_colwise_gather on a grouped convolution needs its whole input "
+                f"({self.channels} channels at dim {dim}), got {got}: an earlier layer leaves "
+                "it split; leave this convolution whole (replicate) or gather that layer."
+            )
+        return x.narrow(dim, self.start, self.width)
 
     def narrow_output(self, y: torch.Tensor, kernel_dims: int) -> torch.Tensor:
         """This rank's channels of the padded output."""

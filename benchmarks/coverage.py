@@ -27,7 +27,9 @@ checks tp=2 parity of its first output and every gradient, and reports per famil
 Both reports are rewritten after every architecture (atomically), so a sweep can run in pieces:
 a killed run loses at most the row it was on, and ``--resume`` runs only the rows not written
 yet (``--retry timeout error``: those too). Each architecture's work runs on the rank group
-under ``--timeout`` seconds per call; a group that hangs is killed, the row says "timeout",
+under ``--timeout`` seconds per call (the full-size meta checks under ``--meta-timeout``: a
+plan of a 300B-parameter default on meta takes minutes on 2 busy cores); a group that hangs is
+killed, the row says "timeout" (a rank that died instead, of memory or a crash, is said so),
 and the sweep goes on with a fresh group. ``--markdown-only`` re-renders the markdown (summary
 included) from the JSON.
 
@@ -43,11 +45,12 @@ import contextlib
 import functools
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
-from tests.tiny import architectures, tiny_config
+from tests.tiny import architectures, full_config, tiny_config
 from tests.tiny_family import FAMILIES, build_family, family_architectures, tiny_family_config
 from tests.tiny_inputs import family_inputs
 
@@ -109,24 +112,42 @@ def check_parity(model_type: str, class_name: str, kind: str) -> dict:
     out = _logits(model(**x))
     diff = (out.detach() - want).abs().max().item()
     tol = TOL * max(1.0, want.abs().max().item())  # float32 sums in another order
-    grad_diff, grad_tol, missing = _grad_diff(ref, model, ref_out, out)
+    grad_diff, grad_scale, missing = compare_grads(ref, model, ref_out, out)
     skipped = bool(missing) and missing[0].startswith("no reference backward")
+    grads_ok = grad_diff <= grad_bound(grad_scale) and not missing
     return {
         "source": "config" if "config" in sources else ("inferred" if sources else "none"),
         "max_diff": diff,
         "parity": bool(diff <= tol),
         "grad_diff": grad_diff,
-        "grad_parity": None if skipped else bool(grad_diff <= grad_tol and not missing),
+        "grad_scale": grad_scale,
+        "grad_rel": grad_rel(grad_diff, grad_scale),
+        "grad_parity": None if skipped else bool(grads_ok),
         "grads_missing": missing[:3],
         "share_sharded": sharded / max(1, total),
         "notes": dict(list(plan.notes.items())[:4]),
     }
 
 
-def _grad_diff(ref, model, ref_out, out) -> tuple[float, float, list[str]]:
+def grad_bound(scale: float) -> float:
+    """What a gradient difference may be: `TOL` absolute, relative to the largest reference
+    gradient ``scale`` once that exceeds 1 (float32 sums in another order differ in proportion
+    to the values summed)."""
+    return TOL * max(1.0, scale)
+
+
+def grad_rel(diff: float, scale: float) -> float:
+    """The gradient difference relative to the largest reference gradient (``diff`` itself
+    where every gradient is 0): the report's honest figure where gradients are huge (a tiny
+    random BLIP-2's reach 1e19, so an absolute difference of 5e13 is 5e-6 of them)."""
+    return diff / scale if scale > 0 else diff
+
+
+def compare_grads(ref, model, ref_out, out) -> tuple[float, float, list[str]]:
     """Backward of the same random projection of both models' logits (``ref_out``, ``out``,
-    forwards with autograd on): the largest gradient difference over all parameters, its
-    tolerance, and parameters that got a gradient in one model only."""
+    forwards with autograd on): the largest gradient difference over all parameters, the
+    largest reference gradient (the scale `grad_bound` allows for), and parameters that got a
+    gradient in one model only."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -138,8 +159,9 @@ def _grad_diff(ref, model, ref_out, out) -> tuple[float, float, list[str]]:
         except Exception as exc:  # noqa: BLE001
             if m is model:
                 raise
-            # the unsharded model has no backward here (Reformer's needs training mode):
-            # both ranks skip the check alike
+            # the unsharded model has no backward here (Reformer's reversible layers run their
+            # own backward, which asserts training mode; its training forward takes only
+            # sequences of its full axial length): both ranks skip the check alike
             return float("nan"), 0.0, [f"no reference backward: {_short(exc)}"]
     ref_params = dict(ref.named_parameters())
     diff, top, missing = 0.0, 0.0, []
@@ -153,7 +175,7 @@ def _grad_diff(ref, model, ref_out, out) -> tuple[float, float, list[str]]:
         g = g.full_tensor() if isinstance(g, DTensor) else g  # every rank, same order
         diff = max(diff, (g - want).abs().max().item())
         top = max(top, want.abs().max().item())
-    return diff, TOL * max(1.0, top), missing
+    return diff, top, missing
 
 
 def infer_share(model_type: str, class_name: str, model=None) -> dict:
@@ -178,6 +200,16 @@ def infer_share(model_type: str, class_name: str, model=None) -> dict:
 
 
 FULL_SIZE_OK = 0.9
+#: what the reports' "parity" means, said in each report's header
+PARITY_MEANS = (
+    f"'parity': the tp=2 model's first output (logits) within {TOL} of the unsharded model's, "
+    f"absolute, or relative to the largest |logit| where that exceeds 1; every gradient (backward "
+    f"of a fixed random projection of that output) within {TOL} x max(1, max |grad|): relative "
+    "to the gradients' scale, so tiny random towers whose gradients reach 1e19 show a large "
+    "absolute 'grad diff' and pass on 'grad rel diff' (that difference over max |grad|), which "
+    f"is the figure held to {TOL} there. 'full-size config repaired': what the default config "
+    "needed to build at all (`tests.tiny.full_config`)."
+)
 
 
 def full_size(class_name: str, model_type: str) -> dict:
@@ -185,11 +217,15 @@ def full_size(class_name: str, model_type: str) -> dict:
     parameter elements the tp=2 plan shards, and why when it is below `FULL_SIZE_OK`."""
     from tests.parity import full_size_report
 
+    repairs: list[str] = []
+    with contextlib.suppress(Exception):  # the same repairs full_size_report's config gets
+        full_config(model_type, class_name, repairs)
+    note = {"full_size_note": "; ".join(repairs)} if repairs else {}
     try:
         r = full_size_report(class_name, model_type=model_type)
     except Exception as exc:  # noqa: BLE001 - the default config or the plan, reported
-        return {"full_size_error": _short(exc)}
-    out = {"full_size_share": r["share"]}
+        return {"full_size_error": _short(exc), **note}
+    out = {"full_size_share": r["share"], **note}
     if r["why"]:
         out["full_size_why"] = r["why"]
     return out
@@ -261,6 +297,7 @@ def run(
     resume: bool = False,
     timeout: float = 180.0,
     retry: tuple[str, ...] = (),
+    meta_timeout: float | None = None,
 ) -> dict:
     """The text report (``families`` None) or the families report (``families``: names of
     `tests.tiny_family.FAMILIES`, or ``["all"]``).
@@ -269,8 +306,10 @@ def run(
     then `os.replace`), so a run killed at any point loses at most the row it was on; ``resume``
     keeps the rows already written and runs only the others (rows whose status is in ``retry``
     run again). Each architecture's two calls to the rank group (`meta_checks`, then
-    `check_parity`) have ``timeout`` seconds each: a group that does not answer is killed, the
-    row says so (status "timeout") and the next architecture starts a fresh group."""
+    `check_parity`) have ``timeout`` seconds each (`meta_checks`: ``meta_timeout``, by default
+    `META_TIMEOUT` or ``timeout`` if longer): a group that does not answer is killed, the row
+    says so (status "timeout") and the next architecture starts a fresh group."""
+    meta_timeout = meta_timeout or max(timeout, META_TIMEOUT)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import importlib
 
@@ -320,7 +359,7 @@ def run(
                         why="not a text architecture (its config holds vision, audio or text sub-configs)",
                     )
                 else:
-                    _check(row, group, me, timeout, RankError)
+                    _check(row, group, me, timeout, RankError, meta_timeout)
             except Exception as exc:  # noqa: BLE001
                 row.update(status="error", why=_short(exc))
             row["seconds"] = round(time.time() - started, 2)
@@ -338,27 +377,37 @@ def run(
     return _write(out_dir, stem, rows, members, time.time() - t0)
 
 
-def _check(row: dict, group, me, timeout: float, rank_error: type) -> None:
-    """One architecture on the rank group: `meta_checks`, then, when the tiny model builds,
-    `check_parity`; the results (or the failure, named) into ``row``."""
+def _check(
+    row: dict, group, me, timeout: float, rank_error: type, meta_timeout: float | None = None
+) -> None:
+    """One architecture on the rank group: `meta_checks` (under ``meta_timeout``, default
+    ``timeout``), then, when the tiny model builds, `check_parity`; the results (or the
+    failure, named) into ``row``."""
     name = f"{row['architecture']} ({row['class']})"
+    meta_timeout = meta_timeout or timeout
     try:
-        for part in group.run(me.meta_checks, row["architecture"], row["class"], timeout=timeout):
+        parts = _timed_run(
+            group, me.meta_checks, row["architecture"], row["class"], timeout=meta_timeout
+        )
+        for part in parts:
             row.update(part)
     except rank_error as exc:
-        row["full_size_error"] = f"meta checks: {_rank_why(exc, timeout)}"
+        row["full_size_error"] = f"meta checks: {_rank_why(exc, meta_timeout)}"
         print(f"{name}: {row['full_size_error']}", file=sys.stderr, flush=True)
     if "tiny_build_error" in row:
         row.update(status="unbuildable", why=f"tiny config: {row.pop('tiny_build_error')}")
         return
     try:
-        r = group.run(
-            me.check_parity, row["architecture"], row["class"], row["kind"], timeout=timeout
+        r = _timed_run(
+            group, me.check_parity, row["architecture"], row["class"], row["kind"], timeout=timeout
         )[0]
     except rank_error as exc:
         why = _rank_why(exc, timeout)
         if why.startswith("timed out"):
             status = "timeout"
+            print(f"{name}: {why}", file=sys.stderr, flush=True)
+        elif why.startswith("a rank process died"):
+            status = "error"
             print(f"{name}: {why}", file=sys.stderr, flush=True)
         elif "unsharded reference forward fails" in str(exc):
             status = "reference fails"
@@ -385,9 +434,50 @@ def warm_up() -> None:
     from tpkit.plan import derive_plan  # noqa: F401
 
 
+#: seconds the full-size meta checks get by default: a 300B-parameter default config's plan
+#: (GLM-5-Next, Mistral-Large-4) took over 180 s on 2 busy cores
+META_TIMEOUT = 900.0
+
+
+def _timed_run(group, fn, *args, timeout: float) -> list:
+    """``group.run(fn, *args, timeout=timeout)``; a failure it raises carries how long the call
+    took (``elapsed``) and the exit codes of the rank processes it started with
+    (``exitcodes``), so that `_rank_why` can tell a rank that died from one that hung."""
+    procs = list(getattr(group, "procs", None) or [])
+    started = time.monotonic()
+    try:
+        return group.run(fn, *args, timeout=timeout)
+    except Exception as exc:
+        exc.elapsed = time.monotonic() - started
+        exc.exitcodes = [p.exitcode for p in procs]
+        raise
+
+
 def _rank_why(exc: BaseException, timeout: float) -> str:
-    """A rank group's failure in one line: a timeout said as one, else the rank's error."""
-    if "did not finish" in str(exc):
+    """A rank group's failure in one line. The harness says "did not finish" for three things
+    told apart here: a rank that raised while the others waited for it in a collective (they
+    are killed 20 s later: the raising rank's error is the cause, and the others' wait a
+    collective reached by only some ranks), a rank process that died (its exit code), and a
+    real timeout; else the rank's error."""
+    text = str(exc)
+    stuck = re.search(r"ranks? (\[[\d, ]*\]) did not finish", text)
+    if stuck and "raised:" in text:
+        cause = _short(text[: stuck.start()])
+        return (
+            f"{cause} (ranks {stuck.group(1)} were left waiting in a collective the raising "
+            "rank never reached, and killed)"
+        )
+    elapsed = getattr(exc, "elapsed", None)
+    codes = [c for c in getattr(exc, "exitcodes", []) if c is not None]  # ended on their own
+    if stuck and codes and elapsed is not None and elapsed < timeout - 5:
+        how = {-9: "SIGKILL: out of memory?", -11: "SIGSEGV: a crash"}
+        said = ", ".join(sorted({how.get(c, f"exit code {c}") for c in codes}))
+        return (
+            f"a rank process died after {elapsed:.0f} s, before the {timeout:.0f} s timeout "
+            f"(exit codes {codes}: {said}; a survivor is ended by the harness with SIGKILL): "
+            "not a hang; the rank group was restarted"
+        )
+    if stuck:
         return (
             f"timed out: no answer within {timeout:.0f} s (the rank group was killed and restarted)"
         )
@@ -437,6 +527,7 @@ def _parity_why(r: dict) -> dict:
         only = r["grads_missing"]
         return {
             "why": f"gradients: max |diff| = {r['grad_diff']:.2e}"
+            + (f" ({r['grad_rel']:.1e} of max |grad|)" if r.get("grad_rel") is not None else "")
             + (f", only one model has a gradient for {only}" if only else "")
         }
     return {}
@@ -503,7 +594,8 @@ def markdown(summary: dict, rows: list[dict]) -> str:
         f"- of those, with a plan inferred by tpkit: {s['parity_ok_with_inferred_plan']} (the "
         "rest use transformers' plan, applied by tpkit's styles)",
         f"- of those, every parameter's gradient also matches (backward of a fixed random "
-        f"projection of the logits, same tolerance): {s['gradient_parity_ok']}",
+        f"projection of the logits; max |grad diff| <= {TOL} x max(1, max |grad|): relative "
+        f"to the gradients' scale, shown as 'grad rel diff'): {s['gradient_parity_ok']}",
         "- 'share sharded': 2-D parameters sharded by the plan used; 'inferred share': the same "
         "for the plan tpkit infers (traced on the meta device), also where transformers has one",
         f"- of those, the plan used shards at least half of the 2-D parameters: "
@@ -523,13 +615,17 @@ def markdown(summary: dict, rows: list[dict]) -> str:
         f"({s.get('parity_and_full_size_90_share', 0):.1%})**",
         f"- wall time: {s['seconds']} s",
         "",
+        PARITY_MEANS,
+        "",
         "| architecture | kind | transformers plan | plan used | parity | max diff | grad diff | "
-        "share sharded | inferred share | full-size share | why not | full size: why below 90% |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "grad rel diff | share sharded | inferred share | full-size share | why not | "
+        "full size: why below 90% | full-size config repaired |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         diff = f"{r['max_diff']:.1e}" if "max_diff" in r else ""
         gdiff = f"{r['grad_diff']:.1e}" if "grad_diff" in r else ""
+        grel = f"{r['grad_rel']:.1e}" if r.get("grad_rel") is not None else ""
         share = f"{r['share_sharded']:.0%}" if "share_sharded" in r else ""
         ishare = f"{r['inferred_share']:.0%}" if "inferred_share" in r else ""
         if "inferred_error" in r:
@@ -541,9 +637,10 @@ def markdown(summary: dict, rows: list[dict]) -> str:
         )
         lines.append(
             f"| {r['architecture']} | {r['kind']} | {'yes' if r.get('transformers_plan') else 'no'}"
-            f" | {r.get('source', '')} | {r.get('status', '')} | {diff} | {gdiff} | {share} | "
-            f"{ishare} | {full} | "
-            f"{why.replace('|', '/')} | {full_why.replace('|', '/')} |"
+            f" | {r.get('source', '')} | {r.get('status', '')} | {diff} | {gdiff} | {grel} | "
+            f"{share} | {ishare} | {full} | "
+            f"{why.replace('|', '/')} | {full_why.replace('|', '/')} | "
+            f"{r.get('full_size_note', '').replace('|', '/')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -621,6 +718,8 @@ def markdown_families(summary: dict, rows: list[dict]) -> str:
     lines = [
         "# tpkit coverage by family (tp=2, CPU gloo; tiny configs for parity, default configs on "
         "meta for the share)",
+        "",
+        PARITY_MEANS,
         "",
         "| family | swept | tp=2 parity (output + every gradient) | >= 90% sharded at full size "
         "| both | tiny config broken | median full-size share |",
@@ -770,8 +869,15 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout",
         type=int,
         default=180,
-        help="seconds for each of an architecture's two rank-group calls (meta checks, parity); "
-        "past it the group is killed, the row says 'timeout' and the sweep goes on",
+        help="seconds for an architecture's parity call on the rank group; past it the group is "
+        "killed, the row says 'timeout' and the sweep goes on",
+    )
+    parser.add_argument(
+        "--meta-timeout",
+        type=int,
+        default=None,
+        help=f"seconds for an architecture's meta checks (full-size plan on meta; default "
+        f"{META_TIMEOUT:.0f} or --timeout if longer)",
     )
     args = parser.parse_args(argv)
     if args.towers:
@@ -788,7 +894,15 @@ def main(argv: list[str] | None = None) -> int:
             text = markdown(summarize(rows, seconds), rows)
         _replace(args.out / f"{stem}.md", text)
         return 0
-    summary = run(args.only, args.out, args.families, args.resume, args.timeout, tuple(args.retry))
+    summary = run(
+        args.only,
+        args.out,
+        args.families,
+        args.resume,
+        args.timeout,
+        tuple(args.retry),
+        args.meta_timeout,
+    )
     print(json.dumps(summary, indent=1))
     return 0
 

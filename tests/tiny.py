@@ -197,24 +197,24 @@ PATCHES = {
 
 
 # What the default (full-size) config needs to build at all: each a bug of the default itself,
-# given the published model's value where the default leaves it unset.
+# given the published model's value where the default leaves it unset. A key "sub.attr" is set on
+# a sub-config; a callable value is called (a large value built only when used). A sub-config's
+# own model type's entry applies to it too (Cohere-Compass's text config is cohere_compass_text).
 FULL_PATCHES = {
     "cohere_compass_text": PATCHES["cohere_compass_text"],
     "dbrx": PATCHES["dbrx"],
     "gemma4_assistant": PATCHES["gemma4_assistant"],
-    "reformer": {"is_decoder": True},  # the LM head needs a decoder
+    "reformer": {"is_decoder": True},  # the LM head needs a decoder (a masked LM: `full_config`)
     "moonshine_streaming": {"num_key_value_heads": 8},  # read, unset (MHA: 8 query heads)
     # the indexed-attention layers need indexer sizes the default leaves unset (no published
-    # values: the index head as wide as the rope, 16 query heads, a 2048-token budget)
-    **{
-        t: {
-            "indexer_n_heads": 16,
-            "indexer_kv_heads": 1,
-            "indexer_head_dim": 256,
-            "indexer_budget": 2048,
-            "indexer_compress_ratio": 4,
-        }
-        for t in ("qwen4_exp", "qwen4_exp_text")
+    # values: the index head as wide as the rope, 16 query heads, a 2048-token budget); the
+    # multimodal qwen4_exp gets them through its text config's type
+    "qwen4_exp_text": {
+        "indexer_n_heads": 16,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 256,
+        "indexer_budget": 2048,
+        "indexer_compress_ratio": 4,
     },
     # experts unset (dots.llm1: 128 routed, 6 per token, 2 shared)
     "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2},
@@ -225,30 +225,111 @@ FULL_PATCHES = {
             "full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)
         ],
     },
+    # the default SigLIP tower has 14 heads of a 1152 width (not divisible); the published
+    # Aya-Vision checkpoints' tower (SigLIP so400m) has 16
+    "aya_vision": {"vision_config.num_attention_heads": 16},
+    # the experts are unset though every layer builds them: DiffusionGemma-26B-A4B's MoE, as
+    # Gemma-4-26B-A4B's (128 experts of 704, 8 per token)
+    "diffusion_gemma_text": {"num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704},
+    # ESM-2's published vocabulary (33 tokens, pad 1): the default leaves both unset
+    "esm": {"vocab_size": 33, "pad_token_id": 1},
+    # the image tokenizer's vocabulary map is tokenizer data the default leaves unset; built in
+    # the published layout: Chameleon's 8192 VQ codes as "IMGIMG<code in letters>Z" at ids 4 on,
+    # "<image>" at 8711
+    "chameleon": {"vocabulary_map": lambda: _image_vocabulary("chameleon")},
+    # Emu3's 32768 VQ codes as "<|visual token NNNNNN|>" on the top ids of its 184622 (151854 on),
+    # the row end "<|extra_200|>" at 151846 (Qwen's extra tokens from 151646), "<image>" at the
+    # last id
+    "emu3": {"vocabulary_map": lambda: _image_vocabulary("emu3")},
+    # the deepstack projectors are unset: the published Granite-4-Vision injects 4 deepstack
+    # streams at text layers 0, 3, 6, 9 (its 4 spatial ones at the default's 12..21) through a
+    # 4/8 window Q-Former; the vision layers tapped are not published here (evenly spaced)
+    "granite4_vision": {
+        "deepstack_layer_map": [[-10, 0], [-7, 3], [-4, 6], [-1, 9]],
+        "downsample_rate": "4/8",
+    },
 }
+
+
+def _image_vocabulary(kind: str) -> dict[str, int]:
+    """A VQ image tokenizer's vocabulary map (token name to id) in the published layout of
+    ``kind``: what Chameleon's and Emu3's models read their image token ids from."""
+    if kind == "chameleon":  # digits written as letters: 123 -> "IMGIMGBCDZ"
+        digits = {str(i): chr(ord("A") + i) for i in range(10)}
+        out = {"IMGIMG" + "".join(digits[c] for c in str(i)) + "Z": 4 + i for i in range(8192)}
+        return {**out, "<image>": 8711}
+    out = {f"<|visual token {i:06d}|>": 151854 + i for i in range(32768)}
+    return {**out, "<|extra_200|>": 151846, "<image>": 184621}
+
+
 #: unset fields the modeling code divides by, filled as the model's own default would read them
+#: (on the config and on each of its sub-configs: HunYuan-VL's text config leaves head_dim None)
 _UNSET = {
     "vocab_size": lambda c: 32,  # a CTC head's default (Wav2Vec2-BERT / -Conformer leave it None)
     "head_dim": lambda c: c.hidden_size // c.num_attention_heads,
     "num_key_value_heads": lambda c: c.num_attention_heads,
 }
+#: a timm backbone the default names (DETR's family) built by transformers' own model of the same
+#: layout instead, where timm is not installed (it needs torchvision): timm name -> config kwargs
+_TIMM_FREE = {"resnet50": {"model_type": "resnet"}}  # ResNetConfig's defaults are ResNet-50's
 
 
-def full_config(model_type: str, class_name: str):
+def full_config(model_type: str, class_name: str, repairs: list[str] | None = None):
     """The architecture's default config at its full size, as a user of the published model
-    builds it: `FULL_PATCHES` and `_UNSET` repair only what keeps the default from building."""
+    builds it: `FULL_PATCHES` and `_UNSET` repair only what keeps the default from building,
+    and a timm backbone is swapped for transformers' own (`_TIMM_FREE`) where timm is missing.
+    ``repairs``: each repair made is appended to it, in one line (what a report shows)."""
     import transformers
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
     if hasattr(transformers, class_name):
         cls = getattr(transformers, class_name).config_class
-    patches = FULL_PATCHES.get(model_type, {})
-    config = cls(**{k: v for k, v in patches.items() if "." not in k})
+    log = repairs if repairs is not None else []
+    patches = _fresh(FULL_PATCHES.get(model_type, {}))
+    kwargs = {k: v for k, v in patches.items() if "." not in k}
+    config = cls(**kwargs)
+    swap = _timm_free(config)
+    if swap is not None:
+        kwargs.update(use_timm_backbone=False, backbone_config=swap[0])
+        config = cls(**kwargs)
+        log.append(swap[1])
     for k, v in patches.items():
         if "." in k:
             sub, attr = k.split(".", 1)
             setattr(getattr(config, sub), attr, v)
+    log.extend(f"{k}={_brief(v)}" for k, v in patches.items())
+    if class_name.endswith("ForMaskedLM") and getattr(config, "is_decoder", None):
+        config.is_decoder = False  # a masked LM reads both ways (Reformer's patch is the LM's)
+        log.append("is_decoder=False (a masked LM)")
+    _repair_tree(config, log, top=True)
+    return config
+
+
+def _fresh(patches: dict) -> dict:
+    """A copy of ``patches`` to hand a config: callables called, the rest deep-copied. A config
+    changes a dict it is given in place (transformers adds ``mrope_section`` to a
+    ``rope_parameters`` dict), which would change the module's patch for every later build in
+    the process: a second build of Cohere-Compass then failed on one rank only."""
+    import copy
+
+    return {k: v() if callable(v) else copy.deepcopy(v) for k, v in patches.items()}
+
+
+def _brief(v) -> str:
+    """A patch value in a report: a large one (a vocabulary map) by its size."""
+    return f"<{len(v)} entries>" if isinstance(v, dict) and len(v) > 8 else repr(v)
+
+
+def _repair_tree(config, log: list[str], top: bool) -> None:
+    """`_UNSET` fills on ``config`` and, with their own model type's `FULL_PATCHES`, on each of
+    its sub-configs (recursively); each repair appended to ``log``."""
+    if not top:
+        name = getattr(config, "model_type", "")
+        for k, v in _fresh(FULL_PATCHES.get(name, {})).items():
+            if "." not in k:
+                setattr(config, k, v)
+                log.append(f"{name}.{k}={_brief(getattr(config, k))}")
     for attr, fill in _UNSET.items():
         try:
             unset = attr in config.to_dict() and getattr(config, attr) is None
@@ -256,7 +337,35 @@ def full_config(model_type: str, class_name: str):
             unset = False
         if unset:
             setattr(config, attr, fill(config))
-    return config
+            log.append(f"{'' if top else config.model_type + '.'}{attr}={getattr(config, attr)}")
+    for key in getattr(config, "sub_configs", None) or ():
+        sub = getattr(config, key, None)
+        if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
+            _repair_tree(sub, log, top=False)
+
+
+def _timm_free(config) -> tuple | None:
+    """(transformers' backbone config, the repair in a line) for a config whose backbone is a
+    timm model `_TIMM_FREE` knows, when timm is not installed; else None. The backbone's
+    stages are the timm one's ``out_indices``."""
+    import importlib.util
+
+    from transformers import CONFIG_MAPPING
+
+    bb = getattr(config, "backbone_config", None)
+    name = getattr(bb, "backbone", None)
+    if getattr(bb, "model_type", None) != "timm_backbone" or name not in _TIMM_FREE:
+        return None
+    if importlib.util.find_spec("timm") is not None:
+        return None
+    fields = dict(_TIMM_FREE[name])
+    kind = fields.pop("model_type")
+    stages = list(getattr(bb, "out_indices", None) or [4])
+    out = CONFIG_MAPPING[kind](**fields, out_features=[f"stage{i}" for i in stages])
+    return out, (
+        f"use_timm_backbone=False: transformers' {kind} ({name} layout, stages {stages}) as "
+        "backbone_config, timm not being installed"
+    )
 
 
 def _layer_list(values: list, n: int) -> list:
@@ -384,7 +493,7 @@ def tiny_config(model_type: str, class_name: str | None = None):
     cls = CONFIG_MAPPING[model_type]
     if class_name and hasattr(transformers, class_name):  # e.g. MusicGen's decoder-only config
         cls = getattr(transformers, class_name).config_class
-    patches = PATCHES.get(model_type, {})
+    patches = _fresh(PATCHES.get(model_type, {}))
     try:
         default = cls()
     except Exception:  # noqa: BLE001 - a default that fails its own checks (Gemma-4 assistant)

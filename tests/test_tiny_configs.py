@@ -113,7 +113,37 @@ FIXED_VLM_3 = [
     # stacked audio features, half as many frames, with a frame mask
     ("fun_asr_nano", "FunAsrNanoForConditionalGeneration", "speech-seq2seq"),
 ]
-ALL_FIXED = FIXED + FIXED_2 + FIXED_VLM + FIXED_VLM_3
+#: issue 29, round 4: rows whose unsharded reference could not run, one per kind of fix, each
+#: with what had failed
+FIXED_4 = [
+    # a sibling tower's width copied in a nested sub-config (diarization head vs its encoder)
+    ("nemo_speechlm", "Nemotron3_5TranscribeForConditionalGeneration", "seq2seq"),
+    # features padded to whole chunks of 2 x n_window frames; the audio projector's output_dim
+    ("qwen3_asr", "Qwen3ASRForConditionalGeneration", "speech-seq2seq"),
+    # patch_size is the sub-ViTs' image size: 8-px patches of the 32-px image
+    ("depth_pro", "DepthProModel", "vision-encoder"),
+    # cross-attention images [batch, images, C, H, W] with their image_attention_mask
+    ("idefics", "IdeficsForVisionText2Text", "image-text-to-text"),
+    # per-token layout boxes (and the page image) a document model reads
+    ("udop", "UdopForConditionalGeneration", "image-text-to-text"),
+    # a SAM neck's last conv stage feeds the sibling encoder
+    ("unlimited_ocr", "UnlimitedOcrForConditionalGeneration", "image-text-to-text"),
+    ("deepseek_ocr2", "DeepseekOcr2ForConditionalGeneration", "image-text-to-text"),
+    # flattened patches led by their row and column
+    ("pix2struct", "Pix2StructForConditionalGeneration", "image-text-to-text"),
+    # blocks of merged patches, channels last; the head's unpadded vocabulary
+    ("inkling2", "Inkling2ForConditionalGeneration", "image-text-to-text"),
+    # each audio chunk's length in waveform samples
+    ("dots3_note", "Dots3NoteForConditionalGeneration", "image-text-to-text"),
+    # configs whose model did not build: deepstack map; VQ tokenizers' vocabulary maps
+    ("granite4_vision", "Granite4VisionForConditionalGeneration", "image-text-to-text"),
+    ("chameleon", "ChameleonForConditionalGeneration", "image-text-to-text"),
+    ("emu3", "Emu3ForConditionalGeneration", "image-text-to-text"),
+    # a timm backbone (timm is not installed) built by transformers' own ResNet, shrunk
+    ("detr", "DetrModel", "vision-encoder"),
+    ("deformable_detr", "DeformableDetrModel", "vision-encoder"),
+]
+ALL_FIXED = FIXED + FIXED_2 + FIXED_VLM + FIXED_VLM_3 + FIXED_4
 
 
 @pytest.mark.parametrize(("model_type", "cls", "family"), ALL_FIXED, ids=[f[1] for f in ALL_FIXED])
@@ -232,3 +262,61 @@ def test_block_diffusion_canvas_is_given():
     model = build_family("diffusion_gemma", "DiffusionGemmaForBlockDiffusion", device="meta")
     x = family_inputs(model, "image-text-to-text")
     assert x["decoder_input_ids"].shape == (x["input_ids"].shape[0], model.config.canvas_length)
+
+
+def test_round4_config_relations() -> None:
+    """Relations between (nested) sub-configs kept as the tiny config is built (cheap: no model)."""
+    config = tiny_family_config("nemo_speechlm", "Nemotron3_5TranscribeForConditionalGeneration")
+    diarization = config.audio_config.diarization_config
+    assert diarization.head_config.audio_hidden_size == diarization.audio_config.hidden_size
+    assert len(config.text_config.layers_block_type) == 3  # one layer of each kind, not 52
+    config = tiny_family_config(
+        "deepseek_ocr2", "DeepseekOcr2ForConditionalGeneration"
+    ).vision_config
+    assert config.sam_config.downsample_channels[-1] == config.encoder_config.hidden_size
+    config = tiny_family_config(
+        "unlimited_ocr", "UnlimitedOcrForConditionalGeneration"
+    ).vision_config
+    assert config.sam_config.downsample_channels[-1] == config.encoder_config.hidden_size
+    config = tiny_family_config("depth_pro", "DepthProModel")
+    assert config.image_model_config.image_size == config.patch_size == 8
+    config = tiny_family_config("inkling2", "Inkling2ForConditionalGeneration").text_config
+    assert config.unpadded_vocab_size == config.vocab_size
+    config = tiny_family_config("qwen3_asr", "Qwen3ASRForConditionalGeneration")
+    assert config.audio_config.output_dim == config.text_config.hidden_size
+
+
+def test_timm_backbone_is_replaced() -> None:
+    """Without timm, DETR's family builds transformers' own ResNet, with a stage per timm
+    ``out_indices`` entry, tiny."""
+    import importlib.util
+
+    if importlib.util.find_spec("timm") is not None:
+        pytest.skip("timm is installed: its backbone is kept")
+    config = tiny_family_config("deformable_detr", "DeformableDetrModel")
+    assert config.backbone_config.model_type == "resnet"
+    assert config.backbone_config.out_features == ["stage2", "stage3", "stage4"]
+    assert max(config.backbone_config.hidden_sizes) <= 64
+
+
+def test_document_and_patch_inputs() -> None:
+    """UDOP's boxes are in the page's [0, 1] units, each x0 <= x1 and y0 <= y1, with its page
+    image; Pix2Struct's flattened patches lead with their 1-based row and column."""
+    x = family_inputs(build_family("udop", "UdopForConditionalGeneration"), "image-text-to-text")
+    boxes = x["bbox"]
+    assert boxes.shape == (*x["input_ids"].shape, 4) and x["pixel_values"].ndim == 4
+    assert bool((boxes >= 0).all() and (boxes <= 1).all())
+    assert bool((boxes[..., 2] >= boxes[..., 0]).all() and (boxes[..., 3] >= boxes[..., 1]).all())
+    model = build_family("pix2struct", "Pix2StructForConditionalGeneration")
+    patches = family_inputs(model, "image-text-to-text")["flattened_patches"]
+    assert patches.shape[-1] == 2 + model.config.vision_config.patch_embed_hidden_size
+    assert patches[0, :, :2].min() == 1 and patches[0, :, :2].max() == 4
+
+
+def test_a_patch_value_is_not_changed_by_the_config_it_builds():
+    """A sub-config's patch dict handed to a config that adds to it in place (Cohere-Compass's
+    rope parameters get ``mrope_section``) made the second build in one process fail: a sweep
+    rank that built the tiny model twice raised while the other waited in a collective."""
+    first = tiny_family_config("cohere_compass", "CohereCompassForConditionalGeneration")
+    second = tiny_family_config("cohere_compass", "CohereCompassForConditionalGeneration")
+    assert first.to_dict() == second.to_dict()

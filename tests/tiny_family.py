@@ -4,6 +4,8 @@ towers a config checks kept (`FAMILY_PATCHES`). Inputs for them are `tests.tiny_
 
 from __future__ import annotations
 
+import copy
+
 from tests.tiny import (
     PATCHES,
     SIZES,
@@ -53,6 +55,10 @@ def _image_size(config) -> dict:
     return {"image_size": max(IMAGE["image_size"], PATCHES_PER_SIDE * patch, least)}
 
 
+#: a text config's output vocabulary under its padded ``vocab_size`` (Inkling-2's head of
+#: 200058 logits over a 201024-row embedding): the tiny vocabulary, or the tiny model kept a
+#: 200058-wide head (25 M parameters, 20 times the rest)
+UNPADDED_VOCAB = ("unpadded_vocab_size",)
 #: audio positions: a speech encoder's frames (Whisper reads exactly 2 x max_source_positions)
 AUDIO = {"max_source_positions": 32, "max_target_positions": 64}
 #: name endings of fields that follow the hidden size when their default equals it
@@ -92,7 +98,15 @@ def _shrink_tree(fields: dict, top: bool) -> dict:
     """`_shrink` of one (sub-)config's fields, its own sub-configs shrunk the same way, image
     sizes set (`IMAGE`) and placeholder token ids moved into the tiny vocabulary."""
     kwargs = _shrink(fields)
+    kinds = fields.get("layers_block_type")
+    if "num_hidden_layers" not in fields and isinstance(kinds, list) and len(kinds) > 2:
+        # a hybrid config whose layer count is its list of layer kinds (Nemotron-H's 52, a
+        # property, so `_shrink` sees no count to cut by): one layer of each kind
+        kwargs["layers_block_type"] = _layer_list(kinds, max(2, len(set(kinds))))
     kwargs.update({k: v for k, v in AUDIO.items() if isinstance(fields.get(k), int)})
+    for k in UNPADDED_VOCAB:  # the head's real vocabulary under the padded embedding's
+        if isinstance(fields.get(k), int) and "vocab_size" in kwargs:
+            kwargs[k] = kwargs["vocab_size"]
     width = fields.get("hidden_size")
     for k, v in fields.items():  # sizes that default to the hidden size (SigLIP's projection)
         if k not in kwargs and isinstance(width, int) and v == width and k.endswith(_WIDTHS):
@@ -122,9 +136,11 @@ def _shrink_tree(fields: dict, top: bool) -> dict:
     for k, v in fields.items():
         if _is_sub(v):
             kwargs[k] = _restage({**v, **_shrink_tree(v, False)})
+    _fit_sibling_widths(fields, kwargs)
     for k, v in PATCHES.get(fields.get("model_type"), {}).items():  # a sub-config's own bugs
         if "." in k:
             continue
+        v = copy.deepcopy(v)  # the config may add to it in place (rope's mrope_section)
         kwargs[k] = {**kwargs[k], **v} if isinstance(kwargs.get(k), dict) else v
     if top:
         _fit_towers(fields, kwargs)
@@ -140,6 +156,48 @@ TOWER_WIDTHS = {"vision_hidden_size": "vision_config", "audio_hidden_size": "aud
 #: a list of a tower's layer indexes that another sub-config reads (Molmo-2's adapter taps
 #: ``vision_feature_layer`` [24, 18] of 25 vision layers)
 TOWER_LAYERS = ("vision_feature_layer",)
+
+
+#: endings of a sub-config's list of conv stage widths whose last stage feeds a sibling
+#: sub-config (`_fit_sibling_widths`)
+CHANNEL_LISTS = ("_channels",)
+
+
+def _fit_sibling_widths(fields: dict, kwargs: dict) -> None:
+    """Widths one sub-config repeats of a sibling's, at every level of the tree (the top level's
+    own copies are `_fit_towers`'):
+
+    - a copy of a sibling tower's width (`TOWER_WIDTHS`: Nemotron-3 diarization's
+      ``head_config.audio_hidden_size`` 512 beside its ``audio_config``, which its config checks
+      as it is built) is that tower's tiny width;
+    - a list of conv stage widths (`CHANNEL_LISTS`) that ends at a sibling's default hidden size
+      feeds that sibling (DeepSeek-OCR-2's SAM neck, ``downsample_channels`` [512, 896], into its
+      896-wide encoder; Unlimited-OCR's [512, 1024] into its 1024-wide CLIP): it ends at the
+      sibling's tiny width, each earlier stage half the next."""
+    widths = {  # each sibling's default hidden size: its tiny one
+        fields[name]["hidden_size"]: sub["hidden_size"]
+        for name, sub in kwargs.items()
+        if isinstance(sub, dict)
+        and isinstance(fields.get(name), dict)
+        and type(fields[name].get("hidden_size")) is int
+        and type(sub.get("hidden_size")) is int
+    }
+    for name, sub in kwargs.items():
+        if not isinstance(sub, dict):
+            continue
+        for k, tower in TOWER_WIDTHS.items():
+            inner = kwargs.get(tower)
+            width = inner.get("hidden_size") if isinstance(inner, dict) else None
+            if isinstance(sub.get(k), int) and isinstance(width, int):
+                sub[k] = width
+        own = fields[name].get("hidden_size") if isinstance(fields.get(name), dict) else None
+        for k, v in sub.items():
+            if not (k.endswith(CHANNEL_LISTS) and _ints(v) and v and v[-1] in widths):
+                continue
+            if v[-1] == own:  # its own width, not a sibling's
+                continue
+            end = widths[v[-1]]
+            sub[k] = [max(1, end // 2 ** (len(v) - 1 - i)) for i in range(len(v))]
 
 
 def _fit_layers(fields: dict, kwargs: dict) -> None:
@@ -298,6 +356,8 @@ def tiny_family_config(model_type: str, class_name: str | None = None):
             ):
                 setattr(config, k, [v, v])
         _fit_vision(config)
+        _fit_backbone(config)
+        _set_fields(config, FAMILY_PATCHES.get(model_type, {}))  # a built text-path config
         return config
     cls = CONFIG_MAPPING[model_type]
     if class_name and hasattr(transformers, class_name):
@@ -305,8 +365,11 @@ def tiny_family_config(model_type: str, class_name: str | None = None):
     fields = cls().to_dict()
     kwargs = _shrink_tree(fields, True)
     for k, v in FAMILY_PATCHES.get(model_type, {}).items():  # checked as the config is built
-        sub, attr = k.split(".", 1) if "." in k else ("", k)
-        (kwargs[sub] if sub else kwargs)[attr] = v
+        *path, attr = k.split(".")
+        target = kwargs
+        for sub in path:  # a sub-config's sub-config: vision_config.sam_config.field
+            target = target[sub]
+        target[attr] = v
     config = cls(**kwargs)
     for sub in ("text_config", "vision_config", "audio_config"):  # eager everywhere
         if getattr(config, sub, None) is not None and hasattr(getattr(config, sub), "use_cache"):
@@ -322,11 +385,59 @@ def tiny_family_config(model_type: str, class_name: str | None = None):
         fills = hasattr(getattr(transformers, class_name or "", None), method)
         if fills and k in vars(config) and getattr(config, k) is None:
             setattr(config, k, token)
-    for k, v in CLASS_PATCHES.get(class_name, {}).items():
-        sub, attr = k.split(".", 1) if "." in k else ("", k)
-        setattr(getattr(config, sub) if sub else config, attr, v)
+    _fit_backbone(config)
+    _set_fields(config, CLASS_PATCHES.get(class_name, {}))
     config._attn_implementation = "eager"
     return config
+
+
+#: a timm backbone (DETR's family: ``timm_backbone`` named ``resnet50``) built by transformers'
+#: own model of that layout instead when timm is not installed (timm needs torchvision, which
+#: cannot be installed beside the CPU torch build here): timm name -> transformers model type
+TIMM_FREE = {"resnet50": "resnet"}
+#: the tiny stand-in backbone's stages: as many as the timm one's ``out_indices`` name, each one
+#: basic block, 8 to 64 channels (ResNet-50's 256-2048 bottlenecks are 23 M parameters)
+BACKBONE_WIDTH = 8
+
+
+def _fit_backbone(config) -> None:
+    """A config whose backbone is a timm model (`TIMM_FREE`) gets, where timm is missing,
+    transformers' own backbone of the same layout, shrunk (`BACKBONE_WIDTH`), with the stages
+    the timm one's ``out_indices`` name, and ``use_timm_backbone`` off: the model then builds
+    it with ``load_backbone`` as it would a published transformers backbone. The detector on
+    top reads only the stages' channel counts (``backbone.channels``), so nothing else moves."""
+    import importlib.util
+
+    from transformers import CONFIG_MAPPING
+
+    backbone = getattr(config, "backbone_config", None)
+    kind = TIMM_FREE.get(getattr(backbone, "backbone", None))
+    if getattr(backbone, "model_type", None) != "timm_backbone" or kind is None:
+        return
+    if importlib.util.find_spec("timm") is not None:
+        return
+    stages = list(getattr(backbone, "out_indices", None) or [4])
+    n = max(stages)
+    config.backbone_config = CONFIG_MAPPING[kind](
+        num_channels=getattr(backbone, "num_channels", 3),
+        embedding_size=BACKBONE_WIDTH,
+        hidden_sizes=[BACKBONE_WIDTH * 2**i for i in range(n)],
+        depths=[1] * n,
+        layer_type="basic",
+        out_features=[f"stage{i}" for i in stages],
+    )
+    if hasattr(config, "use_timm_backbone"):
+        config.use_timm_backbone = False
+
+
+def _set_fields(config, patches: dict) -> None:
+    """Set ``patches`` (``field`` or ``sub_config.field``) on a built config."""
+    for k, v in patches.items():
+        *path, attr = k.split(".")
+        target = config
+        for sub in path:
+            target = getattr(target, sub)
+        setattr(target, attr, v)
 
 
 #: relations between sub-configs that a config checks as it is built, or the model relies on,
@@ -346,12 +457,88 @@ FAMILY_PATCHES = {
             "mrope_section": [22, 22, 20],
         }
     },
+    # its ``patch_size`` is the pixels of each patch its ViTs see as a whole image (it checks
+    # that each sub-config's ``image_size`` equals it), and its forward refuses an image whose
+    # smallest scale (ratio 0.25) is under one patch: 8-px patches of the 32-px tiny image, 2-px
+    # ViT patches; its ``intermediate_hook_ids`` (11, 5) name layers of the 2-layer patch ViT,
+    # and its fusion widths (256-1024) shrink like the rest. Set on the built config: `tiny_config`
+    # gives it (no text sub-config), so these bypass the build-time check, which they satisfy
+    "depth_pro": {
+        "patch_size": 8,
+        "intermediate_hook_ids": [1, 0],
+        "intermediate_feature_dims": [64, 64],
+        "scaled_images_feature_dims": [64, 64, 64],
+        "fusion_hidden_size": 64,
+        **{
+            f"{sub}.{k}": v
+            for sub in ("image_model_config", "patch_model_config", "fov_model_config")
+            for k, v in (("image_size", 8), ("patch_size", 2))
+        },
+    },
+    # its SAM neck's last conv stage feeds the encoder, whose width the modeling code reads
+    # (``torch.cat`` with its learned queries): the default config's [512, 896] names the
+    # published 896-wide encoder, not its own default encoder_config (4096), so no width rule
+    # sees the relation
+    "deepseek_ocr2": {"vision_config.sam_config.downsample_channels": [32, 64]},
+    # its default leaves the deepstack projectors unset (the model takes len() of the map):
+    # (vision hidden state, text layer) pairs naming the tiny 2-layer tower's and text model's
+    # layers; a Q-Former window of 4 patches (the tiny 4 x 4 grid: the published 8 is wider)
+    # read by 2 x 2 queries; the 4 spatial offset groups injected at the 2 text layers
+    "granite4_vision": {
+        "deepstack_layer_map": [[-1, 0], [-2, 1]],
+        "downsample_rate": "2/4",
+        "spatial_target_layers": [0, 1, 0, 1],
+    },
     # the projector reads 2 x 2 merged patches of the tower (4 x its 64) and is 128 wide inside
     **{
         t: {"out_hidden_size": 256, "projector_hidden_size": 128}
         for t in ("muse_glimmer", "muse_spark")
     },
 }
+
+
+def _vq_vocabulary(kind: str) -> dict[str, int]:
+    """A VQ image tokenizer's vocabulary map (token name to id: tokenizer data a default config
+    leaves unset, from which Chameleon's and Emu3's models read their image token ids) in the
+    published naming, for the tiny model: `CODEBOOK` codes from a third of the tiny vocabulary
+    on (as `_fit_offsets` lays code ranges out), Emu3's row end after them, and the ``<image>``
+    placeholder on a free id above the random text ids (`TEXT_IDS`)."""
+    start = VOCAB // 3
+    if kind == "chameleon":  # digits written as letters: 12 -> "IMGIMGBCZ"
+        digits = {str(i): chr(ord("A") + i) for i in range(10)}
+        codes = {
+            "IMGIMG" + "".join(digits[c] for c in str(i)) + "Z": start + i for i in range(CODEBOOK)
+        }
+        return {**codes, "<image>": TEXT_IDS + 1}
+    codes = {f"<|visual token {i:06d}|>": start + i for i in range(CODEBOOK)}
+    return {**codes, "<|extra_200|>": start + CODEBOOK, "<image>": TEXT_IDS + 1}
+
+
+#: a VQ image tokenizer's encoder, tiny: 32 base channels (its GroupNorms have 32 groups), one
+#: res block, and stages (``channel_multiplier``, below) that downsample the 32-px image 8 times
+#: (4 x 4 codes per image: the text model has 64 positions)
+VQ_TOWER = {"base_channels": 32, "num_res_blocks": 1}
+FAMILY_PATCHES.update(
+    {
+        # its codes must fit the tiny vocabulary: `CODEBOOK` codes, each a named token of the
+        # vocabulary map (`_vq_vocabulary`)
+        "chameleon": {
+            "vocabulary_map": _vq_vocabulary("chameleon"),
+            "image_token_id": TEXT_IDS + 1,  # its config reads it off the map, then drops it
+            "vq_config.num_embeddings": CODEBOOK,
+            "vq_config.channel_multiplier": [1, 1, 1, 2],
+            "vq_config.latent_channels": 16,
+            "vq_config.resolution": 32,
+            **{f"vq_config.{k}": v for k, v in VQ_TOWER.items()},
+        },
+        "emu3": {
+            "vocabulary_map": _vq_vocabulary("emu3"),
+            "vq_config.codebook_size": CODEBOOK,
+            "vq_config.channel_multiplier": [1, 1, 1, 2],
+            **{f"vq_config.{k}": v for k, v in VQ_TOWER.items()},
+        },
+    }
+)
 #: flags a head class needs that its family's default config leaves off (sub-config.field)
 CLASS_PATCHES = {
     # the image-text matching head runs the Q-Former on the text too: its published config
@@ -388,6 +575,11 @@ VIDEO_FRAMES = 1
 #: with (Qwen3-VL's, GLM-4V's merger output): set to the text model's hidden size, which the
 #: placeholder embeddings they replace have (the shrunk default left 3584 / 4096 against 64)
 OUTPUT_WIDTHS = ("out_hidden_size", "text_hidden_size")
+#: the same for an audio sub-config, whose projector into the text model is ``output_dim`` wide
+#: (Qwen3-ASR's and Qwen-Omni's 3584, Qwen2.5-7B's width, left against the tiny text model's 64
+#: where the text default is another: Qwen3-ASR's). Audio configs only: elsewhere the name means
+#: an inner width (Granite-Speech's encoder feed-forward, ESMFold-2's atom stack)
+AUDIO_OUTPUT_WIDTHS = (*OUTPUT_WIDTHS, "output_dim")
 #: endings of a vision sub-config's lists of block indexes (Qwen3-VL's deepstack taps at blocks
 #: 8, 16, 24): past the cut ``depth`` they name no block and their mergers never run, so they
 #: become the first blocks (`_fit_family`)
@@ -420,8 +612,9 @@ def _fit_family(config) -> None:
     (`OUTPUT_WIDTHS`) follows the text model's hidden size, and its lists of block indexes
     (`LAYER_INDEXES`) name blocks that are left."""
     text = getattr(config, "text_config", None) or config
-    for sub in (getattr(config, n, None) for n in ("vision_config", "audio_config")):
-        for k in OUTPUT_WIDTHS:
+    for n, names in (("vision_config", OUTPUT_WIDTHS), ("audio_config", AUDIO_OUTPUT_WIDTHS)):
+        sub = getattr(config, n, None)
+        for k in names:
             if sub is not None and isinstance(getattr(sub, k, None), int):
                 setattr(sub, k, text.hidden_size)
     for k, token in PLACEHOLDER_FIELDS.items():

@@ -55,12 +55,17 @@ def family_inputs(model, family: str) -> dict:
     )
     if not any(hasattr(m, "get_image_features") for m in model.modules()):
         token = None  # no placeholders to fill: BLIP-2's retrieval head, Mllama's cross-attention
+    params = inspect.signature(model.forward).parameters
+    if token is not None and "pixel_values" in params and "pixel_values" not in out:
+        _fit_tokenizer_pixels(model, out, g)
     pixels = out.get("pixel_values")
     if isinstance(getattr(config, ANY_RES, None), list) and pixels is not None and pixels.ndim == 4:
         out["pixel_values"] = torch.randn((pixels.shape[0], 2, *pixels.shape[1:]), generator=g)
     _fit_image_sizes(model, out)
     _fit_patch_pixels(model, out)
-    params = inspect.signature(model.forward).parameters
+    _fit_cross_images(model, out, params, g)
+    _fit_boxes(model, out, params, g)
+    _fit_flattened_patches(model, out, g)
     _fit_more_pixels(model, out, params, g)
     if (
         token is not None
@@ -92,6 +97,115 @@ def family_inputs(model, family: str) -> dict:
     _fit_patches(model, out)
     _fit_tiles(model, out)
     return _fit_layout(model, out)
+
+
+#: the forward argument of a cross-attention VLM that says which images each text position
+#: sees (IDEFICS-1's: [batch, text positions, images]): its images reach the text through
+#: cross-attention layers, not placeholder tokens
+CROSS_IMAGE_MASK = "image_attention_mask"
+
+
+def _fit_cross_images(model, out: dict, params, g) -> None:
+    """A cross-attention VLM (a forward taking `CROSS_IMAGE_MASK` and ``pixel_values``) whose
+    pixels the trace did not make up (IDEFICS-1 reads them [batch, images, channels, height,
+    width], and refuses a forward without some image input) gets one image per row, of its
+    vision sub-config's size, seen by every text position (the mask all ones)."""
+    import torch
+
+    ids = out.get("input_ids")
+    vision = getattr(model.config, "vision_config", None)
+    wanted = CROSS_IMAGE_MASK in params and "pixel_values" in params
+    if not wanted or "pixel_values" in out or ids is None or vision is None:
+        return
+    rows = ids.shape[0]
+    out["pixel_values"] = torch.randn((rows, 1, *_image_chw(vision)), generator=g)
+    out[CROSS_IMAGE_MASK] = torch.ones((rows, ids.shape[1], 1), dtype=torch.long)
+
+
+#: the forward argument of a document model's per-token layout boxes [batch, positions, 4]
+BOXES = "bbox"
+
+
+def _fit_boxes(model, out: dict, params, g) -> None:
+    """A document model (a forward taking `BOXES`) that does not run without them (UDOP: its
+    2-D relative attention bias reads each token's box) gets a box per text position, in the
+    page's [0, 1] units (x0 <= x1, y0 <= y1, as the processor normalises them), and where its
+    forward takes ``pixel_values`` and the trace made none, the page image at the config's
+    ``image_size``, so the patches its encoder adds to the tokens under them are read too.
+    Models that run without boxes (LayoutLM's default all-zero boxes, read as 0-1000 ids) keep
+    their inputs: whether one does is tried on a copy, as `_fit_layout` does."""
+    import copy
+
+    import torch
+
+    ids = out.get("input_ids")
+    if BOXES not in params or BOXES in out or ids is None:
+        return
+    try:
+        with torch.no_grad():
+            copy.deepcopy(model)(**out)
+    except Exception:  # noqa: BLE001 - model code may raise anything without its boxes
+        pass
+    else:
+        return
+    corners = torch.rand((*ids.shape, 2, 2), generator=g).sort(dim=-2).values  # [.., lo/hi, x/y]
+    out[BOXES] = corners.flatten(-2)  # x0, y0, x1, y1
+    size = getattr(model.config, "image_size", None)
+    if "pixel_values" in params and "pixel_values" not in out and isinstance(size, int):
+        out["pixel_values"] = torch.randn((ids.shape[0], *_image_chw(model.config)), generator=g)
+
+
+#: the input of a tower that reads an image as its processor's flattened patches, each led by
+#: its row and column (Pix2Struct's: [batch, patches, 2 + channels x patch x patch]), and the
+#: vision config's field giving the patch's width after the two
+FLATTENED_PATCHES = ("flattened_patches", "patch_embed_hidden_size")
+
+
+def _fit_flattened_patches(model, out: dict, g) -> None:
+    """Flattened patches (`FLATTENED_PATCHES`) as the processor gives them: the trace reads the
+    patch width (``patch_embed_hidden_size``) off the config but not the two leading columns,
+    the patch's 1-based row and column on its grid, which the tower embeds as ids (the width
+    it projects is the rest). A square grid of ``PATCHES_PER_SIDE`` rows and columns."""
+    import torch
+
+    from tests.tiny_family import PATCHES_PER_SIDE
+
+    key, field = FLATTENED_PATCHES
+    patches = out.get(key)
+    vision = getattr(model.config, "vision_config", None) or model.config
+    width = getattr(vision, field, None)
+    if not isinstance(patches, torch.Tensor) or not isinstance(width, int):
+        return
+    if patches.ndim != 3 or patches.shape[-1] != width:
+        return
+    side = PATCHES_PER_SIDE
+    rows = torch.arange(1, side + 1).repeat_interleave(side)
+    cols = torch.arange(1, side + 1).repeat(side)
+    place = torch.stack([rows, cols], dim=-1).float().expand(patches.shape[0], -1, -1)
+    pixels = torch.randn((patches.shape[0], side * side, width), generator=g)
+    out[key] = torch.cat([place, pixels], dim=-1)
+
+
+def _fit_tokenizer_pixels(model, out: dict, g) -> None:
+    """An image per text row, of the vision sub-config's size (else `IMAGE`'s), for a VLM
+    whose image tokenizer the trace makes no pixels for (Chameleon's and Emu3's VQ-VAE, which
+    has no ``image_size``), where its ``get_image_features`` runs on them; the placeholders
+    are then counted as for any VLM. Left text-only where the tower needs more than an image."""
+    import torch
+
+    ids = out.get("input_ids")
+    config = model.config
+    vision = getattr(config, "vision_config", None) or getattr(config, "vq_config", None)
+    if ids is None:
+        return
+    pixels = torch.randn((ids.shape[0], *_image_chw(vision or config)), generator=g)
+    trial = {**out, "pixel_values": pixels}
+    _fit_image_sizes(model, trial)  # Emu3's tokenizer reads each image's size
+    try:
+        _image_layout(model, pixels, dict(trial))
+    except Exception:  # noqa: BLE001, S110 - the tower's own inputs: left text-only
+        return
+    out.update(trial)
 
 
 def _fit_canvas(model, out: dict, params, top: int, g) -> None:
@@ -136,8 +250,10 @@ def _fit_patch_pixels(model, out: dict) -> None:
     that reads an ``image_grid_thw``: Qwen2-VL's, whose patch embedding unflattens them) in the
     first layout the tower runs on, where it does not run on them: each patch an image
     [patches, channels, patch, patch] (Kimi-K2.5's conv stem), or those as one sequence
-    [1, patches, channels, patch, patch] (PaddleOCR-VL's), or flattened patches as wide as the
-    tower's first linear reads (Muse's two frames per patch, ``patch_temporal``)."""
+    [1, patches, channels, patch, patch] (PaddleOCR-VL's), or one block of ``spatial_merge_size``
+    squared patches per row, channels last (Inkling-2's [tokens, 16, 16, 3]), or flattened
+    patches as wide as the tower's first linear reads (Muse's two frames per patch,
+    ``patch_temporal``)."""
     import torch
 
     pixels = out.get("pixel_values")
@@ -152,6 +268,13 @@ def _fit_patch_pixels(model, out: dict) -> None:
     if pixels.shape[1] == channels * patch * patch:
         images = pixels.view(-1, channels, patch, patch)
         candidates += [images, images[None]]
+    merge = getattr(vision, "spatial_merge_size", None)
+    if isinstance(merge, int) and pixels.shape[1] == channels * patch * patch:
+        # a block of merge x merge patches per row, channels last (Inkling-2's: one row per
+        # text token, its grid counted in tokens)
+        g = torch.Generator().manual_seed(3)
+        side = merge * patch
+        candidates.append(torch.randn((pixels.shape[0], side, side, channels), generator=g))
     if first is not None and first.in_features % pixels.shape[1] == 0:
         # patches of more frames than the trace read off the config (Muse's ``patch_temporal``)
         g = torch.Generator().manual_seed(3)
@@ -464,6 +587,9 @@ def _fit_layout(model, out: dict) -> dict:
         # and half as many of them, for a position table that ends before the made-up frame
         # count (FunASR's 63 positions for 64 frames)
         others.append(torch.randn((x.shape[0], x.shape[1] // 2, first.in_features), generator=g))
+    chunk = _audio_chunk(model.config)
+    if chunk and x.ndim == 3:  # whole chunks of frames (Qwen3-ASR's 2 x n_window), both layouts
+        others += [_whole_chunks(c, chunk) for c in (x, x.transpose(1, 2))]
     if not others:
         return out
     probe = copy.deepcopy(model)
@@ -482,11 +608,44 @@ def _fit_layout(model, out: dict) -> dict:
     return out
 
 
+#: a config field giving half the frames of the chunks an audio encoder cuts its features into
+#: (Qwen3-ASR's ``n_window``: chunks of 2 x 50 mel frames, and it refuses features that are not a
+#: whole number of them; its output-length formula is written for that chunk, so the chunk
+#: stays and the features are padded to it)
+AUDIO_CHUNK = "n_window"
+
+
+def _audio_chunk(config) -> int:
+    """Frames per chunk (`AUDIO_CHUNK`) of the config or any sub-config, else 0."""
+    for c in (config, *(v for v in vars(config).values() if hasattr(v, "to_dict"))):
+        half = getattr(c, AUDIO_CHUNK, None)
+        if isinstance(half, int) and half > 0:
+            return 2 * half
+    return 0
+
+
+def _whole_chunks(features, chunk: int):
+    """``features`` [batch, bins, frames] with random frames added up to whole ``chunk``s."""
+    import torch
+
+    frames = features.shape[-1]
+    more = -frames % chunk or (chunk if frames == 0 else 0)
+    g = torch.Generator().manual_seed(4)
+    pad = torch.randn((*features.shape[:-1], more), generator=g)
+    return torch.cat([features, pad], dim=-1)
+
+
 #: forward arguments masking an audio input's padding (per sample or per frame), which some
 #: audio-LLMs read unconditionally (Qwen-Omni's ``feature_attention_mask``, Apertus-1.5's
 #: ``padding_mask``): all ones, every frame real, over the layout's last axis or (features
 #: [batch, frames, bins]: FunASR's) its second (`_fit_layout` tries both)
 AUDIO_MASKS = ("feature_attention_mask", "padding_mask", "input_features_mask")
+
+
+#: forward arguments giving each audio chunk's length in waveform samples, which an audio tower
+#: reads unconditionally (dots3-note's ``chunk_sample_lengths``: its conv stem masks the frames
+#: past length // ``hop_length``): the features' frames times the config's ``hop_length``
+AUDIO_SAMPLE_LENGTHS = ("chunk_sample_lengths",)
 
 
 #: a made-up waveform cut to this many samples, for a codec that takes only a whole number
@@ -512,6 +671,13 @@ def _place_audio(model, out: dict, key: str, axis: int | None = None) -> dict:
     if mask is not None and mask not in out:  # every frame real (a required mask: Qwen-Omni's)
         shape = (out[key].shape[0], out[key].shape[axis])
         out = {**out, mask: torch.ones(shape, dtype=torch.long)}
+    lengths = next((k for k in AUDIO_SAMPLE_LENGTHS if k in params), None)
+    audio = getattr(config, "audio_config", None) or config
+    hop = getattr(audio, "hop_length", None)
+    if lengths is not None and lengths not in out and isinstance(hop, int) and out[key].ndim == 3:
+        # every frame real: the waveform samples the features' last axis (frames) stands for
+        samples = torch.full((out[key].shape[0],), out[key].shape[-1] * hop, dtype=torch.long)
+        out = {**out, lengths: samples}
     token = next(
         (
             getattr(config, k)
@@ -526,6 +692,8 @@ def _place_audio(model, out: dict, key: str, axis: int | None = None) -> dict:
         return out
     takes = inspect.signature(inner.get_audio_features).parameters
     extra = {mask: out[mask]} if mask in takes else {}
+    if lengths is not None and lengths in out:  # required wherever the forward takes them
+        extra[lengths] = out[lengths]
     with torch.no_grad():
         feats = inner.get_audio_features(out[key], **extra)
     feats = getattr(feats, "pooler_output", feats)
@@ -550,9 +718,17 @@ def _image_tokens(model, pixel_values, given: dict | None = None) -> int:
     extra = {k: v for k, v in (given or {}).items() if k in params and k != "pixel_values"}
     with torch.no_grad():
         feats = inner.get_image_features(pixel_values=pixel_values, **extra)
+    streams = getattr(feats, INJECTED_FEATURES, None)
     feats = getattr(feats, "pooler_output", feats)
+    if feats is None and isinstance(streams, list) and streams:
+        feats = streams[0][1]  # (text layer, features): each stream fills the same positions
     parts = [feats] if isinstance(feats, torch.Tensor) else list(feats)
     return sum(t.numel() // t.shape[-1] for t in parts)
+
+
+#: image features given as (text layer, features) pairs, one per stream injected into a text
+#: layer, with no pooled output (Granite-4-Vision's deepstack and spatial streams)
+INJECTED_FEATURES = "deepstack_features"
 
 
 def _image_layout(model, pixel_values, given: dict | None = None):

@@ -107,3 +107,19 @@ def test_print_shows_each_layers_style_and_local_shape(ranks2):
     )
     assert "tp=vocab_parallel, weight: local (51, 64)" in r["text"]  # 101 rows: 51 + 50
     assert r["down"].endswith("tp=rowwise, weight: local (64, 64))"), r["down"]
+
+
+def check_a_layer_whose_config_is_not_a_config() -> dict:
+    import tpkit
+
+    ref = build("llama")
+    ref.model.layers[0].mlp.up_proj.config = 0.1  # IDEFICS keeps its dropout under that name
+    model = tpkit.tensor_parallel(copy.deepcopy(ref))
+    return forward_backward_diffs(ref, model, batch(101))
+
+
+def test_a_layer_whose_config_attribute_is_not_a_config_is_split(ranks2):
+    """Applying a style read ``module.config.__dict__`` to choose the experts' matmul: IDEFICS's
+    gated cross-attention layer keeps a float as ``config`` (AttributeError, no split)."""
+    for r in ranks2.run(check_a_layer_whose_config_is_not_a_config):
+        assert r["logits"] <= 1e-5 and r["grad"] <= 1e-5, r

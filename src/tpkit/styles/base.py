@@ -147,8 +147,8 @@ def _grouped_mm_fallback(module: nn.Module) -> str:
     or a whole expert weight as odd (transformers' Mixtral tester: 37 wide, which fails
     unsharded too), makes it raise mid-forward. Such a module gets its own copy of its config
     that says ``batched_mm`` (the same products, per expert): the fix in words, or ""."""
-    config = getattr(module, "config", None)
-    if config is None or config.__dict__.get(_IMPL) != "grouped_mm":
+    config = getattr(module, "config", None)  # any object: IDEFICS keeps a float there
+    if getattr(config, "__dict__", {}).get(_IMPL) != "grouped_mm":
         return ""
     for p in module._parameters.values():
         if p is not None and p.ndim == 3:

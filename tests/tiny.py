@@ -499,7 +499,10 @@ def tiny_config(model_type: str, class_name: str | None = None):
     except Exception:  # noqa: BLE001 - a default that fails its own checks (Gemma-4 assistant)
         default = cls(**{k: v for k, v in patches.items() if "." not in k})
     fields = default.to_dict()
-    if any(k in fields for k in ("vision_config", "audio_config", "text_config", "encoder")):
+    towers = ("vision_config", "audio_config", "text_config", "encoder")
+    if any(k in fields for k in towers) or any(
+        isinstance(v, dict) and any(k in v for k in towers) for v in fields.values()
+    ):  # also a model of models (pi0's PaliGemma under ``vlm_config``: 3B left unshrunk)
         return None
     kwargs = _shrink(fields)
     for k, v in fields.items():  # sub-configs held as dicts (BLT's encoder/decoder/patcher)

@@ -26,6 +26,7 @@ BROKEN_DEFAULTS = [
     ("cohere_compass", "CohereCompassForConditionalGeneration", "cohere_compass_text.rope_"),
     ("detr", "DetrModel", "use_timm_backbone=False"),
     ("deformable_detr", "DeformableDetrModel", "stages [2, 3, 4]"),
+    ("deepseek_ocr2", "DeepseekOcr2ForConditionalGeneration", "deepseek_ocr2_text.mlp_layer_"),
 ]
 
 

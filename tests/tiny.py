@@ -248,6 +248,13 @@ FULL_PATCHES = {
         "deepstack_layer_map": [[-10, 0], [-7, 3], [-4, 6], [-1, 9]],
         "downsample_rate": "4/8",
     },
+    # each layer's MLP kind is unset (the model indexes the list per layer) and so is the
+    # routing's top-k: as DeepSeek-OCR's decoder, the first layer dense, the rest MoE, 6 experts
+    # per token (the default's 32 layers kept)
+    "deepseek_ocr2_text": {
+        "mlp_layer_types": ["dense"] + ["sparse"] * 31,
+        "num_experts_per_tok": 6,
+    },
 }
 
 

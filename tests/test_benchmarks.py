@@ -163,3 +163,15 @@ def test_coverage_sweep_writes_each_row_and_resumes(tmp_path, monkeypatch):
     assert cov.main(["--markdown-only", "--families", "ctc", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "coverage_families.md").read_text()
     assert f"| ctc | 3 of {n_ctc} | 3 | 3 | 3 |" in text
+
+
+def test_coverage_compares_gradients_in_training_mode_where_the_backward_needs_it(ranks2):
+    """Reformer's reversible layers assert training mode in their backward: its gradients went
+    unchecked ("no reference backward"). With no dropout and its full axial length as the tiny
+    inputs' length, its training forward repeats the evaluation one and the gradients are
+    compared there."""
+    from benchmarks.coverage import check_parity
+
+    for r in ranks2.run(check_parity, "reformer", "ReformerForMaskedLM", "masked-lm"):
+        assert r["parity"] and r["grad_parity"] is True, r
+        assert not r["grads_missing"] and r["grad_scale"] > 0, r

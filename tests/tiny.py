@@ -151,8 +151,20 @@ PATCHES = {
     "gemma3n_text": {"num_kv_shared_layers": 0},  # 15 shared-KV layers of 2
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # default layer_types is None
     "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},  # both read, unset
-    # the LM head needs a decoder; axial position dims must sum to hidden; LSH hashing seeded
-    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "hash_seed": 0},
+    # the LM head needs a decoder; axial position dims must sum to hidden; LSH hashing seeded;
+    # its backward needs training mode, whose forward takes only sequences of the full axial
+    # length: that set to the tiny inputs' 9 (3 x 3, chunks of 9), with no dropout, so that
+    # gradients are compared in training mode (`benchmarks.coverage`)
+    "reformer": {
+        "is_decoder": True,
+        "axial_pos_embds_dim": [32, 32],
+        "hash_seed": 0,
+        "axial_pos_shape": [3, 3],
+        "lsh_attn_chunk_length": 9,
+        "local_attn_chunk_length": 9,
+        "hidden_dropout_prob": 0.0,
+        "local_attention_probs_dropout_prob": 0.0,
+    },
     # the decoder reads num_key_value_heads, which the default config lacks (MHA: as many as
     # the query heads)
     "moonshine_streaming": {"num_key_value_heads": 4},

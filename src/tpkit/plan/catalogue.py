@@ -177,8 +177,9 @@ _BUILTIN = (
     StyleSpec(
         "conv_colwise_gather",
         "whole",
-        "Y = [conv(X, W_0), ..., conv(X, W_t-1)]: a groups=1 convolution's output channels "
-        "split, then all-gathered on the channel dim",
+        "Y = [conv(X, W_0), ..., conv(X, W_t-1)]: a convolution's output channels split (a "
+        "grouped one's rows padded to whole groups, its input narrowed to them), then "
+        "all-gathered on the channel dim",
         shard="out",
         collective="all_gather",
         uneven_ok=True,

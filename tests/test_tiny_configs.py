@@ -320,3 +320,17 @@ def test_a_patch_value_is_not_changed_by_the_config_it_builds():
     first = tiny_family_config("cohere_compass", "CohereCompassForConditionalGeneration")
     second = tiny_family_config("cohere_compass", "CohereCompassForConditionalGeneration")
     assert first.to_dict() == second.to_dict()
+
+
+def test_speech_tokenizer_conv_stacks_are_shrunk():
+    """VibeVoice's speech tokenizers doubled 32 filters over 7 stages of 3 to 8 blocks: a 1B
+    "tiny" model (687M for VibeVoice-ASR) that ran the sweep out of time."""
+    import torch
+
+    for model_type, class_name in (
+        ("vibevoice", "VibeVoiceForConditionalGeneration"),
+        ("vibevoice_asr", "VibeVoiceAsrForConditionalGeneration"),
+    ):
+        with torch.device("meta"):
+            model = build_family(model_type, class_name, device="meta")
+        assert sum(p.numel() for p in model.parameters()) < 10_000_000, model_type

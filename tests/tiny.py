@@ -151,6 +151,11 @@ PATCHES = {
     "gemma3n_text": {"num_kv_shared_layers": 0},  # 15 shared-KV layers of 2
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # default layer_types is None
     "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},  # both read, unset
+    # VibeVoice's speech tokenizers: a conv stack doubling 32 filters over 7 stages of 3 to 8
+    # blocks (343M parameters each in a "tiny" model: its sweep row ran out of time): 4 filters,
+    # one block a stage, the stages (and so the downsampling) kept
+    "vibevoice_acoustic_tokenizer": {"depths": [1] * 7, "num_filters": 4},
+    "vibevoice_acoustic_tokenizer_encoder": {"depths": [1] * 7, "num_filters": 4},
     # the LM head needs a decoder; axial position dims must sum to hidden; LSH hashing seeded;
     # its backward needs training mode, whose forward takes only sequences of the full axial
     # length: that set to the tiny inputs' 9 (3 x 3, chunks of 9), with no dropout, so that

@@ -95,6 +95,17 @@ def test_fallback_plan_gathers_grouped_keeps_depthwise_whole() -> None:
     assert plan["fc1"] == plan["fc2"] == "colwise_gather_output"
 
 
+def test_fallback_keeps_a_grouped_conv_whole_where_a_rank_would_get_no_rows() -> None:
+    """torch.chunk of 9 channels at tp=4 is 3, 3, 3, 0: the last rank's rows could not be
+    padded to whole groups (its conv got groups=0 and raised); kept whole, with the reason."""
+    from tpkit.plan.fallback import fallback_plan
+
+    model = nn.Sequential(nn.Conv2d(9, 9, 3, groups=3)).eval()
+    plan = fallback_plan(model, "per-layer fallback", 4)
+    assert "0" not in plan, dict(plan.items())
+    assert "a rank would get too few rows at tp=4" in plan.notes["0"], plan.notes
+
+
 @pytest.mark.parametrize("groups", [3, 5])  # 5 groups at tp=2: rows padded to whole groups
 def test_fallback_grouped_conv_parity_tp2(ranks2: RankGroup, groups: int) -> None:
     for r in ranks2.run(fallback_parity, groups):

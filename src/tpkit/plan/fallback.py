@@ -40,7 +40,7 @@ from torch.nn.utils.parametrize import is_parametrized
 from tpkit.plan.attention import mha_splits
 from tpkit.plan.convs import CONVS, conv_pairs, shared_params, splittable_conv
 from tpkit.plan.experts import fused_experts
-from tpkit.plan.layout import kind_of, out_width, param_layouts
+from tpkit.plan.layout import chunk_sizes, kind_of, out_width, param_layouts
 from tpkit.plan.spec import Plan
 
 __all__ = ["MIN_PER_RANK", "SOURCE", "fallback_plan", "splits_anything"]
@@ -196,6 +196,10 @@ def _style(mod: nn.Module, tp: int, shared: set[int]) -> tuple[str | None, str |
             )
         if mod.out_channels // tp < MIN_PER_RANK:
             return None, f"too small to split at tp={tp}"
+        if mod.groups > 1 and min(chunk_sizes(mod.out_channels, tp)) < MIN_PER_RANK:
+            # torch.chunk leaves a rank fewer rows (9 at tp=4: 3, 3, 3, 0): a grouped
+            # convolution's rows are padded to whole groups, which needs some on every rank
+            return None, f"grouped (groups={mod.groups}): a rank would get too few rows at tp={tp}"
         # a grouped one too: each rank's rows padded to whole groups, its input narrowed to
         # them (`tpkit.plan.layout.GroupedRows`), exact whether or not tp divides the groups
         return "conv_colwise_gather", None

@@ -118,8 +118,14 @@ class ConvGatherStyle(ColwiseStyle):
         last = y.movedim(channel, -1).contiguous()
         whole = gather_from_tp(last, self.sizes, self.rank, self.group).movedim(-1, channel)
         # the unsharded convolution's memory layout: code after it (GroupNorm, the next
-        # convolution) then sums in the same order, so its numbers match bit for bit
-        return whole.contiguous() if y.is_contiguous() else whole
+        # convolution) then sums in the same order, so its numbers match bit for bit. Channels
+        # last only where this rank's output is (a channels-last input's); a grouped one's
+        # rows narrowed out of their padding are neither, and unsharded they are contiguous
+        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(y.ndim)
+        last_layout = (
+            fmt is not None and not y.is_contiguous() and y.is_contiguous(memory_format=fmt)
+        )
+        return whole if last_layout else whole.contiguous()
 
 
 class ConvColwiseStyle(ColwiseStyle):

@@ -307,10 +307,15 @@ class _Tracer(TorchFunctionMode):
         ids = {id(t) for t in inputs}
         for t in outs:
             self.made_from.setdefault(id(t), set()).update(ids - {id(t)})
+            base = getattr(t, "_base", None)  # written through a view: its base holds it too
+            if base is not None:
+                self.made_from.setdefault(id(base), set()).update(ids | {id(t)})
 
     def dead_nodes(self, roots: list[torch.Tensor]) -> None:
         """Mark `Node.dead` every node no output of which the values reaching ``roots`` (the
         model's output) or a Python number were computed from."""
+        if not roots:  # an output no flattening sees into: nothing is proven dead
+            return
         live: set[int] = set()
         todo = [id(t) for t in roots] + list(self.escaped)
         while todo:

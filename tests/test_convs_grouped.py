@@ -128,6 +128,33 @@ def split_parity(name: str) -> dict:
     return {**out, "styles": styles, "notes": dict(plan.notes)}
 
 
+def raising_forward_restores() -> dict:
+    """Run on every rank: a grouped convolution's forward that raises (a split input of the
+    wrong width) leaves its DTensor weight and its groups as they were, and the next forward
+    is exact (the style's padding and groups are put back by an always-called hook)."""
+    from torch.distributed.tensor import DTensor
+
+    import tpkit
+
+    torch.manual_seed(0)
+    ref = grouped_stack().float().train()
+    model = tpkit.tensor_parallel(copy.deepcopy(ref))
+    convs = {n: m for n, m in model.named_modules() if isinstance(m, nn.Conv1d)}
+    before = {n: (m.groups, tuple(m.weight.to_local().shape)) for n, m in convs.items()}
+    try:
+        model(torch.randn(2, 10, 5))
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    after = {
+        n: (m.groups, tuple(m.weight.to_local().shape))
+        for n, m in convs.items()
+        if isinstance(m.weight, DTensor)
+    }
+    out = module_parity(ref, model, _input("grouped_stack"))
+    return {**out, "error": error, "before": before, "after": after}
+
+
 def family_parity(model_type: str, class_name: str, kind: str) -> dict:
     """Run on every rank: the sweep's own tiny-model check (`benchmarks.coverage`)."""
     from benchmarks.coverage import check_parity
@@ -163,6 +190,15 @@ def test_grouped_rows_not_on_group_bounds(ranks2: RankGroup) -> None:
     r = ranks2.run(split_parity, "grouped_blocks_5")[0]
     _assert_exact(r)
     assert r["styles"].get("1.conv2") == "conv_colwise_gather", (r["styles"], r["notes"])
+
+
+def test_raising_forward_leaves_the_grouped_conv_as_it_was(ranks2: RankGroup) -> None:
+    """A forward that raises inside a gathered grouped convolution (its input 10 channels
+    wide, not 12) puts back its weight shard and groups; the next forward is exact."""
+    r = ranks2.run(raising_forward_restores)[0]
+    assert "needs its whole input (12 channels" in r["error"], r["error"]
+    assert r["after"] == r["before"], (r["before"], r["after"])
+    _assert_exact(r)
 
 
 @pytest.mark.parametrize("world", [2, 4])

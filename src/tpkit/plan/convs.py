@@ -82,6 +82,7 @@ from tpkit.plan.shadow import ShadowValues, needs_values
 
 __all__ = [
     "MIN_GATHER_CHANNELS",
+    "not_gathered",
     "NORMS",
     "CONVS",
     "TRANSPOSED_CONVS",
@@ -96,13 +97,33 @@ __all__ = [
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm)
-#: a grouped or transformed convolution read whole is gathered from this many output channels
-#: per rank (the per-layer fallback's ``MIN_PER_RANK``); a depthwise one (one input channel per
-#: group) read whole stays whole: its weight is a kernel per channel, as small as a norm's, and
-#: splitting it would add an all-gather of its output to save next to nothing
+#: a convolution read whole is split by output channels and gathered only where torch.chunk
+#: gives every rank at least this many of them (`not_gathered`, for this module's gathered
+#: convolutions and the per-layer fallback's alike)
 MIN_GATHER_CHANNELS = 2
 #: fixpoint rounds at most (each round excludes at least one more convolution)
 _ROUNDS = 16
+
+
+def not_gathered(mod: nn.Module, tp: int, depthwise: bool = False) -> str | None:
+    """Why convolution ``mod``, read whole, is not split by output channels and gathered at
+    ``tp`` (None: it is). A depthwise one (one input channel per group) stays whole unless
+    ``depthwise`` (its own forward transforms the weight, so no other split exists): its weight
+    is a kernel per channel, as small as a norm's, and splitting it would add an all-gather of
+    its output to save next to nothing. One whose output channels leave some rank fewer than
+    `MIN_GATHER_CHANNELS` (9 at tp=4: 3, 3, 3, 0) stays whole too: a grouped convolution's
+    rows are padded to whole groups, which needs rows on every rank, and a rank with one row
+    does a collective for one channel."""
+    if not depthwise and mod.groups > 1 and mod.in_channels == mod.groups:
+        return f"depthwise (groups={mod.groups}): a kernel per channel, not worth an all-gather"
+    sizes = chunk_sizes(mod.out_channels, tp)
+    if min(sizes) < MIN_GATHER_CHANNELS:
+        return (
+            f"too small to split at tp={tp}: its {mod.out_channels} output channels give a "
+            f"rank {min(sizes)} (fewer than {MIN_GATHER_CHANNELS})"
+        )
+    return None
+
 
 #: ops that compute each channel from that channel alone (the split tensor as first argument,
 #: any other tensor a scalar)
@@ -478,8 +499,7 @@ class _ConvTrace(TorchFunctionMode):
             isinstance(mod, CONVS)
             and plain
             and (mod.groups > 1 or not own)
-            and (mod.in_channels > mod.groups or not own)
-            and min(sizes) >= MIN_GATHER_CHANNELS
+            and not_gathered(mod, self.tp, depthwise=not own) is None
         ):
             self.gathered.add(name)  # its input whole: gathered on its own
 

@@ -38,9 +38,9 @@ from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
 from tpkit.plan.attention import mha_splits
-from tpkit.plan.convs import CONVS, conv_pairs, shared_params, splittable_conv
+from tpkit.plan.convs import CONVS, conv_pairs, not_gathered, shared_params, splittable_conv
 from tpkit.plan.experts import fused_experts
-from tpkit.plan.layout import chunk_sizes, kind_of, out_width, param_layouts
+from tpkit.plan.layout import kind_of, out_width, param_layouts
 from tpkit.plan.spec import Plan
 
 __all__ = ["MIN_PER_RANK", "SOURCE", "fallback_plan", "splits_anything"]
@@ -190,19 +190,11 @@ def _style(mod: nn.Module, tp: int, shared: set[int]) -> tuple[str | None, str |
         # weight (a norm of it) would be wrong, and nothing here can tell
         return None, f"{type(mod).__name__} overrides forward: what it computes is unknown"
     if kind in _CONVS:
-        if mod.groups > 1 and mod.in_channels == mod.groups:
-            return None, (
-                f"depthwise (groups={mod.groups}): a kernel per channel, not worth an all-gather"
-            )
-        if mod.out_channels // tp < MIN_PER_RANK:
-            return None, f"too small to split at tp={tp}"
-        if mod.groups > 1 and min(chunk_sizes(mod.out_channels, tp)) < MIN_PER_RANK:
-            # torch.chunk leaves a rank fewer rows (9 at tp=4: 3, 3, 3, 0): a grouped
-            # convolution's rows are padded to whole groups, which needs some on every rank
-            return None, f"grouped (groups={mod.groups}): a rank would get too few rows at tp={tp}"
         # a grouped one too: each rank's rows padded to whole groups, its input narrowed to
-        # them (`tpkit.plan.layout.GroupedRows`), exact whether or not tp divides the groups
-        return "conv_colwise_gather", None
+        # them (`tpkit.plan.layout.GroupedRows`), exact whether or not tp divides the groups;
+        # depthwise and too few rows per rank decided as for `tpkit.plan.convs`' gathers
+        why = not_gathered(mod, tp)
+        return (None, why) if why else ("conv_colwise_gather", None)
     bag = kind == "bag"
     if bag or kind == "embedding":
         if mod.max_norm is not None:

@@ -246,7 +246,9 @@ class GroupedRows:
 
     def enter(self, module: nn.Module) -> tuple[int, dict[str, torch.Tensor | None]]:
         """Pad the module's (local) weight and bias in place and set its groups; returns what
-        `leave` puts back."""
+        `leave` puts back. The padded weight is built on each forward (one copy of the rank's
+        rows, small beside the convolution over every position) so that its gradient reaches
+        the parameter's shard through the concatenation."""
         params = module._parameters
         saved = {n: params.get(n) for n in ("weight", "bias")}
         for n, p in saved.items():

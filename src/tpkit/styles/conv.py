@@ -82,11 +82,15 @@ def _channel_dim(y: torch.Tensor, kernel_dims: int) -> int:
 class ConvGatherStyle(ColwiseStyle):
     """Y = [conv(X, W_0), ..., conv(X, W_t-1)] along the channel dim (see the module doc).
 
-    A grouped convolution (``groups > 1``, depthwise too) takes the same torch.chunk of its
-    output channels, which need not fall on whole groups (17 groups at tp=2): its rows padded
-    with zero rows to the whole groups they touch, the input narrowed to those groups'
-    channels (after f, so its gradient is whole), and the padded channels dropped before the
-    gather (`tpkit.plan.layout.GroupedRows`, which the dry run runs too)."""
+    A grouped convolution (``groups > 1``) takes the same torch.chunk of its output channels,
+    which need not fall on whole groups (17 groups at tp=2): its rows padded with zero rows to
+    the whole groups they touch, the input narrowed to those groups' channels (after f, so its
+    gradient is whole), and the padded channels dropped before the gather
+    (`tpkit.plan.layout.GroupedRows`, which the dry run runs too). The style runs a depthwise
+    convolution the same way when a plan names it, but tpkit's own plans leave one read whole
+    whole (`tpkit.plan.convs.not_gathered`: a kernel per channel is not worth an all-gather).
+    A forward that raises puts the weight shard and ``groups`` back all the same: the output
+    hook is always called."""
 
     name = "conv_colwise_gather"
 

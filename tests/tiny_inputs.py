@@ -18,7 +18,9 @@ def family_inputs(model, family: str) -> dict:
     input as its encoder's, an image family's main input an image, a video tower's pixels
     [batch, frames, channels, height, width], a fixed masking noise, an audio layout that runs;
     an any-resolution VLM's image as its whole image and one tile (`ANY_RES`) with its
-    ``image_sizes``, and text ids where the trace made none but the code reads them."""
+    ``image_sizes``, and text ids where the trace made none but the code reads them; an image
+    cut into patches of frames where the tower reads those (`_fit_frame_patches`), and an
+    action-chunk policy's state, noise, timestep and camera prefix (`_fit_action_chunk`)."""
     import inspect
 
     import torch
@@ -63,6 +65,7 @@ def family_inputs(model, family: str) -> dict:
         out["pixel_values"] = torch.randn((pixels.shape[0], 2, *pixels.shape[1:]), generator=g)
     _fit_image_sizes(model, out)
     _fit_patch_pixels(model, out)
+    _fit_frame_patches(model, out)
     _fit_cross_images(model, out, params, g)
     _fit_boxes(model, out, params, g)
     _fit_flattened_patches(model, out, g)
@@ -96,6 +99,7 @@ def family_inputs(model, family: str) -> dict:
     _fit_noise(model, out, g)
     _fit_patches(model, out)
     _fit_tiles(model, out)
+    _fit_action_chunk(model, out, params, top, g)
     return _fit_layout(model, out)
 
 
@@ -286,6 +290,46 @@ def _fit_patch_pixels(model, out: dict) -> None:
             continue
         out["pixel_values"] = candidate
         return
+
+
+#: the vision config's field giving the frames per patch of a tower that reads an image as
+#: patches of that many frames, channels last (Inkling's: [patches, frames, patch, patch,
+#: channels], folded 4 x 4 then 2 x 2 x 2 into one token per patch)
+FRAME_PATCHES = "temporal_patch_size"
+
+
+def _fit_frame_patches(model, out: dict) -> None:
+    """The made-up images [batch, channels, height, width] cut into the patches a tower reads
+    (`FRAME_PATCHES`), where it runs on neither the images nor one image per row: each image's
+    ``patch_size`` squares, rows of patches first (the processor's order), each square
+    repeated over ``temporal_patch_size`` frames (a still image as a video, as Qwen2-VL's
+    processor gives it), channels last: [batch x patches, frames, patch, patch, channels].
+    Kept only where the tower runs on them (one token per patch for Inkling)."""
+    import torch
+
+    pixels = out.get("pixel_values")
+    vision = getattr(model.config, "vision_config", None)
+    patch, frames = getattr(vision, "patch_size", None), getattr(vision, FRAME_PATCHES, None)
+    if not isinstance(pixels, torch.Tensor) or pixels.ndim != 4:
+        return
+    if not isinstance(patch, int) or not isinstance(frames, int):
+        return
+    b, c, h, w = pixels.shape
+    if h % patch or w % patch:
+        return
+    try:
+        _image_layout(model, pixels, dict(out))
+    except Exception:  # noqa: BLE001 - the tower's own error for the made-up layouts
+        pass
+    else:
+        return
+    grid = pixels.reshape(b, c, h // patch, patch, w // patch, patch).permute(0, 2, 4, 3, 5, 1)
+    squares = grid.reshape(-1, 1, patch, patch, c).expand(-1, frames, -1, -1, -1).contiguous()
+    try:
+        _image_tokens(model, squares, out)
+    except Exception:  # noqa: BLE001, S110 - not this tower's layout: its error is reported later
+        return
+    out["pixel_values"] = squares
 
 
 def _fit_video(model, out: dict, top: int, g) -> None:
@@ -536,6 +580,59 @@ def _fit_tiles(model, out: dict) -> None:
     mask = torch.zeros((b, 1, tiles), dtype=torch.long)
     mask[:, :, 0] = 1
     out["aspect_ratio_mask"] = mask
+
+
+#: config fields of an action-chunk policy (PI0's, PI0.5's): it predicts ``chunk_size`` actions
+#: of ``max_action_dim`` values each, from a state vector of ``max_state_dim`` values (where the
+#: config has one) and an image-text prefix, by flow matching from ``noise`` at a ``timestep``
+ACTION_CHUNK = ("chunk_size", "max_action_dim", "max_state_dim")
+
+
+def _fit_action_chunk(model, out: dict, params, top: int, g) -> None:
+    """An action-chunk policy (a config with `ACTION_CHUNK`'s sizes and a forward that takes
+    ``noise``) gets what its forward reads, none of which the trace makes up:
+
+    - ``noise`` [batch, chunk_size, max_action_dim] and a ``timestep`` in (0, 1) per row: left
+      out, the forward draws both itself (a Beta-distributed timestep), so each run differs;
+    - the robot ``state`` [batch, max_state_dim], floats (the trace took the main input for
+      text ids: PI0's "normal_kernel_cpu not implemented for 'Long'");
+    - the prefix its VLM reads unconditionally (without pixels no cache is built: PI0.5's
+      "'NoneType' object has no attribute 'get_seq_length'"): one camera per row, [batch,
+      cameras, channels, height, width] at the size of the vision sub-config of the module
+      with ``get_image_features``, a mask of the cameras present (`TILE_MASK`, all true), and
+      after the first text id as many of that sub-config's image placeholders per row as
+      ``get_image_features`` gives rows for one image."""
+    import torch
+
+    config = model.config
+    chunk, action, state = (getattr(config, k, None) for k in ACTION_CHUNK)
+    if not isinstance(chunk, int) or not isinstance(action, int) or "noise" not in params:
+        return
+    out.setdefault("noise", torch.randn((BATCH, chunk, action), generator=g))
+    if "timestep" in params:
+        out.setdefault("timestep", torch.rand((BATCH,), generator=g))
+    if "state" in params and isinstance(state, int):
+        given = out.get("state")
+        fits = isinstance(given, torch.Tensor) and given.is_floating_point()
+        if not fits or given.shape != (BATCH, state):
+            out["state"] = torch.randn((BATCH, state), generator=g)
+    inner = next((m for m in model.modules() if hasattr(m, "get_image_features")), None)
+    vlm = getattr(inner, "config", None)
+    token = getattr(vlm, "image_token_id", None)
+    wanted = "pixel_values" in params and TILE_MASK in params and "pixel_values" not in out
+    if not wanted or not isinstance(token, int):
+        return
+    vision = getattr(vlm, "vision_config", None) or vlm
+    image = torch.randn((BATCH, *_image_chw(vision)), generator=g)
+    per_row = _image_tokens(model, image) // BATCH
+    ids = out.get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        ids = torch.randint(3, top, (BATCH, SEQ), generator=g)
+    ids = ids.masked_fill(ids == token, 3)  # the only placeholders are the ones made here
+    placeholders = torch.full((ids.shape[0], per_row), token, dtype=torch.long)
+    out["input_ids"] = torch.cat([ids[:, :1], placeholders, ids[:, 1:]], dim=1)
+    out["pixel_values"] = image[:, None]
+    out[TILE_MASK] = torch.ones((BATCH, 1), dtype=torch.bool)
 
 
 def _fit_noise(model, out: dict, g) -> None:

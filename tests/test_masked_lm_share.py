@@ -151,3 +151,120 @@ def test_functional_layer_only_when_it_applies_its_own_weight():
     assert nodes["layers.0.down"].writer, nodes
     nodes = trace(Net(Scaled), (torch.randn(2, 3, 8),))["nodes"]
     assert "layers.0.up" not in nodes and "layers.0.down" in nodes, nodes
+
+    class ScaledBefore(Plain):  # a scale over the whole weight, then the plain call
+        def forward(self, x):
+            scale = self.weight.abs().amax()
+            return F.linear(x, self.weight) * scale, None
+
+    class NormedAfter(Plain):  # the plain call, then a norm per row read from the weight
+        def forward(self, x):
+            y = F.linear(x, self.weight)
+            return y / self.weight.norm(dim=1), None
+
+    nodes = trace(Net(ScaledBefore), (torch.randn(2, 3, 8),))["nodes"]
+    up = nodes.get("layers.0.up")
+    assert up is None or up.needs_whole, nodes
+    nodes = trace(Net(NormedAfter), (torch.randn(2, 3, 8),))["nodes"]
+    up = nodes.get("layers.0.up")
+    assert up is None or up.needs_whole, nodes
+    assert not nodes["layers.0.down"].needs_whole, nodes
+
+
+def test_a_linear_written_into_state_is_live():
+    """A linear whose output the model's output never reads but that its forward writes into a
+    buffer (a static cache the next call reads) is no dead linear: the trace counts a write
+    into a tensor it did not make as an escape. Before, it was `Node.dead` and split with its
+    siblings' pair (exact only if nothing ever read the buffer)."""
+    import torch
+    from torch import nn
+
+    from tpkit.plan.trace import trace
+
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.o = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+            self.register_buffer("cache", torch.zeros(2, 3, 8))
+
+        def forward(self, x):
+            self.cache[:, : x.shape[1]] = self.k(x)  # for the next call only
+            return x + self.o(torch.relu(self.q(x)))
+
+    class Scratch(Cached):
+        def forward(self, x):
+            scratch = torch.zeros_like(x)
+            scratch[:, :] = self.k(x)  # a tensor of this call's own, dropped: dead
+            return x + self.o(torch.relu(self.q(x)))
+
+    nodes = trace(Cached(), (torch.randn(2, 3, 8),))["nodes"]
+    assert not nodes["k"].dead and not nodes["q"].dead, nodes
+    nodes = trace(Scratch(), (torch.randn(2, 3, 8),))["nodes"]
+    assert nodes["k"].dead and not nodes["q"].dead, nodes
+
+
+def _scaled_kv_net():
+    """Two attention layers whose keys are scaled per KV head by a module of their own (an
+    ``alpha`` [kv heads], like NeoMME's per-head scale), 4 query and 2 KV heads."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class Scale(nn.Module):
+        def __init__(self, n: int):
+            super().__init__()
+            self.alpha = nn.Parameter(torch.rand(n) + 0.5)
+
+        def forward(self, k):  # [B, kv heads, T, head_dim]
+            return k * self.alpha.view(1, -1, 1, 1)
+
+    class Attn(nn.Module):
+        def __init__(self, hidden: int = 16, heads: int = 4, kv: int = 2):
+            super().__init__()
+            self.num_heads, self.num_key_value_heads = heads, kv
+            self.head_dim = d = hidden // heads
+            self.q_proj, self.o_proj = nn.Linear(hidden, heads * d), nn.Linear(heads * d, hidden)
+            self.k_proj, self.v_proj = nn.Linear(hidden, kv * d), nn.Linear(hidden, kv * d)
+            self.k_scale = Scale(kv)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+            k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+            v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+            k = self.k_scale(k)
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return x + self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+    return nn.Sequential(Attn(), Attn())
+
+
+def scaled_kv_parity() -> dict:
+    """Run on every rank: the net split by tpkit's plan against the unsharded one."""
+    import copy
+
+    import torch
+
+    import tpkit
+    from tests.parity import module_parity
+
+    torch.manual_seed(0)
+    ref = _scaled_kv_net().float()
+    model = tpkit.tensor_parallel(copy.deepcopy(ref))
+    styles = {t.name: t.style for t in model._tpkit.plan.resolve(model) if "scale" in t.name}
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1))
+    return {**module_parity(ref, model, x), "styles": styles}
+
+
+def test_per_head_parameters_get_their_heads_gradient(ranks2):
+    """A module's one-value-per-head parameter split with the heads keeps the rank's heads'
+    gradient: the module is not also given ``replicated_with_grad_allreduce``, which summed
+    the ranks' different heads' gradients (alpha's gradient off by its whole size before)."""
+    r = ranks2.run(scaled_kv_parity)[0]
+    assert r["styles"].get("0.k_scale.alpha") == "colwise", r["styles"]
+    assert "0.k_scale" not in r["styles"], r["styles"]
+    assert not r["missing"], r
+    assert r["out"] <= 1e-5 * max(1.0, r["out_scale"]), r
+    assert r["grad"] <= 1e-5 * max(1.0, r["scale"]), r

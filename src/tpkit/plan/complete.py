@@ -95,12 +95,16 @@ def complete_grad_allreduce(model: nn.Module, plan: Plan, example=None) -> Plan:
     except Exception:  # noqa: BLE001 - model code may do anything on meta
         return plan
     split: set[str] = set()  # consumers of some column-parallel output
+    modules = dict(model.named_modules())
     for t in plan.resolve(model):
         if t.kind != "module" or not style_spec(t.style).splits_output or t.name not in nodes:
             continue
         split |= nodes[t.name].per_head_consumers
         for user in sorted(nodes[t.name].per_head_consumers):
-            if plan.style_for(user) is None:
+            # parameters split with the heads (one value per head) have entries of their own:
+            # their gradients are the rank's heads' already, and summing them would mix heads
+            own = [f"{user}.{n}" for n, _ in modules[user].named_parameters(recurse=False)]
+            if plan.style_for(user) is None and not any(plan.style_for(n) for n in own):
                 plan.set(user, "replicated_with_grad_allreduce", t.source)
     # a derived per-head norm whose columns user entries have all replicated acts on whole
     # activations now: its gradient is whole on every rank, and summing it would multiply it

@@ -148,6 +148,10 @@ def _einsum_lacks(args: tuple, a: torch.Tensor, b: torch.Tensor, j: int) -> bool
     return subs[ib][j] not in subs[ia]
 
 
+#: operators that write into their first argument (``__get__`` of an attribute does not)
+_IN_PLACE_DUNDERS = frozenset(
+    {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}
+)
 # calls that read a tensor's metadata, not its values (`_Tracer._record_made_from`)
 _METADATA = frozenset(
     {"size", "dim", "numel", "stride", "__get__", "is_floating_point", "is_complex"}
@@ -213,10 +217,14 @@ class _Tracer(TorchFunctionMode):
         # functional layers (`_functional_layer`): id of a candidate's weight -> its name; the
         # candidates whose first forward is running, innermost last, with what `pre` saw
         self.candidate_weights: dict[int, str] = {}
+        self.spoiled: set[str] = set()  # candidates whose forward read their weight otherwise
         # liveness (`dead_nodes`): tensor -> the tensors it was computed from; tensors whose
         # values left the trace (the model's output, a Python number); each node's outputs
         self.made_from: dict[int, set[int]] = {}
         self.escaped: set[int] = set()
+        # the model's parameters, buffers and input tensors: what a forward writes into them
+        # outlives the call (`_record_made_from`)
+        self.state: set[int] = set()
         self.node_outputs: dict[str, list[int]] = {}
         self.pending: list[tuple[str, nn.Module, list, frozenset[str]]] = []
 
@@ -238,11 +246,13 @@ class _Tracer(TorchFunctionMode):
         out = func(*args, **kwargs)
         inputs = _tensors((args, kwargs))
         name = getattr(func, "__name__", "")
-        if self.pending and name in ("linear", "embedding"):
-            self._functional_layer(name, args, kwargs)
         # a call that returns no tensor read metadata only (LongT5 asks its bias table's
         # ``weight.device``), not the values
         reads_values = bool(_tensors(out))
+        if self.candidate_weights and reads_values:
+            self._candidate_reads(name, args, kwargs, inputs)
+        if self.pending and name in ("linear", "embedding"):
+            self._functional_layer(name, args, kwargs)
         for t in inputs:
             owners = self.weights.get(id(t), set())
             if owners and not owners.intersection(self.active) and reads_values:
@@ -274,14 +284,14 @@ class _Tracer(TorchFunctionMode):
             node = self.active[-1]
             if self.first_input.get(node) is args[0] and self.nodes[node].kind == "embedding":
                 self.nodes[node].ids_first = True
-        in_place = name.endswith("_") or name in ("__setitem__", "__iadd__", "__imul__")
+        in_place = (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
         written = in_place and args and isinstance(args[0], torch.Tensor)
         if written:
             self.set_tag(args[0], tags)
         outs = _tensors(out)
         for t in outs:
             self.set_tag(t, tags)
-        self._record_made_from(name, inputs, outs + ([args[0]] if written else []))
+        self._record_made_from(name, inputs, outs, args[0] if written else None)
         if params:
             for t in outs + ([args[0]] if written else []):
                 self.params[id(t)] = params
@@ -297,9 +307,18 @@ class _Tracer(TorchFunctionMode):
             self._follow_features(name, args, kwargs, out, outs)
         return out
 
-    def _record_made_from(self, name: str, inputs: list, outs: list) -> None:
+    def _record_made_from(
+        self, name: str, inputs: list, outs: list, written: torch.Tensor | None = None
+    ) -> None:
         """What each output was computed from (`dead_nodes`); a call that hands values back as
-        Python numbers (``.item()``, ``.tolist()``, a branch on a tensor) lets them escape."""
+        Python numbers (``.item()``, ``.tolist()``, a branch on a tensor) lets them escape, and
+        so does one that writes into the model's state or inputs (``written``, or the tensor it
+        views: a buffer, a static cache), whose values outlive the call for the next to read."""
+        if written is not None:
+            base = getattr(written, "_base", None)
+            if id(written) in self.state or (base is not None and id(base) in self.state):
+                self.escaped.update(id(t) for t in inputs)
+            outs = [t for t in outs if t is not written] + [written]
         if not outs:
             if name not in _METADATA:
                 self.escaped.update(id(t) for t in inputs)
@@ -338,6 +357,8 @@ class _Tracer(TorchFunctionMode):
         w = kwargs.get("weight", args[1] if len(args) > 1 else None)
         if cand in self.nodes or w is None or self.candidate_weights.get(id(w)) != cand:
             return
+        if cand in self.spoiled:
+            return
         kind = "linear" if name == "linear" else "embedding"
         node = self.nodes[cand] = Node(kind, out_width(mod, kind))
         for p in mod.parameters(recurse=False):
@@ -350,6 +371,28 @@ class _Tracer(TorchFunctionMode):
         for _, t in ins:
             for lin, i in self.parts.get(id(t), ()):
                 self.nodes[lin].cut_reach[i].add(cand)
+
+    def _candidate_reads(self, name: str, args: tuple, kwargs: Mapping, inputs: list) -> None:
+        """A functional layer's weight read by anything but its ``F.linear`` / ``F.embedding``
+        call (``F.linear(x, w) / w.norm(dim=1)``, ``w.abs().max()`` for a scale) computes
+        something from the weight that a style would run on the rank's shard, and nothing here
+        says it would be exact there: a candidate that reads it so before the call is no layer,
+        one that does after it needs its whole weight (`Node.needs_whole`)."""
+        w = kwargs.get("weight", args[1] if len(args) > 1 else None)
+        running = self.where[-1] if self.where else None
+        for t in inputs:
+            cand = self.candidate_weights.get(id(t))
+            if cand is None or cand != running:
+                continue  # read outside its forward: the owners' check marks a layer
+            if name in ("linear", "embedding") and t is w:
+                continue  # the call that makes it a layer
+            if cand in self.nodes:
+                self.nodes[cand].needs_whole = (
+                    "its forward reads its weight besides F.linear / F.embedding: what that "
+                    "computes from a shard is unknown"
+                )
+            else:
+                self.spoiled.add(cand)
 
     def _table_lookup(self, func: Any, args: tuple, out: Any) -> None:
         """A linear whose weight its own forward also looks rows up in, transposed (Ovis2.5's
@@ -943,6 +986,8 @@ class _TraceHooks:
         tracer, nodes, name = self.tracer, self.nodes, self.names[id(mod)]
         tracer.where.append(name)
         if mod is self.model:  # parameters are (fake) tensors of the trace by now
+            own = [*mod.parameters(), *mod.buffers(), *_tensors((args, kwargs))]
+            tracer.state = {id(t) for t in own}
             tracer.weights = {}
             for n in nodes:
                 for p in self.modules[n].parameters(recurse=False):

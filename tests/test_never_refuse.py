@@ -370,6 +370,37 @@ def test_fallback_keeps_weights_read_outside_whole():
     assert "read outside its forward" in plan.notes["fc"]
 
 
+class TiedMaxNorm(nn.Module):
+    """A table tied to the head, looked up with ``max_norm`` (each row renormalised)."""
+
+    def __init__(self, max_norm: float | None):
+        super().__init__()
+        self.emb = nn.Embedding(40, 8, max_norm=max_norm)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 40, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.mid(self.emb(ids))))
+
+
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_fallback_lays_a_tied_table_out_one_way(max_norm):
+    """The per-layer fallback splits a table tied between a plain Embedding and Linear by its
+    rows in both, or keeps it whole in both: an Embedding that stays whole (``max_norm``) no
+    longer leaves its head splitting the shared weight (validation refused the plan)."""
+    from tpkit.plan.fallback import fallback_plan
+    from tpkit.plan.layout import param_layouts
+    from tpkit.plan.validate import validate
+
+    model = TiedMaxNorm(max_norm)
+    plan = fallback_plan(model, "test", 2)
+    layouts = param_layouts(model, plan)
+    assert layouts["emb.weight"][1] == layouts["head.weight"][1], layouts
+    assert layouts["emb.weight"][1].sharded == (max_norm is None), plan
+    validate(model, plan, 2)
+
+
 def test_no_input_embeddings():
     """ResNet's get_input_embeddings raises NotImplementedError: read as 'none'."""
     from tpkit.plan.inputs import input_embeddings, output_embeddings

@@ -75,7 +75,7 @@ def fallback_plan(
     pairs (`tpkit.plan.convs`) are found on a fake forward with ``example`` (the trace inputs,
     else made up) and take the paired styles; a model that cannot be traced pairs none."""
     tp = tp_size if tp_size and tp_size > 1 else 2
-    shared = shared_params(model) - _tied_tables(model)
+    shared = shared_params(model) - _tied_tables(model, tp)
     shared.update(id(model.get_submodule(n).weight) for n in read_outside)
     plan = Plan()
     pairs = conv_pairs(model, tp, lambda _, mod: splittable_conv(mod, shared), example)
@@ -119,13 +119,15 @@ def fallback_plan(
     return plan
 
 
-def _tied_tables(model: nn.Module) -> set[int]:
+def _tied_tables(model: nn.Module, tp: int) -> set[int]:
     """ids of the tied weights whose every holder is a plain ``nn.Linear`` or ``nn.Embedding``
-    holding it as its ``weight`` (a BERT decoder's word table and the head tied to it): each
-    holder's fallback style (``colwise_gather_output``, ``vocab_parallel``) splits the same
-    rows of the same [rows, columns] weight and computes only with it in its own forward, so
-    the tie is split one way and each holder is exact as an untied one; left whole, a
-    speech-encoder-decoder's BERT decoder kept its 10% table whole at full size."""
+    holding it as its ``weight`` (a BERT decoder's word table and the head tied to it) and
+    whose fallback style at ``tp`` splits its rows (``colwise_gather_output``,
+    ``vocab_parallel``): each holder splits the same rows of the same [rows, columns] weight
+    and computes only with it in its own forward, so the tie is split one way and each holder
+    is exact as an untied one; left whole, a speech-encoder-decoder's BERT decoder kept its
+    10% table whole at full size. A holder that would stay whole (an Embedding with
+    ``max_norm``) or split the columns keeps the tie whole: one layout for every holder."""
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     for mod in model.modules():
         for pname, p in mod._parameters.items():
@@ -139,9 +141,14 @@ def _tied_tables(model: nn.Module) -> set[int]:
         and all(
             pname == "weight"
             and any(type(mod).forward is c.forward and isinstance(mod, c) for c in plain)
+            and _style(mod, tp, set())[0] in _ROW_STYLES
             for mod, pname in hold
         )
     }
+
+
+#: the fallback styles that split a weight's rows (dim 0) alike, a tied table's one layout
+_ROW_STYLES = ("colwise_gather_output", "vocab_parallel")
 
 
 def _experts_styles(mod: nn.Module, tp: int, shared: set[int]) -> tuple[dict, str | None]:

@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 install: $(STAMP)
 
+# Two pytest workers (pytest-xdist), each taking whole files: a file's module fixtures and each
+# worker's session rank groups (tests/conftest.py) are shared as before; on 2 cores this keeps
+# the second core busy while a test runs in one process. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
 
 demo: install
 	PATH="$(abspath $(BIN)):$$PATH" bash launch/torchrun.sh --nproc $(NPROC) examples/demo.py

@@ -1,6 +1,8 @@
 """Session-wide rank groups: ``ranks2``, ``ranks3`` and ``ranks4`` start once and run many checks
 each. Starting a group (spawned ranks importing torch and transformers) costs several seconds on
-2 cores: a module that starts its own group of a size named here pays that again."""
+2 cores: a module that starts its own group of a size named here pays that again. Under
+pytest-xdist (``make test``: two workers, ``--dist loadfile``) each worker process has its own
+groups, and a file's tests all run in one worker, so its module fixtures are built once."""
 
 from __future__ import annotations
 

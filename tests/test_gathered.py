@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parity import assert_parity, full_size_share, greedy_parity, tiny_parity
+from tests.parity import assert_parity, full_size_reports, greedy_parity, tiny_parity
 from tests.tiny import build
 from tpkit.plan import infer_plan
 
@@ -32,10 +32,27 @@ PARITY = (
 )
 
 
+@pytest.fixture(scope="module")
+def full_size(request, ranks2) -> dict[str, dict]:
+    """The full-size reports of the classes this run selected (all, or those ``-k`` kept),
+    derived on the session's two ranks two at a time (`tests.parity.full_size_reports`: one
+    process leaves the other core idle), in name order."""
+    wanted = sorted(
+        {
+            item.callspec.params["class_name"]
+            for item in request.session.items
+            if item.module is request.module and item.originalname == "test_full_size_share"
+        }
+    )
+    cases = [(c, {}) for c in wanted]
+    return dict(zip(wanted, full_size_reports(ranks2, cases), strict=True))
+
+
 @pytest.mark.parametrize("class_name", sorted(FULL_SIZE))
-def test_full_size_share(class_name):
-    share, whole = full_size_share(class_name)
-    assert share >= FULL_SIZE[class_name], (share, whole)
+def test_full_size_share(full_size, class_name):
+    r = full_size[class_name]
+    assert "error" not in r, r.get("error")
+    assert r["share"] >= FULL_SIZE[class_name], (r["share"], r["whole"])
 
 
 def test_a_norm_over_split_features_gathers_its_pair():

@@ -79,11 +79,33 @@ def main_two_nodes() -> None:
         print("RESULT " + json.dumps({"diff": diff, "world": dist.get_world_size()}), flush=True)
 
 
+def _every_rank_started(world: int) -> None:
+    """Wait (up to 120 s, on torchrun's own store) until all ``world`` ranks have started: the
+    short TPKIT_TIMEOUT a test sets then times the collective it is about, not the process
+    group's rendezvous, which a rank still importing torch on a loaded host misses (that
+    failed the timeout test under two pytest workers)."""
+    import datetime
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return  # rank 0 hosts the store in init_process_group: nothing to wait on before it
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    store.add("tests/started", 1)
+    deadline = time.monotonic() + 120
+    while store.add("tests/started", 0) < world and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def main_skip_collective() -> None:
     import tpkit
     from tpkit.cli.launch import ensure_ranks
 
     ensure_ranks(2)  # started as plain `python`: re-executes itself under torchrun
+    _every_rank_started(2)
     tpkit.init_distributed()
     if dist.get_rank() == 1:
         print("skipping the all_reduce", flush=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.parity import assert_parity, full_size_share, tiny_parity
+from tests.parity import assert_parity, full_size_reports, tiny_parity
 
 
 class _Routed(nn.Module):
@@ -69,11 +69,27 @@ FULL_SIZE = {
 }
 
 
+@pytest.fixture(scope="module")
+def full_size(request, ranks2) -> dict[str, dict]:
+    """The full-size reports of the classes this run selected (all, or those ``-k`` kept),
+    derived on the session's two ranks two at a time (`tests.parity.full_size_reports`: one
+    process leaves the other core idle), in name order."""
+    wanted = sorted(
+        {
+            item.callspec.params["class_name"]
+            for item in request.session.items
+            if item.module is request.module and item.originalname == "test_full_size_share"
+        }
+    )
+    cases = [(c, FULL_SIZE[c][0]) for c in wanted]
+    return dict(zip(wanted, full_size_reports(ranks2, cases), strict=True))
+
+
 @pytest.mark.parametrize("class_name", sorted(FULL_SIZE))
-def test_full_size_share(class_name):
-    overrides, least = FULL_SIZE[class_name]
-    share, whole = full_size_share(class_name, **overrides)
-    assert share >= least, (share, whole)
+def test_full_size_share(full_size, class_name):
+    r = full_size[class_name]
+    assert "error" not in r, r.get("error")
+    assert r["share"] >= FULL_SIZE[class_name][1], (r["share"], r["whole"])
 
 
 GROUPED_MM = {"_experts_implementation": "grouped_mm"}

@@ -343,6 +343,7 @@ def test_launch_from_stdin_with_the_group_up():
 
 # ---- the tpkit command ---------------------------------------------------------------------------
 def _tpkit(*argv: str) -> subprocess.CompletedProcess:
+    """The ``tpkit`` command as a user types it: its own interpreter, ``python -m tpkit.cli``."""
     return subprocess.run(
         [sys.executable, "-m", "tpkit.cli", *argv],
         cwd=ROOT,
@@ -351,6 +352,29 @@ def _tpkit(*argv: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=180,
     )
+
+
+@pytest.fixture
+def tpkit_cmd(monkeypatch, capfd):
+    """The ``tpkit`` command run in this process, as from the shell: ``main()`` reads
+    ``sys.argv`` (so errors take the one-line shell path, not the raising Python one) and its
+    exit status and both streams (file-descriptor level: a launched torchrun's too) come back
+    as a `subprocess.CompletedProcess`. Each subprocess costs ~5 s of imports (torch,
+    transformers) on 2 cores; `test_cli_entry_point_is_the_shell_command` runs the real one."""
+    from tpkit.cli.main import main
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        monkeypatch.setattr(sys, "argv", ["tpkit", *argv])
+        monkeypatch.delenv("TPKIT_DEBUG", raising=False)
+        capfd.readouterr()
+        try:
+            code = main()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(["tpkit", *argv], code, out, err)
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +394,21 @@ def checkpoints(tmp_path_factory):
     return d
 
 
-def test_cli_inputs_checked_before_any_rank(checkpoints):
+def _assert_one_line_error(argv: tuple[str, ...], proc, expected: str) -> None:
+    err = proc.stdout + proc.stderr
+    assert proc.returncode in (1, 2), (argv, err)
+    assert expected in err, (argv, err)
+    assert "Traceback" not in err and "torchrun" not in err, (argv, err)
+    assert len(err.strip().splitlines()) <= 12, (argv, err)
+
+
+def test_cli_entry_point_is_the_shell_command(checkpoints):
+    """``python -m tpkit.cli`` in its own process: the exit status and the one-line error."""
+    argv = ("generate", str(checkpoints / "llama"), "1 5000")
+    _assert_one_line_error(argv, _tpkit(*argv), "0 <= id < vocab_size (101)")
+
+
+def test_cli_inputs_checked_before_any_rank(checkpoints, tpkit_cmd):
     llama = str(checkpoints / "llama")
     cases = {
         ("plan", llama, "--tp", "0"): "--tp must be >= 1, got 0",
@@ -384,26 +422,21 @@ def test_cli_inputs_checked_before_any_rank(checkpoints):
         ),
     }
     for argv, expected in cases.items():
-        proc = _tpkit(*argv)
-        err = proc.stdout + proc.stderr
-        assert proc.returncode in (1, 2), (argv, err)
-        assert expected in err, (argv, err)
-        assert "Traceback" not in err and "torchrun" not in err, (argv, err)
-        assert len(err.strip().splitlines()) <= 12, (argv, err)
+        _assert_one_line_error(argv, tpkit_cmd(*argv), expected)
 
 
-def test_cli_plan_collapses_layers_and_says_tp1_splits_nothing(checkpoints):
+def test_cli_plan_collapses_layers_and_says_tp1_splits_nothing(checkpoints, tpkit_cmd):
     heads = str(checkpoints / "heads.yaml")
-    proc = _tpkit("plan", str(checkpoints / "llama"), "--tp", "3", "--plan", heads)
+    proc = tpkit_cmd("plan", str(checkpoints / "llama"), "--tp", "3", "--plan", heads)
     assert proc.returncode == 1
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("- ")]
     assert lines and all("layers.0." not in ln and "layers.1." not in ln for ln in lines), lines
     assert any("layers.*." in ln for ln in lines), lines
     assert "global -> local" not in proc.stdout  # no table of shapes that cannot exist
-    one = _tpkit("plan", str(checkpoints / "llama"), "--tp", "1")
+    one = tpkit_cmd("plan", str(checkpoints / "llama"), "--tp", "1")
     assert one.returncode == 0 and "nothing is split" in one.stdout, one.stdout
     # without the user plan, tp=3 runs: the attention gathered, with the reason printed
-    three = _tpkit("plan", str(checkpoints / "llama"), "--tp", "3")
+    three = tpkit_cmd("plan", str(checkpoints / "llama"), "--tp", "3")
     assert three.returncode == 0 and "tp_size=3: valid" in three.stdout, three.stdout
     assert "does not divide num_attention_heads=4" in three.stdout, three.stdout
 

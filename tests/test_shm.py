@@ -264,16 +264,21 @@ def test_a_wrapped_all_reduce_sees_every_collective(ranks2):
 
 def check_full_dev_shm_falls_back() -> dict:
     """Rank 0 cannot reserve the buffer (a full /dev/shm: ENOSPC): the whole group uses gloo,
-    and nothing is left in /dev/shm."""
+    and nothing is left in /dev/shm. The refused file is named by its descriptor, not by a
+    listing of /dev/shm before and after: other processes' groups (a parallel test worker,
+    another test run on the host) come and go there meanwhile."""
     import errno
+    import glob
 
     from tpkit.dist import shm
 
-    def full(*args):
+    refused: list[str] = []
+
+    def full(fd, *args):
+        refused.append(os.readlink(f"/proc/self/fd/{fd}"))
         raise OSError(errno.ENOSPC, "No space left on device")
 
     real = shm.os.posix_fallocate
-    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     group = dist.new_group(list(range(dist.get_world_size())))
     if dist.get_rank() == 0:
         shm.os.posix_fallocate = full
@@ -282,17 +287,17 @@ def check_full_dev_shm_falls_back() -> dict:
     finally:
         shm.os.posix_fallocate = real
     x = torch.ones(4)
-    out = {"fast": fast, "sum": shm.shm_all_reduce(x.clone(), group)}
+    out = {"fast": fast, "sum": shm.shm_all_reduce(x.clone(), group), "refused": len(refused)}
     dist.barrier()
-    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    out["left"] = sorted(n for n in after - before if n.startswith("tpkit-"))
+    out["left"] = sorted(p for base in refused for p in glob.glob(glob.escape(base) + "*"))
     dist.destroy_process_group(group)
     return out
 
 
 def test_a_full_dev_shm_makes_the_group_fall_back(ranks2):
-    for r in ranks2.run(check_full_dev_shm_falls_back):
-        assert r == {"fast": False, "sum": None, "left": []}, r
+    for rank, r in enumerate(ranks2.run(check_full_dev_shm_falls_back)):
+        # rank 0's file was refused (and is gone with its pipes); rank 1 never makes one
+        assert r == {"fast": False, "sum": None, "refused": int(rank == 0), "left": []}, r
 
 
 def check_env_off() -> dict:

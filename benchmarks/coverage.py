@@ -62,10 +62,16 @@ RESULTS = Path(__file__).parent / "results"
 TOL = 1e-5
 
 
-def _logits(out):
+def first_output(out):
     """The first output a family's model gives: logits, CLIP's logits_per_image (which reads
-    both towers), an encoder's last hidden state."""
-    return out.logits if hasattr(out, "logits") else out[0]
+    both towers), an encoder's last hidden state; a backbone's feature maps (a tuple, one per
+    stage: TimmBackbone's) flattened into one tensor, so every stage is compared."""
+    import torch
+
+    first = out.logits if hasattr(out, "logits") else out[0]
+    if isinstance(first, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in first):
+        return torch.cat([t.flatten() for t in first])
+    return first
 
 
 build = build_family
@@ -95,7 +101,7 @@ def check_parity(model_type: str, class_name: str, kind: str) -> dict:
     model = copy.deepcopy(ref)  # before any forward: no module state a forward leaves behind
     try:
         torch.manual_seed(FORWARD_SEED)
-        ref_out = _logits(ref(**x))
+        ref_out = first_output(ref(**x))
     except Exception as exc:  # noqa: BLE001 - the shrunk config, not tensor parallelism
         raise RuntimeError(f"unsharded reference forward fails: {_short(exc)}") from exc
     want = ref_out.detach()
@@ -111,7 +117,7 @@ def check_parity(model_type: str, class_name: str, kind: str) -> dict:
             if isinstance(p, DTensor) and p.placements[0] != Replicate():
                 sharded += p.numel()
     torch.manual_seed(FORWARD_SEED)  # a forward that samples (VibeVoice's speech latents)
-    out = _logits(model(**x))
+    out = first_output(model(**x))
     diff = (out.detach() - want).abs().max().item()
     tol = TOL * max(1.0, want.abs().max().item())  # float32 sums in another order
     grad_diff, grad_scale, missing = compare_grads(ref, model, ref_out, out)
@@ -144,11 +150,11 @@ def _training_grads(ref, model, x: dict, want, why: list[str]) -> tuple[float, f
     model.train()
     try:
         torch.manual_seed(FORWARD_SEED)
-        ref_out = _logits(ref(**x))
+        ref_out = first_output(ref(**x))
         if not torch_equal(ref_out.detach(), want):
             return float("nan"), 0.0, [f"{why[0]}; its training forward differs (dropout?)"]
         torch.manual_seed(FORWARD_SEED)
-        out = _logits(model(**x))
+        out = first_output(model(**x))
         return compare_grads(ref, model, ref_out, out)
     except Exception as exc:  # noqa: BLE001 - the same on every rank: skipped alike
         return float("nan"), 0.0, [f"{why[0]}; in training mode: {_short(exc)}"]

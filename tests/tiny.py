@@ -210,6 +210,11 @@ PATCHES = {
     "gemma4_assistant": {
         "text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}
     },
+    # a timm model is built by name, with no size fields to shrink: timm's own tiny test models
+    # (``test_resnet``: ResNet's layout, 4 stages of 1 block, 0.4 M parameters) stand in for
+    # the defaults' ResNet-50; the backbone's default names none (`FULL_PATCHES`)
+    "timm_wrapper": {"architecture": "test_resnet"},
+    "timm_backbone": {"backbone": "test_resnet", "out_indices": [1, 2, 3, 4]},
 }
 
 
@@ -272,6 +277,24 @@ FULL_PATCHES = {
         "mlp_layer_types": ["dense"] + ["sparse"] * 31,
         "num_experts_per_tok": 6,
     },
+    # a timm backbone names no timm model by default: the one DETR's family names (ResNet-50,
+    # its 4 stages)
+    "timm_backbone": {"backbone": "resnet50", "out_indices": [1, 2, 3, 4]},
+    # the default tower (TimmWrapper's ResNet-50) has no ``model_args``, from whose
+    # ``embed_dim`` the projector is built: the published Perception-LM-1B/3B tower, PE-core-L
+    # (1024 wide, 23 blocks, 448 px images of 14 px patches, layer scale 0.1, no final norm)
+    "perception_lm": {
+        "vision_config.architecture": "vit_pe_core_large_patch14_336",
+        "vision_config.model_args": lambda: {
+            "embed_dim": 1024,
+            "depth": 23,
+            "img_size": (448, 448),
+            "global_pool": "",
+            "use_post_transformer_norm": False,
+            "init_values": 0.1,
+            "ref_feat_shape": (32, 32),
+        },
+    },
 }
 
 
@@ -327,6 +350,7 @@ def full_config(model_type: str, class_name: str, repairs: list[str] | None = No
         config.is_decoder = False  # a masked LM reads both ways (Reformer's patch is the LM's)
         log.append("is_decoder=False (a masked LM)")
     _repair_tree(config, log, top=True)
+    check_timm(config)
     return config
 
 
@@ -366,6 +390,43 @@ def _repair_tree(config, log: list[str], top: bool) -> None:
         sub = getattr(config, key, None)
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
             _repair_tree(sub, log, top=False)
+
+
+class NeedsTimm(ImportError):
+    """A model built of timm models where timm is not installed: the row says so in one line
+    (transformers' own error names PIL first, then timm, over several lines)."""
+
+
+def timm_models(config) -> list[str]:
+    """The timm models ``config`` builds (on itself or any sub-config, by field: a timm
+    wrapper's ``architecture`` with its ``model_args``, a timm backbone's ``backbone``, a
+    model's ``use_timm_backbone``), as "where: name"."""
+    out, todo, seen = [], [("config", config)], set()
+    while todo:
+        where, c = todo.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        fields = vars(c)
+        if "architecture" in fields and "model_args" in fields:
+            out.append(f"{where}: {c.architecture}")
+        if getattr(c, "model_type", None) == "timm_backbone" or fields.get("use_timm_backbone"):
+            out.append(f"{where}: {getattr(c, 'backbone', None)}")
+        todo += [(f"{where}.{k}", v) for k, v in fields.items() if hasattr(v, "to_dict")]
+    return out
+
+
+def check_timm(config) -> None:
+    """Raise `NeedsTimm` (one line: which timm models, and why timm is missing) when
+    ``config`` builds timm models and timm cannot be imported."""
+    import importlib.util
+
+    names = timm_models(config)
+    if names and importlib.util.find_spec("timm") is None:
+        raise NeedsTimm(
+            f"needs timm ({'; '.join(names)}), which is not installed: timm needs torchvision, "
+            "which cannot be installed beside this torch build; run this row where timm is"
+        )
 
 
 def _timm_free(config) -> tuple | None:

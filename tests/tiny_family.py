@@ -15,6 +15,7 @@ from tests.tiny import (
     _layer_list,
     _restage,
     _shrink,
+    check_timm,
     tiny_config,
 )
 
@@ -369,7 +370,7 @@ def tiny_family_config(model_type: str, class_name: str | None = None):
         target = kwargs
         for sub in path:  # a sub-config's sub-config: vision_config.sam_config.field
             target = target[sub]
-        target[attr] = v
+        target[attr] = v() if callable(v) else copy.deepcopy(v)  # a value built when used
     config = cls(**kwargs)
     for sub in ("text_config", "vision_config", "audio_config"):  # eager everywhere
         if getattr(config, sub, None) is not None and hasattr(getattr(config, sub), "use_cache"):
@@ -440,6 +441,74 @@ def _set_fields(config, patches: dict) -> None:
         setattr(target, attr, v)
 
 
+#: a VLM's timm vision tower (``vision_config`` of type ``timm_wrapper``), tiny: a timm model is
+#: built by name with ``model_args`` (no sizes a shrinker could read), so its size is set here
+#: as transformers' own tests set it; ``image_size`` is the made-up image's side (the tower
+#: takes any; `tpkit.plan.inputs` reads it). Needs timm (`tests.tiny.check_timm`).
+TIMM_TOWERS = {
+    # FastViT-MCi3 reparameterised (``inference_mode``, the published layout): 2 stages of 2
+    # RepMixer blocks, 8 / 16 channels; its conv head gives ``hidden_size`` channels
+    "fast_vlm": {
+        "architecture": "fastvit_mci3",
+        "hidden_size": 32,
+        "image_size": 32,
+        "model_args": {
+            "inference_mode": True,
+            "layers": (2, 2),
+            "embed_dims": (8, 16),
+            "mlp_ratios": (4, 4),
+            "se_downsamples": (False, False),
+            "downsamples": (False, True),
+            "pos_embs": (None, None),
+            "token_mixers": ("repmixer", "repmixer"),
+            "lkc_use_act": True,
+            "stem_use_scale_branch": False,
+        },
+    },
+    # the published Perception-LM's PE-core ViT (its projector reads ``embed_dim``): 2 blocks of
+    # 64, 4 heads, on a 28 px image (2 x 2 patches of 14, the rotary's reference grid)
+    "perception_lm": {
+        "architecture": "vit_pe_core_large_patch14_336",
+        "image_size": 28,
+        "model_args": {
+            "embed_dim": 64,
+            "depth": 2,
+            "num_heads": 4,
+            "img_size": (28, 28),
+            "ref_feat_shape": (2, 2),
+            "global_pool": "",
+            "use_post_transformer_norm": False,
+            "init_values": 0.1,
+        },
+    },
+}
+
+
+def _mobilenet_v5_blocks() -> list:
+    """A tiny MobileNet-V5 (Gemma-3n's tower) as timm's ``block_args``: the published
+    layout's kinds of block (an edge-residual stem stage, universal inverted residuals, a
+    multi-query attention between them) in 3 stages of 16-32 channels, each halving the grid.
+    timm builds MobileNet-V5 from decoded block strings only; where timm is missing they stay
+    strings (the model cannot be built then anyway: `check_timm` says so first)."""
+    stages = [
+        ["er_r1_k3_s2_e4_c16"],
+        ["uir_r1_a3_k5_s2_e4_c32"],
+        ["uir_r1_a3_k5_s2_e4_c32", "mqa_r1_k3_h2_s1_d16_c32", "uir_r1_a0_k0_s1_e2_c32"],
+    ]
+    try:
+        from timm.models.mobilenetv5 import decode_arch_def  # its builder, re-exported
+    except ImportError:
+        return stages
+    return decode_arch_def(stages)
+
+
+TIMM_TOWERS["gemma3n"] = {
+    # MobileNet-V5's fusion adapter always gives 2048 channels (the tower's ``hidden_size``,
+    # which the model reshapes its output by), pooled to a 2 x 2 grid: 4 soft tokens an image
+    "hidden_size": 2048,
+    "image_size": 32,
+    "model_args": lambda: {"block_args": _mobilenet_v5_blocks(), "msfa_output_resolution": 2},
+}
 #: relations between sub-configs that a config checks as it is built, or the model relies on,
 #: and no rule here keeps (sub-config.field, or a top-level field), by model type
 FAMILY_PATCHES = {
@@ -494,7 +563,18 @@ FAMILY_PATCHES = {
         t: {"out_hidden_size": 256, "projector_hidden_size": 128}
         for t in ("muse_glimmer", "muse_spark")
     },
+    # timm towers (`TIMM_TOWERS`): the published timm architecture, shrunk through the
+    # ``model_args`` timm builds it with, as transformers' own tests shrink it
+    **{t: {f"vision_config.{k}": v for k, v in tower.items()} for t, tower in TIMM_TOWERS.items()},
 }
+FAMILY_PATCHES["gemma3n"].update(
+    {
+        "vision_soft_tokens_per_image": 4,  # the 2 x 2 pooled grid
+        # the per-layer token embeddings (262144 ids x 35 layers x 256: 134 M parameters of
+        # the tiny model's 136 M) over the tiny vocabulary
+        "text_config.vocab_size_per_layer_input": VOCAB,
+    }
+)
 
 
 def _vq_vocabulary(kind: str) -> dict[str, int]:
@@ -751,6 +831,7 @@ def build_family(model_type: str, class_name: str, device: str = "cpu"):
     import transformers
 
     config = tiny_family_config(model_type, class_name)
+    check_timm(config)
     torch.manual_seed(0)
     with torch.device(device):
         model = getattr(transformers, class_name)(config)

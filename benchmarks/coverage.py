@@ -787,6 +787,14 @@ def markdown_families(summary: dict, rows: list[dict]) -> str:
         "",
         f"Counts are of the architectures swept so far; {summary.get('row_seconds', 0)} s of "
         f"work over the rows (this run's wall time: {summary['seconds']} s).",
+    ]
+    elsewhere: dict[str, list[str]] = {}  # rows a run in another venv measured (timm's)
+    for r in rows:
+        if r.get("environment"):
+            elsewhere.setdefault(r["environment"], []).append(f"{r['kind']} / {r['architecture']}")
+    for env, names in elsewhere.items():
+        lines += ["", f"Measured in another environment ({env}): {', '.join(names)}."]
+    lines += [
         "",
         "## Why rows fail",
         "",

@@ -4,8 +4,6 @@ of each fixed architecture runs a forward on `tests.tiny_inputs.family_inputs`."
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -154,15 +152,8 @@ FIXED_5 = [
     ("pi0", "PI0ForConditionalGeneration", "image-text-to-text"),
     ("pi05", "PI05ForConditionalGeneration", "image-text-to-text"),
     # patches of two frames, channels last, which the tower folds 4 x 4 then 2 x 2 x 2 (its
-    # layer plan needs scipy's linear_sum_assignment)
-    pytest.param(
-        "inkling_mm_model",
-        "InklingForConditionalGeneration",
-        "image-text-to-text",
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("scipy") is None, reason="Inkling's vision tower needs scipy"
-        ),
-    ),
+    # layer plan needs scipy's linear_sum_assignment: scipy is in the test extra)
+    ("inkling_mm_model", "InklingForConditionalGeneration", "image-text-to-text"),
 ]
 ALL_FIXED = FIXED + FIXED_2 + FIXED_VLM + FIXED_VLM_3 + FIXED_4 + FIXED_5
 
@@ -384,7 +375,6 @@ def test_action_chunk_policy_inputs() -> None:
         assert torch.equal(first, model(**x).logits)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("scipy") is None, reason="Inkling needs scipy")
 def test_frame_patches_fit_the_folding_tower() -> None:
     """Inkling's vision tower reads patches of ``temporal_patch_size`` frames, channels last, one
     text token each: the made-up 32-px images are cut into 8-px squares, each repeated over

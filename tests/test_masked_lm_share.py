@@ -167,8 +167,69 @@ def test_functional_layer_only_when_it_applies_its_own_weight():
     assert up is None or up.needs_whole, nodes
     nodes = trace(Net(NormedAfter), (torch.randn(2, 3, 8),))["nodes"]
     up = nodes.get("layers.0.up")
-    assert up is None or up.needs_whole, nodes
+    assert up is None or (up.needs_whole and up.read_outside), nodes
     assert not nodes["layers.0.down"].needs_whole, nodes
+
+    class Converted(Plain):  # a router's ``self.weight.float()`` on a float32 weight
+        def forward(self, x):
+            return F.linear(x.float(), self.weight.float().contiguous()), None
+
+    nodes = trace(Net(Converted), (torch.randn(2, 3, 8),))["nodes"]
+    assert not nodes["layers.0.up"].needs_whole, nodes
+    assert nodes["layers.0.up"].consumers == {"layers.0.down"}, nodes
+
+
+def row_reads_weight_parity() -> dict:
+    """Run on every rank: a block whose row layer scales by its own weight's max after
+    ``F.linear`` (``F.linear(x, w) * w.abs().amax()``), split by tpkit's plan, against the
+    unsharded model."""
+    import copy
+
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    import tpkit
+    from tests.parity import module_parity
+
+    class Plain(nn.Module):
+        def __init__(self, i: int, o: int):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(o, i) / i**0.5)
+
+        def forward(self, x):
+            return F.linear(x, self.weight), None
+
+    class ScaledAfter(Plain):
+        def forward(self, x):
+            y = F.linear(x, self.weight)
+            return y * self.weight.abs().amax(), None
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = Plain(8, 16), ScaledAfter(16, 8)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)[0]))[0]
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(Block(), Block()).float()
+    model = tpkit.tensor_parallel(copy.deepcopy(ref))
+    styles = {t.name: t.style for t in model._tpkit.plan.resolve(model) if t.kind == "module"}
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1))
+    return {**module_parity(ref, model, x), "styles": styles}
+
+
+def test_a_row_layer_reading_its_weight_after_the_call_stays_exact(ranks2):
+    """The row of a pair whose forward reads its weight after ``F.linear`` (a scale by its
+    max) is not split by rows: before, it was, and the max over the rank's rows changed the
+    output with no error (off by 120 of 1272)."""
+    r = ranks2.run(row_reads_weight_parity)[0]
+    assert r["styles"].get("0.down") not in ("rowwise", "rowwise_split_input"), r["styles"]
+    assert not r["missing"], r
+    assert r["out"] <= 1e-5 * max(1.0, r["out_scale"]), r
+    assert r["grad"] <= 1e-5 * max(1.0, r["scale"]), r
 
 
 def test_a_linear_written_into_state_is_live():
@@ -268,3 +329,24 @@ def test_per_head_parameters_get_their_heads_gradient(ranks2):
     assert not r["missing"], r
     assert r["out"] <= 1e-5 * max(1.0, r["out_scale"]), r
     assert r["grad"] <= 1e-5 * max(1.0, r["scale"]), r
+
+
+def test_a_write_through_out_is_a_write():
+    """``torch.add(k, 0, out=self.cache)`` writes the linear's values into a buffer: live."""
+    import torch
+    from torch import nn
+
+    from tpkit.plan.trace import trace
+
+    class OutCached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.o = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+            self.register_buffer("cache", torch.zeros(2, 3, 8))
+
+        def forward(self, x):
+            torch.add(self.k(x), 0, out=self.cache)
+            return x + self.o(torch.relu(self.q(x)))
+
+    nodes = trace(OutCached(), (torch.randn(2, 3, 8),))["nodes"]
+    assert not nodes["k"].dead, nodes

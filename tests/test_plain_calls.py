@@ -363,6 +363,11 @@ def tpkit_cmd(monkeypatch, capfd):
     transformers) on 2 cores; `test_cli_entry_point_is_the_shell_command` runs the real one."""
     from tpkit.cli.main import main
 
+    def launch(*args, **kwargs):  # would replace this pytest worker with torchrun
+        pytest.fail(f"an in-process tpkit command tried to launch ranks: {args}")
+
+    monkeypatch.setattr("tpkit.cli.launch.run_script", launch)
+
     def run(*argv: str) -> subprocess.CompletedProcess:
         monkeypatch.setattr(sys, "argv", ["tpkit", *argv])
         monkeypatch.delenv("TPKIT_DEBUG", raising=False)

@@ -358,7 +358,9 @@ def tiny_family_config(model_type: str, class_name: str | None = None):
                 setattr(config, k, [v, v])
         _fit_vision(config)
         _fit_backbone(config)
-        _set_fields(config, FAMILY_PATCHES.get(model_type, {}))  # a built text-path config
+        patches = FAMILY_PATCHES.get(model_type, {})  # built when used, as below
+        patches = {k: v() if callable(v) else copy.deepcopy(v) for k, v in patches.items()}
+        _set_fields(config, patches)  # a built text-path config
         return config
     cls = CONFIG_MAPPING[model_type]
     if class_name and hasattr(transformers, class_name):

@@ -104,7 +104,8 @@ def complete_grad_allreduce(model: nn.Module, plan: Plan, example=None) -> Plan:
             # parameters split with the heads (one value per head) have entries of their own:
             # their gradients are the rank's heads' already, and summing them would mix heads
             own = [f"{user}.{n}" for n, _ in modules[user].named_parameters(recurse=False)]
-            if plan.style_for(user) is None and not any(plan.style_for(n) for n in own):
+            split_own = [h for n in own if (h := plan.style_for(n)) and h[0] != "replicate"]
+            if plan.style_for(user) is None and not split_own:
                 plan.set(user, "replicated_with_grad_allreduce", t.source)
     # a derived per-head norm whose columns user entries have all replicated acts on whole
     # activations now: its gradient is whole on every rank, and summing it would multiply it

@@ -150,7 +150,8 @@ def _einsum_lacks(args: tuple, a: torch.Tensor, b: torch.Tensor, j: int) -> bool
 
 #: operators that write into their first argument (``__get__`` of an attribute does not)
 _IN_PLACE_DUNDERS = frozenset(
-    {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}
+    {"__setitem__", "__set__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__"}
+    | {"__iand__"}
 )
 # calls that read a tensor's metadata, not its values (`_Tracer._record_made_from`)
 _METADATA = frozenset(
@@ -250,7 +251,7 @@ class _Tracer(TorchFunctionMode):
         # ``weight.device``), not the values
         reads_values = bool(_tensors(out))
         if self.candidate_weights and reads_values:
-            self._candidate_reads(name, args, kwargs, inputs)
+            self._candidate_reads(name, args, kwargs, inputs, out)
         if self.pending and name in ("linear", "embedding"):
             self._functional_layer(name, args, kwargs)
         for t in inputs:
@@ -286,14 +287,17 @@ class _Tracer(TorchFunctionMode):
                 self.nodes[node].ids_first = True
         in_place = (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
         written = in_place and args and isinstance(args[0], torch.Tensor)
-        if written:
-            self.set_tag(args[0], tags)
+        target = args[0] if written else None
+        if target is None and isinstance(kwargs.get("out"), torch.Tensor):
+            target = kwargs["out"]  # torch.add(a, b, out=self.cache): written too
+        if target is not None:
+            self.set_tag(target, tags)
         outs = _tensors(out)
         for t in outs:
             self.set_tag(t, tags)
-        self._record_made_from(name, inputs, outs, args[0] if written else None)
+        self._record_made_from(name, inputs, outs, target)
         if params:
-            for t in outs + ([args[0]] if written else []):
+            for t in outs + ([target] if target is not None else []):
                 self.params[id(t)] = params
         parts = frozenset().union(*(self.parts.get(id(t), frozenset()) for t in feats))
         if parts:
@@ -372,25 +376,35 @@ class _Tracer(TorchFunctionMode):
             for lin, i in self.parts.get(id(t), ()):
                 self.nodes[lin].cut_reach[i].add(cand)
 
-    def _candidate_reads(self, name: str, args: tuple, kwargs: Mapping, inputs: list) -> None:
+    def _candidate_reads(
+        self, name: str, args: tuple, kwargs: Mapping, inputs: list, out: Any
+    ) -> None:
         """A functional layer's weight read by anything but its ``F.linear`` / ``F.embedding``
         call (``F.linear(x, w) / w.norm(dim=1)``, ``w.abs().max()`` for a scale) computes
         something from the weight that a style would run on the rank's shard, and nothing here
         says it would be exact there: a candidate that reads it so before the call is no layer,
-        one that does after it needs its whole weight (`Node.needs_whole`)."""
+        one that does after it stays whole, as a layer whose weight is read outside its forward
+        (`Node.read_outside`: no column or row style, no table split). A conversion that hands
+        back the weight itself (a router's ``self.weight.float()`` on a float32 weight) reads
+        nothing; an in-place change (``w.mul_``) does."""
         w = kwargs.get("weight", args[1] if len(args) > 1 else None)
         running = self.where[-1] if self.where else None
+        in_place = name.endswith("_") and not name.endswith("__")
         for t in inputs:
             cand = self.candidate_weights.get(id(t))
             if cand is None or cand != running:
                 continue  # read outside its forward: the owners' check marks a layer
             if name in ("linear", "embedding") and t is w:
                 continue  # the call that makes it a layer
+            if out is t and not in_place:
+                continue  # the weight itself handed back (a dtype it already has)
             if cand in self.nodes:
-                self.nodes[cand].needs_whole = (
+                node = self.nodes[cand]
+                node.needs_whole = (
                     "its forward reads its weight besides F.linear / F.embedding: what that "
                     "computes from a shard is unknown"
                 )
+                node.read_outside = True
             else:
                 self.spoiled.add(cand)
 

@@ -68,7 +68,9 @@ def stream_params(
 
     fresh = fresh or {}
     groups = list(param_owners(model).values())
-    bar = tqdm(groups, desc="tpkit: loading shards", disable=dist_env().rank != 0, unit="tensor")
+    bar = tqdm(  # rank 0's, shown once reading has taken more than 2 s (as transformers' bar)
+        groups, desc="tpkit: loading shards", disable=dist_env().rank != 0, unit="tensor", delay=2
+    )
     for owners in bar:
         module, pname, full = owners[0]
         p = module._parameters[pname]

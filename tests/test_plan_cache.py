@@ -1,0 +1,303 @@
+"""The plan cache: a stored plan comes back exactly as derived, under a key that misses on any
+change, and the cache never fails a job (corrupt file, folder not writable, jobs racing)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.models import batch, build
+from tpkit.io import plans
+from tpkit.plan import Group, Plan, Source, derive_plan
+from tpkit.plan.cache import (
+    NotCacheable,
+    PlanFileError,
+    decode,
+    encode,
+    key_digest,
+    plan_differences,
+    plan_from_data,
+    plan_key,
+    plan_to_data,
+    read_plan,
+    write_plan,
+)
+
+
+def _meta(name: str):
+    with torch.device("meta"):
+        return build(name)
+
+
+def _round_trip(plan: Plan) -> Plan:
+    return plan_from_data(json.loads(json.dumps(plan_to_data(plan))))
+
+
+# ---- exact round trip --------------------------------------------------------------------------
+def test_values_come_back_with_their_types():
+    value = {
+        "a": (1, 2.5, "x", None, True),
+        "b": [1, [2, (3,)]],
+        "c": {0: "int key", (1, 2): "tuple key"},
+        "__d": float("inf"),
+        "e": float("-inf"),
+    }
+    back = decode(json.loads(json.dumps(encode(value))))
+    assert back == value
+    assert type(back["a"]) is tuple and type(back["b"][1][1]) is tuple
+    assert list(back["c"]) == [0, (1, 2)]
+    for bad in (Source.USER, torch.tensor(1), {1, 2}):
+        with pytest.raises(NotCacheable):
+            encode(bad)
+
+
+def test_every_field_round_trips_exactly():
+    plan = Plan()
+    plan.set("model.layers.*.self_attn.q_proj", "colwise", Source.CONFIG)
+    plan.set("model.layers.*.mlp.up_proj", "colwise", Source.INFERRED, {"tail": 64})
+    plan.set("lm_head", "colwise_gather_output", Source.CLASS)
+    plan.set("model.embed_tokens", "vocab_parallel", Source.USER)
+    plan.set("model.norm", "replicate", Source.FALLBACK)
+    plan.fixups["model.layers.*.self_attn"] = {"divide": ["num_heads"], "head_inputs": {"k": 1}}
+    plan.notes["model.norm"] = "whole: read outside"
+    plan.groups.append(Group(("a", "b"), ("a",), {"heads of a": 4}))
+    plan.groups.append(Group(("c",)))
+    back = _round_trip(plan)
+    assert plan_differences(plan, back) == []
+    assert [back.source(p) for p in back] == [plan.source(p) for p in plan]
+    assert back.groups == plan.groups and back.args == plan.args
+
+
+def test_a_difference_in_any_field_is_found():
+    plan = Plan({"a": "colwise", "b": "rowwise"}, Source.INFERRED)
+    for change in (
+        lambda p: p.set("a", "colwise", Source.USER),
+        lambda p: p.args.update(a={"tail": 1}),
+        lambda p: p.fixups.update(a={"divide": ("num_heads",)}),
+        lambda p: p.notes.update(b="why"),
+        lambda p: p.groups.append(Group(("a", "b"))),
+    ):
+        other = plan.copy()
+        change(other)
+        assert plan_differences(plan, other), change
+
+
+@pytest.mark.parametrize(("name", "tp"), [("llama", 2), ("gpt2", 2), ("qwen3_moe", 2), ("t5", 3)])
+def test_derived_plans_round_trip_exactly(name, tp):
+    model = _meta(name)
+    plan = derive_plan(model, "auto", tp)
+    assert plan_differences(plan, _round_trip(plan)) == []
+
+
+# ---- the key -----------------------------------------------------------------------------------
+def test_key_misses_on_config_sizes_plan_and_versions(monkeypatch):
+    import transformers as tf
+
+    from tests.models import ATTN
+    from tpkit.plan import cache
+
+    def llama(**overrides):
+        with torch.device("meta"):
+            return tf.LlamaForCausalLM(tf.LlamaConfig(**{**ATTN, **overrides}))
+
+    base = plan_key(llama(), "auto", 2)
+    assert plan_key(llama(), "auto", 2) == base  # deterministic
+    others = [
+        plan_key(llama(rope_theta=5.0), "auto", 2),  # a config field the structure ignores
+        plan_key(llama(num_key_value_heads=2), "auto", 2),
+        plan_key(llama(), "auto", 4),
+        plan_key(llama(), "infer", 2),
+        plan_key(llama(), {"lm_head": "replicate"}, 2),
+    ]
+    changed = llama()
+    changed.model.layers[0].self_attn.head_dim = 8  # an attribute the code reads
+    others.append(plan_key(changed, "auto", 2))
+    monkeypatch.setattr(cache, "_versions", lambda: {"transformers": "0.0"})
+    others.append(plan_key(llama(), "auto", 2))
+    digests = {key_digest(k) for k in [base, *others]}
+    assert len(digests) == len(others) + 1
+    with pytest.raises(NotCacheable):
+        plan_key(llama(), "auto", 2, example_inputs=(torch.zeros(1, 2, dtype=torch.long),))
+
+
+def test_stale_and_corrupt_files_are_told_apart(tmp_path):
+    model = _meta("llama")
+    key, other = plan_key(model, "auto", 2), plan_key(model, "auto", 4)
+    path = tmp_path / "p.json"
+    assert read_plan(path, key) is None
+    write_plan(path, key, Plan({"lm_head": "colwise"}))
+    with pytest.raises(PlanFileError) as stale:
+        read_plan(path, other)
+    assert stale.value.stale and "tp" in str(stale.value)
+    path.write_text('{"key": ')
+    with pytest.raises(PlanFileError) as corrupt:
+        read_plan(path, key)
+    assert not corrupt.value.stale
+
+
+# ---- plan_for: hit, miss, stale, corrupt, unwritable ------------------------------------------
+class _Counting:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return derive_plan(*args, **kwargs)
+
+
+@pytest.fixture
+def counting(monkeypatch, tmp_path):
+    monkeypatch.setenv("TPKIT_PLAN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(plans, "_warned", set())
+    derive = _Counting()
+    monkeypatch.setattr(plans, "derive_plan", derive)
+    return derive
+
+
+def test_a_cached_plan_is_the_fresh_plan_and_skips_planning(counting, tmp_path):
+    fresh = plans.plan_for(_meta("llama"), "auto", 2)
+    assert counting.calls == 1
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 1
+    cached = plans.plan_for(_meta("llama"), "auto", 2)
+    assert counting.calls == 1  # no planning at all
+    assert plan_differences(fresh, cached) == []
+    assert plan_differences(derive_plan(_meta("llama"), "auto", 2), cached) == []
+    plans.plan_for(_meta("llama"), "auto", 4)  # another size: planned, never reused
+    assert counting.calls == 2
+
+
+def test_a_stale_file_replans(counting, tmp_path):
+    model = _meta("llama")
+    key = plan_key(model, "auto", 2)
+    stale = {**key, "versions": {"tpkit": "0.0.0"}}
+    path = tmp_path / "cache" / f"{key_digest(key)}.json"
+    write_plan(path, stale, Plan({"lm_head": "replicate"}))  # planted under the live name
+    plan = plans.plan_for(model, "auto", 2)
+    assert counting.calls == 1
+    assert plan_differences(plan, derive_plan(_meta("llama"), "auto", 2)) == []
+    assert read_plan(path, key) is not None  # replaced by the fresh plan
+
+
+def test_a_corrupt_file_replans_with_one_warning(counting, tmp_path, caplog):
+    model = _meta("llama")
+    path = tmp_path / "cache" / f"{key_digest(plan_key(model, 'auto', 2))}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text("not json")
+    with caplog.at_level(logging.WARNING, logger="tpkit"):
+        logging.getLogger("tpkit").addHandler(caplog.handler)
+        try:
+            plans.plan_for(model, "auto", 2)
+            path.write_text("not json")
+            plans.plan_for(_meta("llama"), "auto", 2)
+        finally:
+            logging.getLogger("tpkit").removeHandler(caplog.handler)
+    assert counting.calls == 2
+    warnings = [r for r in caplog.records if "corrupt" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text
+
+
+def test_an_unwritable_cache_never_fails_a_job(counting, monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("TPKIT_PLAN_CACHE", str(blocker / "plans"))  # a folder under a file
+    plan = plans.plan_for(_meta("llama"), "auto", 2)
+    plans.plan_for(_meta("llama"), "auto", 2)
+    assert counting.calls == 2 and len(plan) > 0
+    assert len(plans._warned) == 1
+
+
+def test_off_reads_and_writes_nothing(counting, monkeypatch, tmp_path):
+    monkeypatch.setenv("TPKIT_PLAN_CACHE", "off")
+    plans.plan_for(_meta("llama"), "auto", 2)
+    plans.plan_for(_meta("llama"), "auto", 2)
+    assert counting.calls == 2
+    assert not (tmp_path / "cache").exists()
+
+
+def test_writers_racing_on_one_key_leave_a_whole_file(tmp_path):
+    model = _meta("llama")
+    key = plan_key(model, "auto", 2)
+    plan = derive_plan(model, "auto", 2)
+    path = tmp_path / "p.json"
+    write_plan(path, key, plan)
+    seen, stop = [], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            seen.append(plan_differences(plan, read_plan(path, key)))
+
+    def writer():
+        for _ in range(20):
+            write_plan(path, key, plan)
+
+    threads = [threading.Thread(target=reader)] + [
+        threading.Thread(target=writer) for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads[1:]:
+        t.join()
+    stop.set()
+    threads[0].join()
+    assert seen and all(d == [] for d in seen)
+    assert sorted(os.listdir(tmp_path)) == ["p.json"]  # no temporary file left
+
+
+# ---- on ranks ----------------------------------------------------------------------------------
+def split_twice(cache_dir: str) -> dict:
+    """tensor_parallel of the same model twice with the cache at ``cache_dir``: the first derives
+    and stores, the second reads; both split the same and match the unsharded model."""
+    import tpkit
+
+    os.environ["TPKIT_PLAN_CACHE"] = cache_dir
+    calls = _Counting()
+    saved = plans.derive_plan
+    plans.derive_plan = calls
+    try:
+        first = tpkit.tensor_parallel(build("llama"), tp_size=2)
+        dist.barrier()  # rank 0 has written the plan
+        after_first = calls.calls
+        second = tpkit.tensor_parallel(build("llama"), tp_size=2)
+    finally:
+        plans.derive_plan = saved
+        os.environ["TPKIT_PLAN_CACHE"] = "off"
+    ref = build("llama")
+    x = batch(ref.config.vocab_size)
+    with torch.no_grad():
+        diff = (second(input_ids=x).logits - ref(input_ids=x).logits).abs().max().item()
+    return {
+        "after_first": after_first,
+        "after_second": calls.calls,
+        "same": plan_differences(first._tpkit.plan, second._tpkit.plan),
+        "diff": diff,
+    }
+
+
+def test_ranks_store_once_and_read_back(ranks2, tmp_path):
+    results = ranks2.run(split_twice, str(tmp_path / "cache"))
+    for r in results:
+        assert r["after_first"] == 1 and r["after_second"] == 1, r
+        assert r["same"] == [] and r["diff"] <= 1e-5, r
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 1
+
+
+def different_plans() -> str:
+    """Each rank hands the checksum check another plan: every rank raises, none hangs."""
+    group = dist.new_group([0, 1])
+    plan = Plan({"lm_head": "colwise" if dist.get_rank() == 0 else "replicate"})
+    try:
+        plans.check_same_plan(plan, group)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_holding_different_plans_fail_alike(ranks2):
+    for message in ranks2.run(different_plans):
+        assert "different plans" in message, message

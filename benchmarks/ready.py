@@ -97,17 +97,18 @@ def child(system: str, path: str, share: str) -> None:
         dist.barrier()
     phases: dict[str, float] = {}
     if system.startswith("tpkit"):
-        import tpkit.io.plans as plans
         import tpkit.parallelize as par
 
-        if share != "parallel" and hasattr(plans, "SHARE"):
+        if share != "parallel":
+            import tpkit.io.plans as plans
+
             plans.SHARE = share
         _timed(pre, "_load_config", phases, "config")
         plan_fn = "plan_for" if hasattr(par, "plan_for") else "derive_plan"
         _timed(par, plan_fn, phases, "plan")
         _timed(par, "apply_tensor_parallel", phases, "split")
         _timed(pre, "stream_params", phases, "read")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if system.startswith("tpkit"):
         model = tpkit.from_pretrained(path)
     elif system == "transformers TP":
@@ -124,6 +125,7 @@ def child(system: str, path: str, share: str) -> None:
     figures = {
         "ready_s": ready,
         "load_s": loaded - start,
+        "cpu_s": time.process_time() - cpu,
         **{f"{k}_s": v for k, v in phases.items()},
     }
     if distributed:  # the slowest rank's figures

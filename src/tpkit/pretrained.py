@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.io.build import instantiate, model_class
+from tpkit.io.build import SkipMetaFills, instantiate, model_class
 from tpkit.io.hub import resolve_checkpoint
 from tpkit.io.load_kwargs import check_unused, sort_kwargs
 from tpkit.io.loading_info import LoadingInfo, LoadingPolicy, fresh_weights, loading_info
 from tpkit.io.safetensors import CheckpointIndex
 from tpkit.io.shards import rank_device
-from tpkit.io.stream import move_buffers, stream_buffers, stream_params
+from tpkit.io.stream import move_buffers, prefetch, stream_buffers, stream_params
 from tpkit.parallel.mesh import dist_env
 from tpkit.parallelize import apply_pending_fsdp, split
 from tpkit.plan.checks import checkpoint_problems
@@ -75,6 +75,8 @@ def from_pretrained(
     cls = model_class(config, model_cls)
     dtype = _resolve_dtype(call.dtype, config)
     index = ckpt.open()  # headers checked / .bin unpickled without code, before any collective
+    if ckpt.format == "safetensors":  # the kernel reads the files while the model is split
+        prefetch({e.file for e in index.entries.values()})
     path = ckpt.folder
     model = _build(cls, config, dtype, call.trust_remote_code)
     # every check on every rank, before any collective: names, counts, shapes, dtypes
@@ -123,7 +125,7 @@ def _build(cls, config, dtype: torch.dtype, trust_remote_code: bool | None) -> n
     """The model ``from_pretrained`` splits: parameters on meta, buffers real, ties made."""
     from accelerate import init_empty_weights
 
-    with init_empty_weights(include_buffers=False):
+    with init_empty_weights(include_buffers=False), SkipMetaFills():
         model = instantiate(cls, config, dtype, trust_remote_code)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # on meta too: tied parameters must be one object before sharding

@@ -46,6 +46,7 @@ SIZES = {
 }  # fmt: skip
 TPKIT = ("tpkit, plan cached", "tpkit, first run", "tpkit, cache off")
 OTHERS = ("transformers TP", "one process")
+SHARED = "tpkit, cache off, rank 0 plans"  # --share both: the plan derived on rank 0, broadcast
 PHASES = ("config", "plan", "split", "read", "forward")
 
 
@@ -99,10 +100,10 @@ def child(system: str, path: str, share: str) -> None:
     if system.startswith("tpkit"):
         import tpkit.parallelize as par
 
-        if share != "parallel":
+        if share == "broadcast" or system == SHARED:
             import tpkit.io.plans as plans
 
-            plans.SHARE = share
+            plans.SHARE = "broadcast"
         _timed(pre, "_load_config", phases, "config")
         plan_fn = "plan_for" if hasattr(par, "plan_for") else "derive_plan"
         _timed(par, plan_fn, phases, "plan")
@@ -171,7 +172,11 @@ def measure(args) -> dict:
     systems = list(TPKIT)
     if args.base_src:
         systems.append("tpkit @ base")
+    if args.share == "both":
+        systems.append(SHARED)
     systems += list(OTHERS)
+    if args.systems:
+        systems = [s for s in systems if s in args.systems]
     out: dict = {"sizes": {}, "systems": systems}
     try:
         for size in args.sizes:
@@ -190,7 +195,7 @@ def measure(args) -> dict:
                         env["TPKIT_PLAN_CACHE"] = str(warm)
                     elif system == "tpkit, first run":
                         env["TPKIT_PLAN_CACHE"] = str(work / f"miss-{size}-{r}")
-                    elif system in ("tpkit, cache off", "tpkit @ base"):
+                    elif system in ("tpkit, cache off", "tpkit @ base", SHARED):
                         env["TPKIT_PLAN_CACHE"] = "off"
                         tree = Path(args.base_src) if system == "tpkit @ base" else src
                     figures = _run(system, path, args.tp, env, tree, args.share)
@@ -206,7 +211,8 @@ def summarise(result: dict) -> list[dict]:
     rows = []
     for size, data in result["sizes"].items():
         best = {s: min(data["runs"][s], key=lambda f: f["ready_s"]) for s in result["systems"]}
-        hf, plain = best["transformers TP"]["ready_s"], best["one process"]["ready_s"]
+        hf = best["transformers TP"]["ready_s"] if "transformers TP" in best else float("nan")
+        plain = best["one process"]["ready_s"] if "one process" in best else float("nan")
         for system in result["systems"]:
             f = best[system]
             rows.append(
@@ -215,6 +221,7 @@ def summarise(result: dict) -> list[dict]:
                     "n_params": data["n_params"],
                     "system": system,
                     "ready_s": f["ready_s"],
+                    "cpu_s": f.get("cpu_s"),
                     "rounds_s": [r["ready_s"] for r in data["runs"][system]],
                     "vs_transformers": f["ready_s"] / hf,
                     "vs_one_process": f["ready_s"] / plain,
@@ -226,17 +233,18 @@ def summarise(result: dict) -> list[dict]:
 
 def markdown(rows: list[dict], meta: dict) -> str:
     head = (
-        "| model | system | ready s (best) | rounds s | ÷ transformers TP | ÷ one process | "
+        "| model | system | ready s (best) | rounds s | ÷ transformers TP | ÷ one process | CPU s | "
         + " | ".join(f"{p} s" for p in PHASES)
         + " |"
     )
-    lines = [head, "|" + "---|" * (6 + len(PHASES))]
+    lines = [head, "|" + "---|" * (7 + len(PHASES))]
     for r in rows:
         phases = " | ".join("—" if r[p] is None else f"{r[p]:.3f}" for p in PHASES)
         rounds = ", ".join(f"{x:.2f}" for x in r["rounds_s"])
         lines.append(
             f"| {r['size']} ({r['n_params'] / 1e6:.0f}M) | {r['system']} | {r['ready_s']:.3f} | "
-            f"{rounds} | {r['vs_transformers']:.2f}× | {r['vs_one_process']:.2f}× | {phases} |"
+            f"{rounds} | {r['vs_transformers']:.2f}× | {r['vs_one_process']:.2f}× | "
+            f"{r['cpu_s'] or 0:.3f} | {phases} |"
         )
     goals = ["", "| goal | model | figure | target | met |", "|---|---|---|---|---|"]
     for r in rows:
@@ -270,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--share", default="parallel", choices=["parallel", "broadcast"])
+    p.add_argument("--share", default="parallel", choices=["parallel", "broadcast", "both"])
+    p.add_argument("--systems", nargs="+", help="run only these systems (names as in the table)")
     p.add_argument("--base-src", help="another tpkit tree's src/ for a 'tpkit @ base' row")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)

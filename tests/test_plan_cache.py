@@ -249,10 +249,10 @@ def test_writers_racing_on_one_key_leave_a_whole_file(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["p.json"]  # no temporary file left
 
 
-# ---- on ranks ----------------------------------------------------------------------------------
+# ---- on ranks: rank 0 plans, every rank gets its plan or its error ------------------------------
 def split_twice(cache_dir: str) -> dict:
-    """tensor_parallel of the same model twice with the cache at ``cache_dir``: the first derives
-    and stores, the second reads; both split the same and match the unsharded model."""
+    """tensor_parallel of the same model twice with the cache at ``cache_dir``: rank 0 derives
+    and stores, then reads; no other rank plans; both splits match the unsharded model."""
     import tpkit
 
     os.environ["TPKIT_PLAN_CACHE"] = cache_dir
@@ -261,7 +261,6 @@ def split_twice(cache_dir: str) -> dict:
     plans.derive_plan = calls
     try:
         first = tpkit.tensor_parallel(build("llama"), tp_size=2)
-        dist.barrier()  # rank 0 has written the plan
         after_first = calls.calls
         second = tpkit.tensor_parallel(build("llama"), tp_size=2)
     finally:
@@ -275,29 +274,78 @@ def split_twice(cache_dir: str) -> dict:
         "after_first": after_first,
         "after_second": calls.calls,
         "same": plan_differences(first._tpkit.plan, second._tpkit.plan),
+        "fresh": plan_differences(derive_plan(_meta("llama"), "auto", 2), second._tpkit.plan),
         "diff": diff,
     }
 
 
-def test_ranks_store_once_and_read_back(ranks2, tmp_path):
+def test_rank0_stores_once_then_every_rank_reads_it(ranks2, tmp_path):
     results = ranks2.run(split_twice, str(tmp_path / "cache"))
+    assert [(r["after_first"], r["after_second"]) for r in results] == [(1, 1), (0, 0)]
     for r in results:
-        assert r["after_first"] == 1 and r["after_second"] == 1, r
-        assert r["same"] == [] and r["diff"] <= 1e-5, r
+        assert r["same"] == [] and r["fresh"] == [] and r["diff"] <= 1e-5, r
     assert len(list((tmp_path / "cache").glob("*.json"))) == 1
 
 
-def different_plans() -> str:
-    """Each rank hands the checksum check another plan: every rank raises, none hangs."""
-    group = dist.new_group([0, 1])
-    plan = Plan({"lm_head": "colwise" if dist.get_rank() == 0 else "replicate"})
+class _Unpicklable(Exception):
+    def __init__(self, message: str, extra: object) -> None:
+        super().__init__(message)
+        self.extra = extra
+
+    def __reduce__(self):
+        raise TypeError("cannot pickle")
+
+
+def _refuse(kind: str):
+    def derive(*args, **kwargs):
+        if kind == "value":
+            raise ValueError("rank 0 refuses this plan")
+        raise _Unpicklable("rank 0 refuses this plan", object())
+
+    return derive
+
+
+def rank0_refuses(kind: str) -> str:
+    """rank 0's planning raises (rank 1 would not plan at all): every rank raises, none hangs."""
+    import tpkit
+
+    saved = plans.derive_plan
+    if dist.get_rank() == 0:
+        plans.derive_plan = _refuse(kind)
     try:
-        plans.check_same_plan(plan, group)
+        tpkit.tensor_parallel(build("llama"), tp_size=2)
+    except Exception as exc:  # noqa: BLE001 - the error each rank raised is the result
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        plans.derive_plan = saved
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["value", "unpicklable"])
+def test_rank0s_planning_error_is_every_ranks(ranks2, kind):
+    errors = ranks2.run(rank0_refuses, kind)
+    assert all("rank 0 refuses this plan" in e for e in errors), errors
+    if kind == "value":
+        assert errors[0] == errors[1] == "ValueError: rank 0 refuses this plan"
+
+
+def different_models() -> str:
+    """Each rank builds another model: every rank raises the same error, none hangs."""
+    import transformers as tf
+
+    import tpkit
+    from tests.models import ATTN
+
+    torch.manual_seed(0)
+    heads = 4 if dist.get_rank() == 0 else 2
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**{**ATTN, "num_key_value_heads": heads}))
+    try:
+        tpkit.tensor_parallel(model, tp_size=2)
     except ValueError as exc:
         return str(exc)
     return "no error"
 
 
-def test_ranks_holding_different_plans_fail_alike(ranks2):
-    for message in ranks2.run(different_plans):
-        assert "different plans" in message, message
+def test_ranks_given_different_models_fail_alike(ranks2):
+    errors = ranks2.run(different_models)
+    assert errors[0] == errors[1] and "different models on different ranks" in errors[0]

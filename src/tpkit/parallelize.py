@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from tpkit.extensions import SplitExtension, register_split_extension, split_extensions
 from tpkit.guards.debug import install_input_checks
 from tpkit.guards.generation import install_generate_guard
-from tpkit.io.plans import check_same_plan, plan_for
+from tpkit.io.plans import plan_for
 from tpkit.io.save import install_save_pretrained
 from tpkit.log import get_logger
 from tpkit.parallel.dims import SIZE_KEYWORDS, ParallelDims, launch_hint
@@ -95,7 +95,7 @@ def split(
         for e in every:
             if (a := e.adapt(model, o)) is not None:
                 adapted.append((e, a))
-        the_plan = plan_for(  # derive_plan's plan, or the same one stored under its key
+        the_plan = plan_for(  # derive_plan's, or the same stored under its key; rank 0's
             model,
             o.plan,
             dims.tp,
@@ -126,7 +126,6 @@ def split(
         raise
     mesh = o.mesh if o.mesh is not None else _world_mesh(dims)
     tp_mesh = tp_submesh(mesh)
-    check_same_plan(the_plan, tp_mesh.get_group())  # one checksum: every TP rank, one plan
     install_random_init(mesh)  # init after the split draws the unsharded values
     fsdp_later = sharded and dims.dp > 1
     with torch_registration():

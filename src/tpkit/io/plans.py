@@ -1,34 +1,40 @@
-"""The plan a split applies: a stored one when its key matches, else derived here, then stored.
+"""The plan a split applies: made once, on rank 0, from a stored plan when one matches its key.
 
-Deriving a plan costs seconds (fake-tensor dry runs of the model) on every rank of every run, and
-its result depends only on what `tpkit.plan.cache.plan_key` holds. So `plan_for` looks first
-for a stored plan under that key, in order:
+Deriving a plan costs seconds (fake-tensor dry runs of the model), and its result depends only on
+what `tpkit.plan.cache.plan_key` holds. So `plan_for` looks first for a stored plan under that
+key, in order:
 
 1. ``tpkit-plans/<key>.json`` beside the checkpoint (`from_pretrained` passes its folder;
    ``tpkit plan --save`` writes it there), so a shipped checkpoint never plans on the critical
    path;
 2. the plan cache, ``TPKIT_PLAN_CACHE`` (default ``~/.cache/tpkit/plans``; ``off`` turns it
-   off), which every rank and every later run on this machine reads.
+   off), which every later run reads.
 
 A file under another key is stale and never reused; a missing, unreadable or corrupt one means
-the plan is derived, as it always was (a corrupt file or a cache folder that cannot be written
+the plan is derived, as it always was (a corrupt file, or a cache folder that cannot be written,
 is one warning on rank 0, never an error: the cache only ever saves time). A derived plan is
-written by each node's first rank, atomically (`tpkit.plan.cache.write_plan`).
+stored atomically (`tpkit.plan.cache.write_plan`).
 
-Every rank derives on its own (in parallel, no collective: the house rule that every check that
-can fail runs before the first collective holds as before), which measured as fast as deriving
-on rank 0 and broadcasting at tp=2, and faster than waiting for one rank whenever the ranks
-have cores of their own (benchmarks/ready.py). Derivation is deterministic: the split later
-confirms with one checksum collective (`check_same_plan`) that every rank holds the same plan.
+Under torchrun, rank 0 alone looks the plan up or derives it, and every rank receives it in one
+collective (the process group comes up here, before validation, instead of after it). Measured
+(benchmarks/ready.py, 57M Llama at tp=2 on 2 cores): planning 1.0 s on rank 0 alone against
+1.7 s when both ranks plan at once and compete for the cores, so rank 0 plans; where every rank
+has cores of its own the two are even, less the collective (milliseconds), and ranks beyond
+the cores gain the most. Ranks of one job then agree by construction, whatever their nodes'
+caches hold. The house rule holds: the same collective first checks that every rank was given
+the same model (a fingerprint each), and carries rank 0's planning error instead of a plan when
+there is one, so a mismatch or a refusal is the same error on every rank, never a hang.
 Logs and the progress note are rank 0's.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
+import datetime
+import pickle
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,20 +43,21 @@ import torch.distributed as dist
 from torch import nn
 
 from tpkit import config
+from tpkit.compat import default_store
 from tpkit.log import get_logger
-from tpkit.parallel.mesh import dist_env
+from tpkit.parallel.mesh import dist_env, init_distributed
 from tpkit.plan import Plan, derive_plan
 from tpkit.plan.cache import (
     NotCacheable,
     PlanFileError,
     key_digest,
+    model_fingerprint,
     plan_key,
-    plan_to_data,
     read_plan,
     write_plan,
 )
 
-__all__ = ["SAVED_DIR", "check_same_plan", "plan_checksum", "plan_for", "saved_plan_path"]
+__all__ = ["SAVED_DIR", "plan_for", "saved_plan_path"]
 
 log = get_logger(__name__)
 
@@ -58,8 +65,10 @@ log = get_logger(__name__)
 SAVED_DIR = "tpkit-plans"
 #: seconds of planning after which rank 0 says what it is doing
 NOTE_AFTER_S = 2.0
+#: seconds the other ranks wait for rank 0's plan (TPKIT_TIMEOUT if that is longer)
+PLAN_WAIT_S = 3600.0
 
-_warned: set[str] = set()
+_warned: set[str] = set()  # a cache that cannot be used is one warning per process
 
 
 def saved_plan_path(folder: str | Path, key: dict[str, Any]) -> Path:
@@ -74,56 +83,83 @@ def plan_for(
     example_inputs: Any = None,
     *,
     beside: str | Path | None = None,
-    derive: Callable[..., Plan] | None = None,
     device_type: str | None = None,
+    derive: Callable[..., Plan] | None = None,
 ) -> Plan:
     """``derive(model, plan, tp_size, example_inputs)`` (`derive_plan`), or the same plan read
-    from a stored file under its key (beside the checkpoint folder ``beside``, then the plan
-    cache); a plan derived here is stored in the cache."""
+    from a file stored under its key (beside the checkpoint folder ``beside``, then the plan
+    cache); a plan derived here is stored in the cache. Under torchrun the process group is
+    brought up (on ``device_type``'s backend) and rank 0's plan, or its error, goes to every
+    rank."""
     derive = derive or derive_plan  # looked up now: a test may count the calls
-    if SHARE == "broadcast" and dist_env().is_distributed:
-        return _from_rank0(
-            lambda: _plan_here(model, plan, tp_size, example_inputs, beside, derive), device_type
-        )
-    return _plan_here(model, plan, tp_size, example_inputs, beside, derive)
 
+    def here() -> Plan:
+        return _stored_or_derived(model, plan, tp_size, example_inputs, beside, derive)
 
-SHARE = "parallel"
-
-
-def _from_rank0(compute: Callable[[], Plan], device_type: str | None) -> Plan:
-    """EXPERIMENT: rank 0 computes, every rank gets its plan or its error."""
-    import pickle
-
-    from tpkit.parallel.mesh import init_distributed
-
+    if not dist_env().is_distributed:
+        return here()
     init_distributed(device_type=device_type)
-    box: list[Any] = [None]
-    error = None
-    if dist.get_rank() == 0:
+    return _from_rank0(model, here)
+
+
+def _from_rank0(model: nn.Module, compute: Callable[[], Plan]) -> Plan:
+    """Rank 0's ``compute()`` (its plan, or its error), on every rank.
+
+    First one all-gather of every rank's model fingerprint: different models raise the same
+    error everywhere. Then rank 0 computes while the others wait on the process group's store
+    for its result, for up to `PLAN_WAIT_S` (planning a large MoE model takes minutes of CPU,
+    longer than a collective's TPKIT_TIMEOUT allows)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    token = uuid.uuid4().hex if rank == 0 else None  # names rank 0's result on the store
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, (model_fingerprint(model), token))
+    prints = [p for p, _ in every]
+    if len(set(prints)) > 1:
+        odd = [r for r, p in enumerate(prints) if p != prints[0]]
+        raise ValueError(
+            f"tensor_parallel was given different models on different ranks (ranks {odd} "
+            "differ from rank 0 in their modules, parameter shapes, dtypes or config): every "
+            "rank must build the same model (same config, same code, same changes) and split it."
+        )
+    key = f"tpkit/plan/{every[0][1]}"
+    store = default_store()
+    if rank == 0:
         try:
-            box = [("ok", compute())]
-        except Exception as exc:  # noqa: BLE001
-            error = exc
-            try:
-                pickle.dumps(exc)
-                box = [("error", exc)]
-            except Exception:  # noqa: BLE001
-                box = [("error", RuntimeError(f"{type(exc).__name__}: {exc}"))]
-    dist.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if status == "error":
-        raise error if error is not None else value
+            plan = compute()
+        except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there and here
+            store.set(key, pickle.dumps(("error", _portable(exc))))
+            raise
+        store.set(key, pickle.dumps(("plan", plan)))
+        return plan
+    store.wait([key], datetime.timedelta(seconds=max(PLAN_WAIT_S, config.timeout_seconds())))
+    kind, value = pickle.loads(store.get(key))  # noqa: S301 - rank 0 of this job wrote it
+    if store.add(f"{key}/read", 1) == world - 1:  # the last reader clears it
+        with contextlib.suppress(Exception):
+            store.delete_key(key)
+            store.delete_key(f"{key}/read")
+    if kind == "error":
+        raise value
     return value
 
 
-def _plan_here(model, plan, tp_size, example_inputs, beside, derive) -> Plan:
+def _portable(exc: Exception) -> Exception:
+    """``exc`` if it survives pickling (the other ranks raise an equal one), else a
+    RuntimeError with its type and message."""
     try:
-        key = plan_key(model, plan, tp_size, example_inputs)
-    except NotCacheable as exc:
-        log.debug("plan not cached: %s", exc)
-        key = None
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any exception that cannot travel
+        return RuntimeError(f"{type(exc).__name__} on rank 0: {exc}")
+
+
+def _stored_or_derived(model, plan, tp_size, example_inputs, beside, derive) -> Plan:
     cache = config.plan_cache()
+    key = None
+    if cache is not None or beside is not None:
+        try:
+            key = plan_key(model, plan, tp_size, example_inputs)
+        except NotCacheable as exc:
+            log.debug("plan not cached: %s", exc)
     places = []
     if key is not None:
         if beside is not None:
@@ -136,7 +172,7 @@ def _plan_here(model, plan, tp_size, example_inputs, beside, derive) -> Plan:
             log.debug("plan read from %s", path)
             return found
     derived = _derive_noted(model, plan, tp_size, example_inputs, derive, cache)
-    if key is not None and cache is not None and dist_env().local_rank == 0:
+    if key is not None and cache is not None:
         _write(cache / f"{key_digest(key)}.json", key, derived)
     return derived
 
@@ -175,9 +211,7 @@ def _derive_noted(model, plan, tp_size, example_inputs, derive, cache) -> Plan:
     name = type(model).__name__
     where = f"stored in {cache} for later runs" if cache is not None else "the plan cache is off"
     note = threading.Timer(
-        NOTE_AFTER_S,
-        log.info,
-        ("planning %s for tp=%s (%s)...", name, tp_size, where),
+        NOTE_AFTER_S, log.info, ("planning %s for tp=%s (%s)...", name, tp_size, where)
     )
     note.daemon = True
     start = time.perf_counter()
@@ -189,31 +223,3 @@ def _derive_noted(model, plan, tp_size, example_inputs, derive, cache) -> Plan:
         seconds = time.perf_counter() - start
         if seconds > NOTE_AFTER_S:
             log.info("planned %s for tp=%s in %.1f s", name, tp_size, seconds)
-
-
-def plan_checksum(plan: Plan) -> str | None:
-    """sha256 of every field of ``plan`` (None when a value cannot be stored as data)."""
-    try:
-        data = plan_to_data(plan)
-    except NotCacheable:
-        return None
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-
-
-def check_same_plan(plan: Plan, group: Any) -> None:
-    """Every rank of ``group`` (the TP group) holds the same plan (one all-gather of a
-    checksum), or one ValueError on each of them alike: ranks derive (or read) their plans on
-    their own, and a plan that differs between them would split one weight two ways."""
-    size = dist.get_world_size(group)
-    if size == 1:
-        return
-    every: list[Any] = [None] * size
-    dist.all_gather_object(every, plan_checksum(plan), group=group)
-    if len(set(every)) > 1:
-        odd = [r for r, c in enumerate(every) if c != every[0]]
-        raise ValueError(
-            f"The ranks hold different plans (TP ranks {odd} differ from TP rank 0): a stored plan "
-            "that one node has and another does not, or code that differs between nodes. Set "
-            "TPKIT_PLAN_CACHE=off (and remove tpkit-plans/ beside the checkpoint) to derive "
-            "on every rank, and make every node run the same tpkit and transformers."
-        )

@@ -50,6 +50,7 @@ __all__ = [
     "decode",
     "encode",
     "key_digest",
+    "model_fingerprint",
     "plan_differences",
     "plan_from_data",
     "plan_key",
@@ -203,6 +204,14 @@ def plan_key(
     }
 
 
+def model_fingerprint(model: nn.Module) -> str:
+    """sha256 of the model's class, configs and structure (the key's model part, without the
+    code digest): equal on ranks that were given the same model."""
+    cls = type(model)
+    parts = [f"{cls.__module__}.{cls.__qualname__}", _configs_digest(model), _modules_digest(model)]
+    return _digest(parts)
+
+
 def key_digest(key: Mapping[str, Any]) -> str:
     """A file name for ``key``: the sha256 of its canonical JSON."""
     text = json.dumps(key, sort_keys=True, separators=(",", ":"))
@@ -312,10 +321,8 @@ def _modules_digest(model: nn.Module) -> str:
                     continue
                 tied = first.setdefault(id(t), full)
                 persistent = leaf not in module._non_persistent_buffers_set
-                shape = tuple(t.shape)
-                tensors.append(
-                    (kind, leaf, type(t).__name__, shape, str(t.dtype), tied, persistent)
-                )
+                about = (type(t).__name__, tuple(t.shape), str(t.dtype), t.device.type)
+                tensors.append((kind, leaf, *about, tied, persistent))
         row = (name, f"{cls.__module__}.{cls.__qualname__}", attrs, tensors)
         h.update(repr(row).encode() + b"\n")
     return h.hexdigest()

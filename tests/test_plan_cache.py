@@ -349,3 +349,38 @@ def different_models() -> str:
 def test_ranks_given_different_models_fail_alike(ranks2):
     errors = ranks2.run(different_models)
     assert errors[0] == errors[1] and "different models on different ranks" in errors[0]
+
+
+# ---- tpkit plan --save: the checkpoint carries its plan ------------------------------------------
+def load_counting(path: str) -> dict:
+    """from_pretrained at tp=2 with the plan cache off: how often rank 0 derived, and parity."""
+    import tpkit
+
+    calls = _Counting()
+    saved = plans.derive_plan
+    plans.derive_plan = calls
+    try:
+        model = tpkit.from_pretrained(path, tp_size=2)
+    finally:
+        plans.derive_plan = saved
+    ref = build("llama")
+    x = batch(ref.config.vocab_size)
+    with torch.no_grad():
+        diff = (model(input_ids=x).logits - ref(input_ids=x).logits).abs().max().item()
+    fresh = derive_plan(_meta("llama"), "auto", 2)
+    return {"calls": calls.calls, "diff": diff, "same": plan_differences(fresh, model._tpkit.plan)}
+
+
+def test_plan_save_is_read_by_from_pretrained(ranks2, tmp_path, capsys):
+    from tpkit.cli.main import main
+
+    path = tmp_path / "m"
+    build("llama").save_pretrained(path)
+    assert main(["plan", str(path), "--tp", "4", "--save"]) == 0  # another tp: not this load's
+    first = ranks2.run(load_counting, str(path))
+    assert [r["calls"] for r in first] == [1, 0]
+    assert main(["plan", str(path), "--tp", "2", "--save"]) == 0
+    assert "saved:" in capsys.readouterr().out
+    assert len(list((path / plans.SAVED_DIR).glob("*.json"))) == 2
+    for r in ranks2.run(load_counting, str(path)):
+        assert r["calls"] == 0 and r["diff"] <= 1e-5 and r["same"] == [], r

@@ -1,0 +1,386 @@
+"""Context parallelism (CP): a model's batch split along the sequence over the "cp" mesh axis.
+
+Tensor parallelism divides weights; at long sequences the activations of one sequence dominate
+every rank's memory however the weights are split. CP gives each of cp ranks 1/cp of the
+sequence (zigzag chunks for causal models, `tpkit.parallel.context_layout`) and lets attention see
+the whole context (`tpkit.parallel.context_attention`: all-gather K/V, ring, or Ulysses).
+
+How a batch is fed: every rank of a cp group passes the WHOLE batch to the model, as without CP,
+and gets the whole batch's loss back. A forward pre-hook on the model checks the batch (the same
+on every cp rank, a sequence length that splits), shifts the labels before the split (a causal
+LM's last token of chunk i predicts the first of chunk i+1), keeps this rank's part of ids,
+labels, positions and segment ids, and hands the attention its `CPForward`. The positions are
+global, so RoPE, learned and ALiBi positions, sliding windows and padding see the unsplit values.
+The model's outputs (logits, hidden states) are this rank's tokens (`ContextParallel.gather`
+puts a tensor back in order); its loss is Σ (this rank's summed token losses) / (the batch's
+target count), summed over cp: the unsplit model's loss.
+
+Gradients: cp ranks hold the same parameters and each computes the gradient of its tokens' loss,
+so they are data ranks. The loss's backward is scaled by cp, so averaging the gradients over
+dp × cp (what FSDP2 over ``dp_shard_cp`` and DDP do) gives the whole batch's gradient.
+
+The stock Trainer (`ContextParallel.trainer_mode`) multiplies the loss by its process count and
+averages itself: there the loss is this rank's share (Σ this rank's losses / the batch's count),
+as accelerate's CP returns it. Generation (a cache passed) runs unsplit, exactly as without CP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from tpkit.parallel.context_attention import (
+    IMPLEMENTATION,
+    KWARG,
+    PATHS,
+    CPForward,
+    register,
+    reset_active,
+    set_active,
+    set_inner,
+)
+from tpkit.parallel.context_layout import Layout, check_length
+
+__all__ = ["ATTENTION_CHOICES", "ContextParallel", "average_over_cp", "context_parallel"]
+
+ATTENTION_CHOICES = ("auto", *PATHS)
+#: auto picks the ring once one layer's scores (B x H x T/cp x T float32) would pass this size
+RING_BYTES = 256 * 2**20
+_SPLIT = ("input_ids", "inputs_embeds", "position_ids", "token_type_ids")
+_TAKEN = ("labels", "shift_labels", "num_items_in_batch", "attention_mask")
+
+
+def _is_causal(model: nn.Module) -> bool:
+    flags = [
+        m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)
+    ]
+    return any(flags) if flags else True
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def check_model(model: nn.Module, attention: str) -> str:
+    """What CP needs of a model, checked before anything is installed; returns its attention
+    implementation (the inner one)."""
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"cp_attention={attention!r}: choose one of {list(ATTENTION_CHOICES)}.")
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise ValueError(
+            f"context parallelism splits transformers models; {name} is not one (it has no "
+            "config and no attention interface to hand the rest of the sequence to)."
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"context parallelism: {name} is an encoder-decoder (cross-attention over another "
+            "sequence); it is not supported under cp_size > 1 yet. Use cp_size=1."
+        )
+    inner = config._attn_implementation
+    if inner == IMPLEMENTATION:
+        raise ValueError(f"context parallelism is already installed on {name}.")
+    if inner not in ("sdpa", "eager") or not type(model)._can_set_attn_implementation():
+        why = (
+            f"uses attn_implementation={inner!r}"
+            if inner not in ("sdpa", "eager")
+            else "does not call transformers' AttentionInterface"
+        )
+        raise ValueError(
+            f"context parallelism: {name} {why}; CP wraps 'sdpa' or 'eager' attention. Load it "
+            "with attn_implementation='sdpa' (or 'eager'), or use cp_size=1."
+        )
+    return inner
+
+
+class ContextParallel:
+    """One model's context parallelism over ``cp_mesh`` (a 1-D mesh, or the "cp" dim).
+
+    ``attention``: "allgather" (gather K/V: exact for any attention code), "ring" (our ring
+    attention: memory of one block), "ulysses" (all-to-all to heads: heads must divide by cp),
+    or "auto" (all-gather, the ring once a layer's scores pass ``ring_bytes``)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cp_mesh: DeviceMesh,
+        attention: str = "auto",
+        ring_bytes: int = RING_BYTES,
+    ):
+        self.inner = check_model(model, attention)
+        self.model, self.attention, self.ring_bytes = model, attention, ring_bytes
+        self.group, self.rank, self.cp = (
+            cp_mesh.get_group(),
+            cp_mesh.get_local_rank(),
+            cp_mesh.size(),
+        )
+        self.zigzag = _is_causal(model)
+        self.shift = _is_causal_lm(model)
+        self.trainer = False
+        self._stack: list[tuple | None] = []
+        self._params = inspect.signature(model.forward).parameters
+
+    # ---- installing ------------------------------------------------------------------------
+    def install(self) -> ContextParallel:
+        """Register ``tpkit_cp``, switch the model (and its sub-models) to it, add the hooks."""
+        register()
+        model = self.model
+        for m in model.modules():
+            if hasattr(m, "config") and hasattr(m.config, "_attn_implementation"):
+                set_inner(m.config, self.inner)
+        model.set_attn_implementation(IMPLEMENTATION)
+        model.register_forward_pre_hook(self._pre, with_kwargs=True)
+        model.register_forward_hook(self._post, always_call=True)
+        model._tpkit_cp = self
+        return self
+
+    @contextlib.contextmanager
+    def trainer_mode(self) -> Iterator[None]:
+        """Inside: the loss is this rank's share (Trainer and accelerate average themselves)."""
+        before, self.trainer = self.trainer, True
+        try:
+            yield
+        finally:
+            self.trainer = before
+
+    # ---- the hooks -------------------------------------------------------------------------
+    def _pre(self, module, args, kwargs):
+        bound = dict(zip(self._params, args), **kwargs)
+        if bound.get(KWARG) is not None or _has_cache(bound):
+            self._stack.append(None)  # generation with a cache: unsplit, as without CP
+            return None
+        fwd, new, targets = self._split(bound)
+        token = set_active(fwd)
+        self._stack.append((token, targets, bound.get("num_items_in_batch")))
+        return (), new
+
+    def _post(self, module, args, output):
+        entry = self._stack.pop() if self._stack else None
+        if entry is None:
+            return None
+        token, targets, num_items = entry
+        reset_active(token)
+        if output is None or targets is None:
+            return None
+        return self._with_loss(output, *targets, num_items)
+
+    # ---- splitting a batch -----------------------------------------------------------------
+    def _split(self, bound: dict) -> tuple[CPForward, dict, tuple | None]:
+        ids = bound.get("input_ids")
+        seq = ids if ids is not None else bound.get("inputs_embeds")
+        if seq is None:
+            raise ValueError("context parallelism needs input_ids or inputs_embeds to split.")
+        b, t = seq.shape[:2]
+        _check_inputs(bound, b, t)
+        check_length(t, self.cp, self.zigzag)
+        layout = Layout(self.cp, self.rank, t, self.zigzag)
+        mask = bound.get("attention_mask")
+        positions = _positions(bound.get("position_ids"), b, t, seq.device)
+        targets = self._targets(bound)
+        self._check_agree(seq, mask, positions, targets)
+        padding = None if mask is None or bool(mask.bool().all()) else mask.bool()
+        packed = (
+            _packed(positions) if mask is None and bound.get("position_ids") is not None else None
+        )
+        fwd = CPForward(
+            layout, self.group, self._path(b, t), self.attention != "auto", padding, packed
+        )
+        new = {k: v for k, v in bound.items() if k not in _TAKEN and k not in _SPLIT}
+        for name in _SPLIT:
+            if bound.get(name) is not None:
+                new[name] = layout.split(bound[name], 1)
+        new["position_ids"] = layout.split(positions, 1)
+        # the whole padding mask: transformers reads non-contiguous positions without one as packed
+        new["attention_mask"] = (
+            mask if mask is not None else torch.ones(b, t, dtype=torch.long, device=seq.device)
+        )
+        if "use_cache" in self._params:
+            new["use_cache"] = False
+        new[KWARG] = fwd
+        if targets is None:
+            return fwd, new, None
+        count = (targets != -100).sum()
+        return fwd, new, (layout.split(targets, 1), count)
+
+    def _targets(self, bound: dict) -> torch.Tensor | None:
+        """The whole batch's targets, shifted for a causal LM (before the split)."""
+        if bound.get("shift_labels") is not None:
+            return bound["shift_labels"]
+        labels = bound.get("labels")
+        if labels is None or not self.shift:
+            return labels
+        return F.pad(labels[..., 1:], (0, 1), value=-100)
+
+    def _path(self, b: int, t: int) -> str:
+        if self.attention != "auto":
+            return self.attention
+        heads = getattr(self.model.config, "num_attention_heads", 1) or 1
+        return "ring" if b * heads * (t // self.cp) * t * 4 >= self.ring_bytes else "allgather"
+
+    def _check_agree(self, seq, mask, positions, targets) -> None:
+        """Every cp rank must pass the same whole batch: one tiny all-gather of fingerprints."""
+        device = seq.device if seq.device.type != "meta" else torch.device("cpu")
+        mine = torch.stack([_fingerprint(x, device) for x in (seq, mask, positions, targets)])
+        mine = torch.cat([torch.tensor(seq.shape[:2], device=device), mine])
+        parts = [torch.empty_like(mine) for _ in range(self.cp)]
+        dist.all_gather(parts, mine, group=self.group)
+        bad = [r for r, p in enumerate(parts) if not torch.equal(p, parts[0])]
+        if bad:
+            raise ValueError(
+                f"context parallelism: the ranks of a cp group passed different batches (cp ranks "
+                f"{bad} differ from cp rank 0); every rank of a cp group passes the same whole "
+                "batch. Give each its data rank as rank // (cp_size * tp_size)."
+            )
+
+    # ---- the loss --------------------------------------------------------------------------
+    def _with_loss(self, output, targets, count, num_items):
+        logits = output["logits"] if isinstance(output, dict) else output[0]
+        total = _token_loss_sum(logits, targets)
+        if self.trainer:
+            loss = (
+                total / num_items if num_items is not None else total * self.cp / count.clamp(min=1)
+            )
+        else:
+            denom = num_items if num_items is not None else count.clamp(min=1)
+            loss = _SumOverCP.apply(total / denom, self.group, self.cp)
+        if isinstance(output, dict):
+            fields = {k: v for k, v in output.items() if k != "loss"}
+            return type(output)(loss=loss, **fields)
+        return (loss, *output)
+
+    # ---- outputs ---------------------------------------------------------------------------
+    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's part of a split-forward output (logits, hidden states) gathered over cp
+        into the whole sequence, in order (no gradient)."""
+        layout = Layout(self.cp, self.rank, x.shape[dim] * self.cp, self.zigzag)
+        parts = [torch.empty_like(x.contiguous()) for _ in range(self.cp)]
+        dist.all_gather(parts, x.detach().contiguous(), group=self.group)
+        return layout.natural(parts, dim)
+
+
+def context_parallel(
+    model: nn.Module, cp_mesh: DeviceMesh, attention: str = "auto", ring_bytes: int = RING_BYTES
+) -> ContextParallel:
+    """Install context parallelism on ``model`` over ``cp_mesh``; returns its `ContextParallel`."""
+    return ContextParallel(model, cp_mesh, attention, ring_bytes).install()
+
+
+def average_over_cp(model: nn.Module, group) -> None:
+    """Average every gradient of ``model`` over ``group`` (cp, or dp x cp) in place: what FSDP or
+    DDP does for a model they do not wrap."""
+    n = dist.get_world_size(group)
+    for p in model.parameters():
+        if p.grad is not None:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(local, group=group)
+            local.div_(n)
+
+
+# ---- helpers -------------------------------------------------------------------------------
+class _SumOverCP(torch.autograd.Function):
+    """Sum over cp forward (every rank gets the whole batch's loss); backward ×cp, so averaging
+    gradients over cp gives their sum."""
+
+    @staticmethod
+    def forward(ctx, x, group, cp):
+        ctx.cp = cp
+        out = x.detach().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.cp, None, None
+
+
+def _token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ cross-entropy over this rank's tokens (-100 ignored), as transformers' loss sums it."""
+    if isinstance(logits, DTensor):  # vocab-parallel logits (loss_parallel)
+        from tpkit.training.loss import vocab_parallel_cross_entropy
+
+        mesh, local = logits.device_mesh, logits.to_local()
+        return vocab_parallel_cross_entropy(
+            local.reshape(-1, local.shape[-1]), targets.reshape(-1).to(local.device),
+            logits.shape[-1], mesh.get_local_rank(), mesh.size(), mesh.get_group(),
+        ).sum()  # fmt: skip
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    return F.cross_entropy(
+        flat, targets.reshape(-1).to(flat.device), ignore_index=-100, reduction="sum"
+    )
+
+
+def _has_cache(bound: dict) -> bool:
+    return any(bound.get(k) is not None for k in ("past_key_values", "cache", "cache_position"))
+
+
+def _check_inputs(bound: dict, b: int, t: int) -> None:
+    """Refuse what the split cannot carry, before any collective."""
+    for name, value in bound.items():
+        if not isinstance(value, torch.Tensor) or name in _SPLIT + _TAKEN:
+            continue
+        raise ValueError(
+            f"context parallelism does not know how to split the input {name!r} "
+            f"(shape {tuple(value.shape)}); text inputs only (input_ids or inputs_embeds, "
+            "attention_mask, position_ids, token_type_ids, labels). Use cp_size=1 for this model."
+        )
+    mask = bound.get("attention_mask")
+    if mask is not None and tuple(mask.shape) != (b, t):
+        raise ValueError(
+            f"context parallelism takes a 2-D padding mask [batch, seq] = [{b}, {t}]; got "
+            f"attention_mask of shape {tuple(mask.shape)}."
+        )
+    for name in ("labels", "shift_labels", "token_type_ids"):
+        if bound.get(name) is not None and tuple(bound[name].shape[:2]) != (b, t):
+            raise ValueError(
+                f"context parallelism: {name} has shape {tuple(bound[name].shape)}, the inputs "
+                f"[{b}, {t}]; per-token {name} of the same length are split with them."
+            )
+    keep = bound.get("logits_to_keep")
+    if isinstance(keep, int) and keep != 0:
+        raise ValueError(
+            "context parallelism: logits_to_keep must be 0 (every rank keeps its tokens)."
+        )
+
+
+def _positions(position_ids, b: int, t: int, device) -> torch.Tensor:
+    if position_ids is None:
+        return torch.arange(t, device=device).expand(b, t)
+    if position_ids.ndim == 1:
+        position_ids = position_ids[None]
+    if position_ids.ndim != 2 or position_ids.shape[-1] != t:
+        raise ValueError(
+            f"context parallelism takes position_ids of shape [batch, {t}]; got "
+            f"{tuple(position_ids.shape)} (multi-axis positions such as M-RoPE are not split yet)."
+        )
+    return position_ids.expand(b, t)
+
+
+def _packed(positions: torch.Tensor):
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    seq = find_packed_sequence_indices(positions)
+    return None if seq is None else (seq, positions)
+
+
+def _fingerprint(x: torch.Tensor | None, device) -> torch.Tensor:
+    """An int64 summary that differs when two ranks' tensors differ (and never from summation
+    order: integer arithmetic on the values, or on float bits)."""
+    if x is None:
+        return torch.tensor(-1, dtype=torch.int64, device=device)
+    x = x.detach().reshape(-1)
+    if x.is_floating_point():
+        x = x[:: max(1, x.numel() // 4096)].float().view(torch.int32)
+    x = x.to(device=device, dtype=torch.int64)
+    weights = torch.arange(x.numel(), device=device, dtype=torch.int64) % 1_000_003 + 1
+    return (x * weights).sum()

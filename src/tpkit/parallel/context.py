@@ -188,6 +188,8 @@ class ContextParallel:
         mask = bound.get("attention_mask")
         positions = _positions(bound.get("position_ids"), b, t, seq.device)
         targets = self._targets(bound)
+        path = self._path(b, t)
+        self._check_path(path)
         self._check_agree(seq, mask, positions, targets)
         padding = None if mask is None or bool(mask.bool().all()) else mask.bool()
         packed = (
@@ -227,6 +229,33 @@ class ContextParallel:
             return self.attention
         heads = getattr(self.model.config, "num_attention_heads", 1) or 1
         return "ring" if b * heads * (t // self.cp) * t * 4 >= self.ring_bytes else "allgather"
+
+    def _check_path(self, path: str) -> None:
+        """What the config says a path cannot run, before any collective (the attention checks
+        each call again)."""
+        cfg = self.model.config
+        if path == "ulysses":
+            tp = getattr(getattr(self.model, "_tpkit", None), "tp_size", 1)
+            heads = getattr(cfg, "num_attention_heads", 0) or 0
+            kv = getattr(cfg, "num_key_value_heads", None) or heads
+            if heads and ((heads // tp) % self.cp or max(1, kv // tp) % self.cp):
+                raise ValueError(
+                    f"context parallelism: cp_attention='ulysses' gives each cp rank heads/cp of "
+                    f"a rank's heads, but {heads} heads and {kv} key/value heads at tp_size={tp} "
+                    f"do not divide by cp_size={self.cp}; use cp_attention='allgather' or 'ring'."
+                )
+        if path == "ring" and self.attention == "ring":
+            dropout = getattr(cfg, "attention_dropout", 0.0) if self.model.training else 0.0
+            for why, found in (
+                ("a bias such as ALiBi added to its mask", getattr(cfg, "alibi", False)),
+                ("logit softcapping", getattr(cfg, "attn_logit_softcapping", None)),
+                ("attention dropout", isinstance(dropout, float) and dropout > 0),
+            ):
+                if found:
+                    raise ValueError(
+                        f"context parallelism: cp_attention='ring' does not run {why} "
+                        f"({type(self.model).__name__}); use cp_attention='allgather'."
+                    )
 
     def _check_agree(self, seq, mask, positions, targets) -> None:
         """Every cp rank must pass the same whole batch: one tiny all-gather of fingerprints."""

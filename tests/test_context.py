@@ -161,3 +161,130 @@ CP2_TP2 = [
 def test_cp2_tp2_matches_one_process(ranks4, name, attention):
     for r in ranks4.run(check_parity, name, attention, 2):
         _assert_parity(r)
+
+
+def check_packed_and_checkpointing(attention: str) -> dict:
+    """Packed sequences (position ids restart, no mask: transformers' block-diagonal mask) with
+    gradient checkpointing on (the recomputed attention gets the split again)."""
+    from tpkit.parallel.context import average_over_cp, context_parallel
+
+    ref = cp_model("llama").train()
+    ref.gradient_checkpointing_enable()
+    model = copy.deepcopy(ref)
+    mesh = _mesh(dist.get_world_size(), 1)
+    context_parallel(model, mesh["dp"], attention=attention)
+    ids, _, _ = cp_batch("llama")
+    pos = torch.cat([torch.arange(100), torch.arange(T - 100)]).expand(2, T)
+    out_r = ref(input_ids=ids, position_ids=pos, labels=ids)
+    out_r.loss.backward()
+    with torch.no_grad():  # the restart matters: transformers masks across it
+        unpacked = ref(input_ids=ids, labels=ids).loss.item()
+    out = model(input_ids=ids, position_ids=pos, labels=ids)
+    out.loss.backward()
+    average_over_cp(model, mesh["dp"].get_group())
+    refs = dict(ref.named_parameters())
+    grad = max(
+        ((p.grad - refs[n].grad).norm() / refs[n].grad.norm().clamp(min=1e-6)).item()
+        for n, p in model.named_parameters()
+    )
+    return {
+        "loss_rel": abs(out.loss.item() - out_r.loss.item()) / out_r.loss.item(),
+        "grad_rel": grad,
+        "packing_matters": abs(unpacked - out_r.loss.item()) > 1e-4,
+    }
+
+
+@pytest.mark.parametrize("attention", ["allgather", "ring"])
+def test_packed_sequences_with_checkpointing(ranks2, attention):
+    for r in ranks2.run(check_packed_and_checkpointing, attention):
+        assert r["packing_matters"] and r["loss_rel"] <= REL and r["grad_rel"] <= REL, r
+
+
+def check_generate() -> list:
+    """generate() passes a cache: it runs unsplit, token for token as one process."""
+    from tpkit.parallel.context import context_parallel
+
+    ref = cp_model("qwen3").eval()
+    model = copy.deepcopy(ref)
+    context_parallel(model, _mesh(dist.get_world_size(), 1)["dp"])
+    ids = cp_batch("qwen3")[0][:, :20]
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    return [model.generate(ids, **kw).tolist(), ref.generate(ids, **kw).tolist()]
+
+
+def test_generate_runs_unsplit_and_exact(ranks2):
+    for mine, ref in ranks2.run(check_generate):
+        assert mine == ref
+
+
+def _count_collectives():
+    calls = []
+    names = ("all_gather", "all_reduce", "broadcast", "all_to_all", "batch_isend_irecv")
+    saved = {n: getattr(dist, n) for n in names}
+    for n in names:
+        setattr(dist, n, lambda *a, _n=n, **k: (calls.append(_n), saved[_n](*a, **k))[1])
+    return calls, saved
+
+
+def check_errors() -> dict:
+    """Bad input: one ValueError on every rank, before any collective, naming the fix."""
+    from tpkit.parallel.context import context_parallel
+
+    found = {}
+    mesh = _mesh(dist.get_world_size(), 1)["dp"]
+    model = cp_model("llama")
+    context_parallel(model, mesh)
+    ids, mask, labels = cp_batch("llama", length=250)
+    mqa = cp_model("llama_mqa")
+    context_parallel(mqa, mesh, attention="ulysses")
+    cases = {
+        "length": lambda: model(input_ids=ids, labels=labels),
+        "input": lambda: model(input_ids=ids[:, :T - 2], pixel_values=torch.zeros(2, 3, 4, 4)),
+        "ulysses": lambda: mqa(input_ids=cp_batch("llama")[0]),
+    }
+    for case, call in cases.items():
+        calls, saved = _count_collectives()
+        try:
+            call()
+        except ValueError as e:
+            found[case] = (str(e), list(calls))
+        finally:
+            for n, f in saved.items():
+                setattr(dist, n, f)
+    flex = cp_model("llama")
+    flex.config._attn_implementation_internal = "flex_attention"
+    try:
+        context_parallel(flex, mesh)
+    except ValueError as e:
+        found["kind"] = (str(e), [])
+    own = cp_batch("llama")[0] + dist.get_rank()  # ranks disagree
+    try:
+        model(input_ids=own % 101)
+    except ValueError as e:
+        found["disagree"] = (str(e), [])
+    return found
+
+
+def test_bad_input_is_one_clear_error_before_any_collective(ranks2):
+    for found in ranks2.run(check_errors):
+        assert set(found) == {"length", "input", "ulysses", "kind", "disagree"}, found
+        for case in ("length", "input", "ulysses"):
+            assert found[case][1] == [], found[case]  # no collective ran
+        assert "pad_to_multiple_of=4" in found["length"][0]
+        assert "'pixel_values'" in found["input"][0]
+        assert "1 key/value heads" in found["ulysses"][0] and "'allgather'" in found["ulysses"][0]
+        assert "attn_implementation='sdpa'" in found["kind"][0]
+        assert "cp ranks [1]" in found["disagree"][0]
+
+
+def test_layout_zigzag_round_trip():
+    from tpkit.parallel.context_layout import Layout
+
+    x = torch.arange(16)[None]
+    parts = [Layout(2, r, 16, True).split(x) for r in range(2)]
+    assert parts[0].tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]  # chunks 0 and 3
+    assert parts[1].tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]  # chunks 1 and 2
+    assert torch.equal(Layout(2, 0, 16, True).natural(parts), x)
+    assert Layout(2, 1, 16, False).local_index.tolist() == list(range(8, 16))
+    with pytest.raises(ValueError, match="pad_to_multiple_of=4"):
+        Layout(2, 0, 18, True)

@@ -1,9 +1,25 @@
-"""One module per parallelism over the world mesh.
+"""Every parallelism on the mesh, one module each, over the runtime they share.
 
-context.py            context parallelism: a model's batch split along the sequence over "cp"
-context_layout.py     which sequence chunks a cp rank holds (zigzag or contiguous)
-context_attention.py  the attention and mask functions registered with transformers under CP
-context_ring.py       ring attention: K/V passed around the cp ring, an online softmax
+The runtime (nothing here knows about plans or models; the floor everything else stands on):
+
+    dims.py      ParallelDims: the run's sizes on named axes, checked once, from every spelling
+    mesh.py      process group and DeviceMesh (one dimension per axis); get_mesh; RNG sync
+    timeouts.py  TPKIT_TIMEOUT on every group, and a report naming the rank that never came
+    comm.py      Megatron's f / g / gather as autograd functions on local tensors
+    shm.py       the same-host shared-memory all-reduce and all-gather behind comm.py on CPU
+
+Each parallelism, applied in mesh order by `tpkit.parallelize.split`:
+
+    tensor.py    tensor parallelism: the plan's styles on the TP mesh, with what rides on it
+    context.py   context parallelism: a model's batch split along the sequence over "cp"
+    sequence.py  sequence parallelism: norms and dropout split along the sequence (Megatron-SP)
+    fsdp.py      FSDP2 / HSDP over the data axes, after TP (torchtitan's order)
+
+Context parallelism's parts:
+
+    context_layout.py     which sequence chunks a cp rank holds (zigzag or contiguous)
+    context_attention.py  the attention and mask functions registered with transformers under CP
+    context_ring.py       ring attention: K/V passed around the cp ring, an online softmax
 """
 
 __all__: list[str] = []

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from tpkit.dist.comm import all_gather_parts, all_reduce_
+from tpkit.parallel.comm import all_gather_parts, all_reduce_
 from tpkit.parallel.context_layout import Layout
 from tpkit.parallel.context_ring import ring_attention, ring_unsupported
 

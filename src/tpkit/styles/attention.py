@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tpkit.dist.comm import copy_to_tp, gather_from_tp, reduce_from_tp
+from tpkit.parallel.comm import copy_to_tp, gather_from_tp, reduce_from_tp
 from tpkit.styles.base import TPStyle, style_of
 
 __all__ = ["FunctionalAttentionStyle", "MultiheadAttentionStyle", "heads_attention"]

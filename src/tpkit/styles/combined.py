@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tpkit.dist.comm import copy_to_tp, reduce_from_tp
+from tpkit.parallel.comm import copy_to_tp, reduce_from_tp
 from tpkit.styles.base import (
     ReplicateGradAllReduceStyle,
     TPStyle,

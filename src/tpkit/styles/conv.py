@@ -9,7 +9,7 @@
   whatever code follows: each output channel is one rank's whole sum, and the input gradient (a
   sum over output channels) is all-reduced by f. The per-layer fallback's conv style.
 - ``conv_colwise`` (`ConvColwiseStyle`): the same split, the output left split on the channel
-  dim for the convolution it pairs with (`tpkit.plan.convs`). A transposed convolution's
+  dim for the convolution it pairs with (`tpkit.sources.convs`). A transposed convolution's
   weight is ``[in, out / groups, *kernel]``: its output channels are dim 1
   (`tpkit.plan.layout.param_layout`).
 - ``conv_packed_colwise`` (`ConvPackedColwiseStyle`): ``conv_colwise`` on output channels
@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from tpkit.dist.comm import gather_from_tp
+from tpkit.parallel.comm import gather_from_tp
 from tpkit.plan.layout import GroupedRows, chunk_sizes
 from tpkit.styles.base import TPStyle, map_output, replace_first_tensor
 from tpkit.styles.linear import ColwiseStyle, RowwiseStyle
@@ -88,7 +88,7 @@ class ConvGatherStyle(ColwiseStyle):
     gradient is whole), and the padded channels dropped before the gather
     (`tpkit.plan.layout.GroupedRows`, which the dry run runs too). The style runs a depthwise
     convolution the same way when a plan names it, but tpkit's own plans leave one read whole
-    whole (`tpkit.plan.convs.not_gathered`: a kernel per channel is not worth an all-gather).
+    whole (`tpkit.sources.convs.not_gathered`: a kernel per channel is not worth an all-gather).
     A forward that raises puts the weight shard and ``groups`` back all the same: the output
     hook is always called."""
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tpkit.dist.comm import copy_to_tp, reduce_from_tp
+from tpkit.parallel.comm import copy_to_tp, reduce_from_tp
 from tpkit.plan.layout import chunk_offset, chunk_sizes
 from tpkit.styles.base import TPStyle, map_output, replace_first_tensor
 from tpkit.styles.linear import ColwiseStyle, GatherOutputStyle

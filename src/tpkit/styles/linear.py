@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from tpkit.dist.comm import copy_to_tp, gather_from_tp, reduce_from_tp
+from tpkit.parallel.comm import copy_to_tp, gather_from_tp, reduce_from_tp
 from tpkit.plan.layout import chunk_offset, chunk_sizes, param_layout
 from tpkit.styles.base import TPStyle, first_tensor, map_output, replace_first_tensor
 
@@ -81,7 +81,7 @@ class PackedQKVColwiseStyle(ColwiseStyle):
 
 
 class ReplicatedHeadsColwiseStyle(ColwiseStyle):
-    """KV heads fewer than tp (`tpkit.plan.kvheads`): the weight stays whole on every rank and
+    """KV heads fewer than tp (`tpkit.settle.kvheads`): the weight stays whole on every rank and
     this rank computes only KV head ``rank * heads // tp``, the one its query heads read. f on
     X as in colwise; the weight's gradient is all-reduced, since the tp / heads ranks sharing
     a head each add their own queries' share (the others add zeros to its rows)."""

@@ -239,7 +239,7 @@ def check_errors() -> dict:
     context_parallel(mqa, mesh, attention="ulysses")
     cases = {
         "length": lambda: model(input_ids=ids, labels=labels),
-        "input": lambda: model(input_ids=ids[:, :T - 2], pixel_values=torch.zeros(2, 3, 4, 4)),
+        "input": lambda: model(input_ids=ids[:, : T - 2], pixel_values=torch.zeros(2, 3, 4, 4)),
         "ulysses": lambda: mqa(input_ids=cp_batch("llama")[0]),
     }
     for case, call in cases.items():
@@ -288,3 +288,65 @@ def test_layout_zigzag_round_trip():
     assert Layout(2, 1, 16, False).local_index.tolist() == list(range(8, 16))
     with pytest.raises(ValueError, match="pad_to_multiple_of=4"):
         Layout(2, 0, 18, True)
+
+
+def check_training(name: str, steps: int = 3, **sizes) -> dict:
+    """`tpkit.tensor_parallel(cp_size=...)` (FSDP2 over dp_shard x cp by default) against one
+    process: AdamW steps on the same global batch, each data rank its rows, every rank of a
+    cp x tp block the same rows."""
+    import tpkit
+    from tpkit.parallel.mesh import get_mesh
+
+    ref = cp_model(name).train()
+    model = tpkit.tensor_parallel(copy.deepcopy(ref), **sizes).train()
+    dp = get_mesh(model._tpkit.mesh, "dp")
+    dp_rank, n_dp = (dp.get_local_rank(), dp.size()) if dp is not None else (0, 1)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    losses, ref_losses, norms, ref_norms = [], [], [], []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 101, (2 * n_dp, T), generator=g)
+        opt_r.zero_grad()
+        loss_r = ref(input_ids=ids, labels=ids).loss
+        loss_r.backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9).item())
+        opt_r.step()
+        ref_losses.append(loss_r.item())
+        opt.zero_grad()
+        mine = ids.chunk(n_dp)[dp_rank]
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+        norms.append(tpkit.clip_grad_norm_(model.parameters(), 1e9).item())  # AdamW hides scale
+        opt.step()
+        total = loss.detach().clone()
+        if dp is not None:
+            dist.all_reduce(total, group=dp.get_group())
+        losses.append(total.item() / n_dp)
+    refs = dict(ref.named_parameters())
+    params = max(
+        ((full(p) - refs[n]).norm() / refs[n].norm()).item() for n, p in model.named_parameters()
+    )
+    return {
+        "loss_rel": max(abs(a - b) / b for a, b in zip(losses, ref_losses)),
+        "norm_rel": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+        "param_rel": params,
+    }
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [{"cp_size": 2}, {"cp_size": 2, "sharded": False}, {"cp_size": 2, "cp_attention": "ring"}],
+)
+def test_tensor_parallel_cp2_trains_like_one_process(ranks2, sizes):
+    for r in ranks2.run(check_training, "llama", **sizes):
+        assert max(r["loss_rel"], r["norm_rel"], r["param_rel"]) <= REL, r
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [{"cp_size": 2, "tp_size": 2}, {"cp_size": 2, "dp_replicate_size": 2}],
+)
+def test_tensor_parallel_cp_with_tp_and_hsdp_trains_like_one_process(ranks4, sizes):
+    for r in ranks4.run(check_training, "qwen3", **sizes):
+        assert max(r["loss_rel"], r["norm_rel"], r["param_rel"]) <= REL, r

@@ -49,7 +49,16 @@ from tpkit.parallel.context_attention import (
 )
 from tpkit.parallel.context_layout import Layout, check_length
 
-__all__ = ["ATTENTION_CHOICES", "ContextParallel", "average_over_cp", "context_parallel"]
+__all__ = [
+    "ATTENTION_CHOICES",
+    "ContextParallel",
+    "apply_context_parallel",
+    "average_over_cp",
+    "check_context",
+    "context_of",
+    "context_parallel",
+    "gather_sequence",
+]
 
 ATTENTION_CHOICES = ("auto", *PATHS)
 #: auto picks the ring once one layer's scores (B x H x T/cp x T float32) would pass this size
@@ -303,6 +312,51 @@ def context_parallel(
 ) -> ContextParallel:
     """Install context parallelism on ``model`` over ``cp_mesh``; returns its `ContextParallel`."""
     return ContextParallel(model, cp_mesh, attention, ring_bytes).install()
+
+
+def check_context(model: nn.Module, attention: str, sequence_parallel: bool = False) -> None:
+    """Everything `apply_context_parallel` would refuse, before any collective (pure)."""
+    check_model(model, attention)
+    if sequence_parallel:
+        raise ValueError(
+            "sequence_parallel=True with cp_size > 1 is not supported yet: context parallelism "
+            "already splits every activation along the sequence; pass sequence_parallel=False."
+        )
+
+
+def apply_context_parallel(
+    model: nn.Module, cp_mesh: DeviceMesh, attention: str = "auto", average_grads: bool = False
+) -> ContextParallel:
+    """`split`'s context step: CP over ``cp_mesh``. ``average_grads``: no FSDP will reduce the
+    gradients over cp, so each is averaged over cp as it is produced (as DDP would)."""
+    from tpkit.parallel.fsdp import average_grads_over_dp
+
+    cp = context_parallel(model, cp_mesh, attention)
+    if average_grads:
+        average_grads_over_dp(model.parameters(), cp_mesh)
+    return cp
+
+
+def context_of(model: nn.Module) -> ContextParallel | None:
+    """The `ContextParallel` installed on ``model`` (through wrappers: FSDP, PEFT, accelerate)."""
+    from tpkit.state import wrapper_chain
+
+    for m in wrapper_chain(model):
+        found = getattr(m, "_tpkit_cp", None)
+        if isinstance(found, ContextParallel):
+            return found
+    return None
+
+
+def gather_sequence(model: nn.Module, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """A per-token output of a context-parallel ``model`` (logits, hidden states: this rank's
+    tokens) gathered over cp into the whole sequence, in order; ``x`` itself without CP."""
+    cp = context_of(model)
+    if cp is None:
+        return x
+    if isinstance(x, DTensor):
+        x = x.full_tensor()
+    return cp.gather(x, dim)
 
 
 def average_over_cp(model: nn.Module, group) -> None:

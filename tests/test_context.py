@@ -350,3 +350,56 @@ def test_tensor_parallel_cp2_trains_like_one_process(ranks2, sizes):
 def test_tensor_parallel_cp_with_tp_and_hsdp_trains_like_one_process(ranks4, sizes):
     for r in ranks4.run(check_training, "qwen3", **sizes):
         assert max(r["loss_rel"], r["norm_rel"], r["param_rel"]) <= REL, r
+
+
+def _trainer_losses(out: str, cp: int | None, tp: int | None = None) -> dict:
+    """The stock Trainer on the tiny Llama, 256-token sequences: one process (``cp=None``) or
+    ``tpkit.tensor_parallel(cp_size=cp)`` with ``ParallelismConfig(cp_size=cp)``."""
+    from accelerate import ParallelismConfig
+    from transformers import Trainer
+
+    import tpkit
+    from tests.test_integrations_trainer import ToyLM, losses, reset_accelerate, training_args
+    from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
+
+    patch_trainer()
+    reset_accelerate()
+    try:
+        model, config = cp_model("llama").train(), None
+        if cp is not None:
+            model = tpkit.tensor_parallel(model, cp_size=cp, tp_size=tp or 1)
+            config = ParallelismConfig(cp_size=cp, tp_size=tp or 1)
+        args = training_args(out, 2, config, save_strategy="no", max_steps=3)
+        data = ToyLM(length=T)
+        trainer = Trainer(
+            model=model, args=args, train_dataset=data, eval_dataset=ToyLM(n=4, length=T)
+        )
+        trainer.train()
+        evaluated = trainer.evaluate()["eval_loss"]
+        norms = {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h}
+        return {
+            "losses": losses(trainer),
+            "norms": norms,  # the loss curve alone hides a gradient scale (AdamW, clipping)
+            "eval": evaluated,
+            "tokens": trainer.state.num_input_tokens_seen,
+        }
+    finally:
+        unpatch_trainer()
+        reset_accelerate()
+
+
+def check_trainer(out: str, cp: int, tp: int | None = None) -> dict:
+    return _trainer_losses(out, cp, tp)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_trainer_with_cp_size_matches_one_process(ranks2, ranks4, tmp_path, world):
+    ref = _trainer_losses(str(tmp_path / "ref"), None)
+    group, tp = (ranks2, None) if world == 2 else (ranks4, 2)
+    for r in group.run(check_trainer, str(tmp_path / "cp"), 2, tp):
+        assert r["losses"].keys() == ref["losses"].keys()
+        for step, loss in ref["losses"].items():
+            assert abs(r["losses"][step] - loss) / loss <= 1e-4, (step, r, ref)
+            assert abs(r["norms"][step] - ref["norms"][step]) / ref["norms"][step] <= 1e-4, r
+        assert abs(r["eval"] - ref["eval"]) / ref["eval"] <= 1e-4, (r, ref)
+        assert r["tokens"] == ref["tokens"], (r, ref)

@@ -86,6 +86,7 @@ from tpkit.integrations.trainer_checkpoints import (
     patched_save,
     patched_save_optimizer_and_scheduler,
 )
+from tpkit.parallel.context import context_of
 from tpkit.parallel.fsdp import average_over_dp, is_fsdp
 from tpkit.parallel.mesh import get_mesh
 from tpkit.state import tp_state, wrapper_chain
@@ -102,6 +103,7 @@ def patch_trainer() -> None:
     parallelize are untouched: every patched method hands them to the original. Each patch goes
     through `tpkit.integrations.patching` (original recorded, tested versions checked).
     """
+    from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import Trainer
 
@@ -114,6 +116,7 @@ def patch_trainer() -> None:
         versions="accelerate",
         group="trainer",
     )
+    wrap(Accelerator, "_prepare_cp", _prepare_cp, versions="accelerate", group="trainer")
 
 
 def unpatch_trainer() -> None:
@@ -297,9 +300,9 @@ def _track_num_input_tokens(original):
         before = self.state.num_input_tokens_seen
         original(self, inputs)
         state = tp_state(self.model)
-        if state is not None:  # the gather summed each TP group's (identical) count tp times
+        if state is not None:  # the gather summed each tp x cp block's (identical) count
             seen = self.state.num_input_tokens_seen - before
-            self.state.num_input_tokens_seen = before + seen // state.tp_size
+            self.state.num_input_tokens_seen = before + seen // (state.tp_size * state.dims.cp)
 
     return _track_num_input_tokens
 
@@ -316,23 +319,50 @@ def _build_accelerator_args(original):
             return args
         from accelerate import ParallelismConfig
 
-        tp, dp = state.tp_size, _model_dp(state)
+        tp, dp, cp = state.tp_size, _model_dp(state), state.dims.cp
         pc = args.get("parallelism_config")
         if pc is None:
-            args["parallelism_config"] = ParallelismConfig(tp_size=tp, dp_shard_size=dp)
+            args["parallelism_config"] = ParallelismConfig(tp_size=tp, dp_shard_size=dp, cp_size=cp)
             return args
         pc_dp = pc.dp_shard_size * pc.dp_replicate_size
-        if pc.tp_size != tp or pc_dp != dp or pc.cp_size != 1 or pc.sp_size != 1:
+        if pc.tp_size != tp or pc_dp != dp or pc.cp_size != cp or pc.sp_size != 1:
             raise ValueError(
                 f"TrainingArguments.parallelism_config (tp_size={pc.tp_size}, dp_shard_size="
                 f"{pc.dp_shard_size}, dp_replicate_size={pc.dp_replicate_size}, cp_size={pc.cp_size}, "
-                f"sp_size={pc.sp_size}) does not describe the tpkit model (tp_size={tp}, dp_size={dp}). "
-                f"Use ParallelismConfig(tp_size={tp}, dp_shard_size={dp}) or leave it unset and tpkit "
-                "fills it in; a wrong tp_size would give the ranks of one TP group different batches."
+                f"sp_size={pc.sp_size}) does not describe the tpkit model (tp_size={tp}, dp_size={dp}, "
+                f"cp_size={cp}). Use ParallelismConfig(tp_size={tp}, dp_shard_size={dp}, "
+                f"cp_size={cp}) or leave it unset and tpkit fills it in; a wrong tp_size or cp_size "
+                "would give the ranks of one TP or CP group different batches."
             )
         return args
 
     return _build_accelerator_args
+
+
+def _prepare_context_parallel_inputs(original):
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        # Trainer's version insists on sdpa and hands the batch to torch's context_parallel
+        # (which splits it in place); a tpkit model splits the whole batch in its own forward
+        cp = context_of(model)
+        if cp is None:
+            return original(self, model, inputs)
+        return cp.trainer_mode, inputs
+
+    return _prepare_context_parallel_inputs
+
+
+def _prepare_cp(original):
+    def _prepare_cp(self, *args):
+        # accelerate's: torch's context_parallel (no CPU kernel) and hooks that drop every
+        # self-attention mask. A tpkit CP model splits its batch itself: accelerate's
+        # maybe_context_parallel then only marks the Trainer's convention (no second split).
+        found = next((context_of(a) for a in args if isinstance(a, nn.Module)), None)
+        if found is None:
+            return original(self, *args)
+        self._cp_context = lambda **_: found.trainer_mode()
+        return args
+
+    return _prepare_cp
 
 
 def _validate_accelerator(original):
@@ -365,6 +395,7 @@ _TRAINER_PATCHES = (
     ("evaluation_loop", _evaluation_loop, True),
     ("_defer_fsdp_gradient_reduction", _defer_fsdp_gradient_reduction, False),
     ("_track_num_input_tokens", _track_num_input_tokens, False),
+    ("_prepare_context_parallel_inputs", _prepare_context_parallel_inputs, False),
     ("_save", patched_save, True),
     ("_save_optimizer_and_scheduler", patched_save_optimizer_and_scheduler, True),
     ("_load_from_checkpoint", patched_load_from_checkpoint, True),

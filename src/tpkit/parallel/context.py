@@ -180,9 +180,19 @@ class ContextParallel:
             return None
         token, targets, num_items = entry
         reset_active(token)
-        if output is None or targets is None:
+        # the Trainer's evaluate / predict gathers predictions over dp only: hand it whole ones
+        whole = self.trainer and not torch.is_grad_enabled()
+        if output is None or (targets is None and not whole):
             return None
-        return self._with_loss(output, *targets, num_items)
+        fields = dict(output) if isinstance(output, dict) else {"logits": output[0]}
+        if targets is not None:
+            fields["loss"] = self._loss(fields["logits"], *targets, num_items)
+        if whole:
+            fields["logits"] = self.gather(fields["logits"], 1)
+        if isinstance(output, dict):
+            return type(output)(**{"loss": fields.pop("loss", None), **fields})
+        rest = (fields["logits"], *output[1:])
+        return (fields["loss"], *rest) if targets is not None else rest
 
     # ---- splitting a batch -----------------------------------------------------------------
     def _split(self, bound: dict) -> tuple[CPForward, dict, tuple | None]:
@@ -282,25 +292,22 @@ class ContextParallel:
             )
 
     # ---- the loss --------------------------------------------------------------------------
-    def _with_loss(self, output, targets, count, num_items):
-        logits = output["logits"] if isinstance(output, dict) else output[0]
+    def _loss(self, logits, targets, count, num_items) -> torch.Tensor:
         total = _token_loss_sum(logits, targets)
-        if self.trainer:
-            loss = (
-                total / num_items if num_items is not None else total * self.cp / count.clamp(min=1)
-            )
-        else:
+        if not self.trainer:
             denom = num_items if num_items is not None else count.clamp(min=1)
-            loss = _SumOverCP.apply(total / denom, self.group, self.cp)
-        if isinstance(output, dict):
-            fields = {k: v for k, v in output.items() if k != "loss"}
-            return type(output)(loss=loss, **fields)
-        return (loss, *output)
+            return _SumOverCP.apply(total / denom, self.group, self.cp)
+        share = total / num_items if num_items is not None else total * self.cp / count.clamp(min=1)
+        if torch.is_grad_enabled():
+            return share  # the Trainer scales by its process count and averages gradients
+        return _SumOverCP.apply(share, self.group, self.cp) / self.cp  # evaluate: the mean share
 
     # ---- outputs ---------------------------------------------------------------------------
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's part of a split-forward output (logits, hidden states) gathered over cp
         into the whole sequence, in order (no gradient)."""
+        if isinstance(x, DTensor):
+            x = x.full_tensor()
         layout = Layout(self.cp, self.rank, x.shape[dim] * self.cp, self.zigzag)
         parts = [torch.empty_like(x.contiguous()) for _ in range(self.cp)]
         dist.all_gather(parts, x.detach().contiguous(), group=self.group)
@@ -352,11 +359,7 @@ def gather_sequence(model: nn.Module, x: torch.Tensor, dim: int = 1) -> torch.Te
     """A per-token output of a context-parallel ``model`` (logits, hidden states: this rank's
     tokens) gathered over cp into the whole sequence, in order; ``x`` itself without CP."""
     cp = context_of(model)
-    if cp is None:
-        return x
-    if isinstance(x, DTensor):
-        x = x.full_tensor()
-    return cp.gather(x, dim)
+    return x if cp is None else cp.gather(x, dim)
 
 
 def average_over_cp(model: nn.Module, group) -> None:

@@ -403,3 +403,59 @@ def test_trainer_with_cp_size_matches_one_process(ranks2, ranks4, tmp_path, worl
             assert abs(r["norms"][step] - ref["norms"][step]) / ref["norms"][step] <= 1e-4, r
         assert abs(r["eval"] - ref["eval"]) / ref["eval"] <= 1e-4, (r, ref)
         assert r["tokens"] == ref["tokens"], (r, ref)
+
+
+def test_tpkit_plan_explains_the_cp_axis(tmp_path, capsys):
+    from tpkit.cli.main import main
+
+    cp_model("qwen3").save_pretrained(tmp_path / "q")
+    assert main(["plan", str(tmp_path / "q"), "--tp", "2", "--cp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "cp_size=2: every sequence split over 2 ranks, zigzag" in out
+    assert "pad_to_multiple_of=4" in out and "tp_size=2, cp_size=2: valid" in out
+    assert (
+        main(["plan", str(tmp_path / "q"), "--tp", "2", "--cp", "2", "--cp-attention", "ulysses"])
+        == 1
+    )
+    assert "cp_attention='ulysses'" in capsys.readouterr().err
+
+
+POOL_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {root!r})
+import tpkit
+from tests.test_context import cp_batch, cp_model
+
+ref = cp_model("llama")
+ids, mask, labels = cp_batch("llama")
+handle = tpkit.tensor_parallel(cp_model("llama"), cp_size=2, cp_attention="ring")
+try:
+    out = handle(input_ids=ids, attention_mask=mask, labels=labels)
+    out_r = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    loss_rel = abs(out.loss.item() - out_r.loss.item()) / out_r.loss.item()
+    logits = (out.logits - out_r.logits)[mask.bool()].abs().max().item()
+    print("RESULT", loss_rel, logits, tuple(out.logits.shape))
+finally:
+    handle.close()
+"""
+
+
+def test_notebook_pool_takes_cp_size(tmp_path):
+    """Outside torchrun, ``cp_size=2`` starts two workers; the caller gets the model's outputs
+    (whole logits) and the whole batch's loss."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    script = tmp_path / "pool_cp.py"
+    script.write_text(POOL_SCRIPT.format(root=root))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([f"{root}/src", root])}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600
+    )
+    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, done.stdout[-2000:] + done.stderr[-4000:]
+    _, loss_rel, logits, shape = line[0].split(" ", 3)
+    assert float(loss_rel) <= REL and float(logits) <= 1e-5 and shape == f"(2, {T}, 101)"

@@ -89,7 +89,7 @@ def split(
     sharded = dims.dp * dims.cp > 1 if o.sharded is None else o.sharded
     _refuse_axes_not_built(dims, sharded)
     if dims.cp > 1:
-        check_context(model, o.cp_attention, o.sequence_parallel)
+        check_context(model, o.cp_attention, o.sequence_parallel, dims.cp, dims.tp)
     adapted: list[tuple[SplitExtension, Any]] = []
     try:  # no collective yet: a refusal puts back what the extensions adapted
         for e in every:

@@ -57,6 +57,7 @@ __all__ = [
     "check_context",
     "context_of",
     "context_parallel",
+    "describe",
     "gather_sequence",
 ]
 
@@ -137,6 +138,8 @@ class ContextParallel:
         self.zigzag = _is_causal(model)
         self.shift = _is_causal_lm(model)
         self.trainer = False
+        #: hand back per-token outputs whole (the notebook pool's caller expects the model's)
+        self.whole_outputs = False
         self._stack: list[tuple | None] = []
         self._params = inspect.signature(model.forward).parameters
 
@@ -181,7 +184,7 @@ class ContextParallel:
         token, targets, num_items = entry
         reset_active(token)
         # the Trainer's evaluate / predict gathers predictions over dp only: hand it whole ones
-        whole = self.trainer and not torch.is_grad_enabled()
+        whole = self.whole_outputs or (self.trainer and not torch.is_grad_enabled())
         if output is None or (targets is None and not whole):
             return None
         fields = dict(output) if isinstance(output, dict) else {"logits": output[0]}
@@ -254,15 +257,9 @@ class ContextParallel:
         each call again)."""
         cfg = self.model.config
         if path == "ulysses":
-            tp = getattr(getattr(self.model, "_tpkit", None), "tp_size", 1)
-            heads = getattr(cfg, "num_attention_heads", 0) or 0
-            kv = getattr(cfg, "num_key_value_heads", None) or heads
-            if heads and ((heads // tp) % self.cp or max(1, kv // tp) % self.cp):
-                raise ValueError(
-                    f"context parallelism: cp_attention='ulysses' gives each cp rank heads/cp of "
-                    f"a rank's heads, but {heads} heads and {kv} key/value heads at tp_size={tp} "
-                    f"do not divide by cp_size={self.cp}; use cp_attention='allgather' or 'ring'."
-                )
+            check_ulysses(
+                self.model, getattr(getattr(self.model, "_tpkit", None), "tp_size", 1), self.cp
+            )
         if path == "ring" and self.attention == "ring":
             dropout = getattr(cfg, "attention_dropout", 0.0) if self.model.training else 0.0
             for why, found in (
@@ -321,14 +318,59 @@ def context_parallel(
     return ContextParallel(model, cp_mesh, attention, ring_bytes).install()
 
 
-def check_context(model: nn.Module, attention: str, sequence_parallel: bool = False) -> None:
+def check_ulysses(model: nn.Module, tp: int, cp: int) -> None:
+    """Ulysses gives each cp rank heads/cp of a rank's heads: both counts must divide."""
+    cfg = model.config
+    heads = getattr(cfg, "num_attention_heads", 0) or 0
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads and ((heads // tp) % cp or max(1, kv // tp) % cp):
+        raise ValueError(
+            f"context parallelism: cp_attention='ulysses' gives each cp rank heads/cp of a "
+            f"rank's heads, but {heads} heads and {kv} key/value heads at tp_size={tp} do not "
+            f"divide by cp_size={cp}; use cp_attention='allgather' or 'ring'."
+        )
+
+
+def check_context(
+    model: nn.Module, attention: str, sequence_parallel: bool = False, cp: int = 2, tp: int = 1
+) -> None:
     """Everything `apply_context_parallel` would refuse, before any collective (pure)."""
     check_model(model, attention)
+    if attention == "ulysses":
+        check_ulysses(model, tp, cp)
     if sequence_parallel:
         raise ValueError(
             "sequence_parallel=True with cp_size > 1 is not supported yet: context parallelism "
             "already splits every activation along the sequence; pass sequence_parallel=False."
         )
+
+
+def describe(model: nn.Module, cp: int, attention: str = "auto", tp: int = 1) -> str:
+    """What CP at ``cp`` does to ``model``, in words (`tpkit plan --cp`); checks it first."""
+    check_context(model, attention, cp=cp, tp=tp)
+    zigzag = _is_causal(model)
+    parts = 2 * cp if zigzag else cp
+    layout = (
+        f"zigzag: {parts} chunks, rank r holds chunks r and {parts - 1}-r (causal load balance)"
+        if zigzag
+        else f"contiguous: rank r holds chunk r of {cp} (bidirectional attention)"
+    )
+    how = {
+        "auto": f"all-gather K/V, the ring once one layer's scores pass {RING_BYTES >> 20} MiB",
+        "allgather": "keys and values all-gathered over cp (backward: reduce-scatter)",
+        "ring": "keys and values passed around the cp ring, online softmax",
+        "ulysses": "all-to-all from sequence to heads and back (heads/cp heads per rank)",
+    }[attention]
+    return "\n".join(
+        [
+            f"cp_size={cp}: every sequence split over {cp} ranks, {layout};",
+            f"  sequence lengths must divide by {parts} (pad_to_multiple_of={parts}).",
+            f"attention ({attention}): {how}; wraps the model's "
+            f"{check_model(model, attention)} attention.",
+            "positions, masks and labels from the whole sequence; the loss over its target count.",
+            "FSDP2 shards over dp_shard x cp (cp ranks hold the same parameters).",
+        ]
+    )
 
 
 def apply_context_parallel(

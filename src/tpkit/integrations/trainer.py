@@ -57,6 +57,12 @@ What Trainer and accelerate need, and what this module does about it:
   dp (no FSDP) gets a per-parameter hook that averages its local gradient over the dp group at
   the end of each accumulation window, as DDP would (``model._tpkit_dp_sync`` marks it; core code
   that reduces dp gradients itself can set that flag to turn the hook off).
+- **cp > 1.** ``ParallelismConfig(cp_size=...)`` makes accelerate wrap each step in torch's
+  ``context_parallel`` (no CPU kernel; it splits the batch in place) after hooks that drop every
+  self-attention mask, and Trainer insist on SDPA. For a tpkit CP model both are replaced: the
+  step runs in `tpkit.parallel.context.ContextParallel.trainer_mode` and the model splits the
+  batch accelerate gave the whole cp group, once. The loss is then this rank's share, as the
+  Trainer's arithmetic expects (it multiplies by its process count and averages gradients).
 - **evaluate / predict.** TP partners hold the same predictions: they are gathered over the dp
   group only, so the last short batch is trimmed right and nothing is repeated ``tp_size`` times.
   ``num_input_tokens_seen`` is counted once per TP group for the same reason.

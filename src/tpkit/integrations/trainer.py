@@ -332,13 +332,14 @@ def _build_accelerator_args(original):
             return args
         pc_dp = pc.dp_shard_size * pc.dp_replicate_size
         if pc.tp_size != tp or pc_dp != dp or pc.cp_size != cp or pc.sp_size != 1:
+            has = f"tp_size={tp}, dp_size={dp}" + (f", cp_size={cp}" if cp > 1 else "")
+            use = f"tp_size={tp}, dp_shard_size={dp}" + (f", cp_size={cp}" if cp > 1 else "")
             raise ValueError(
                 f"TrainingArguments.parallelism_config (tp_size={pc.tp_size}, dp_shard_size="
                 f"{pc.dp_shard_size}, dp_replicate_size={pc.dp_replicate_size}, cp_size={pc.cp_size}, "
-                f"sp_size={pc.sp_size}) does not describe the tpkit model (tp_size={tp}, dp_size={dp}, "
-                f"cp_size={cp}). Use ParallelismConfig(tp_size={tp}, dp_shard_size={dp}, "
-                f"cp_size={cp}) or leave it unset and tpkit fills it in; a wrong tp_size or cp_size "
-                "would give the ranks of one TP or CP group different batches."
+                f"sp_size={pc.sp_size}) does not describe the tpkit model ({has}). Use "
+                f"ParallelismConfig({use}) or leave it unset and tpkit fills it in; a wrong tp_size "
+                "or cp_size would give the ranks of one TP or CP group different batches."
             )
         return args
 

@@ -76,7 +76,9 @@ def _mesh(cp: int, tp: int):
     return init_device_mesh("cpu", (cp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def check_parity(name: str, attention: str, tp: int = 1, attn: str = "sdpa") -> dict:
+def check_parity(
+    name: str, attention: str, tp: int = 1, attn: str = "sdpa", loss_parallel: bool = False
+) -> dict:
     """Loss, logits and every gradient of a cp (x tp) split against one process."""
     import tpkit
     from tpkit.parallel.context import average_over_cp, context_parallel
@@ -86,7 +88,7 @@ def check_parity(name: str, attention: str, tp: int = 1, attn: str = "sdpa") -> 
     model = copy.deepcopy(ref)
     mesh = _mesh(cp, tp)
     if tp > 1:
-        model = tpkit.tensor_parallel(model, mesh=mesh, sharded=False)
+        model = tpkit.tensor_parallel(model, mesh=mesh, sharded=False, loss_parallel=loss_parallel)
     ctx = context_parallel(model, mesh["dp"], attention=attention)
     ids, mask, labels = cp_batch(name)
     out_r = ref(input_ids=ids, attention_mask=mask, labels=labels)
@@ -115,6 +117,7 @@ def check_parity(name: str, attention: str, tp: int = 1, attn: str = "sdpa") -> 
         "grad_abs": grad_abs,
         "queries": sorted(set(queries)),
         "local": T // cp,
+        "sharded_logits": type(out.logits).__name__ == "DTensor",
     }
 
 
@@ -150,6 +153,7 @@ def test_cp2_matches_one_process(ranks2, name, attention, attn):
 
 CP2_TP2 = [
     ("llama", "allgather"),
+    ("llama", "loss_parallel"),
     ("llama", "ring"),
     ("qwen3", "ring"),
     ("gpt2", "allgather"),
@@ -159,7 +163,12 @@ CP2_TP2 = [
 
 @pytest.mark.parametrize(("name", "attention"), CP2_TP2)
 def test_cp2_tp2_matches_one_process(ranks4, name, attention):
-    for r in ranks4.run(check_parity, name, attention, 2):
+    lp = (
+        attention == "loss_parallel"
+    )  # vocab-sharded logits: the loss sums tpkit's vocab-parallel CE
+    args = ("ring", 2, "sdpa", True) if lp else (attention, 2)
+    for r in ranks4.run(check_parity, name, *args):
+        assert r["sharded_logits"] == lp
         _assert_parity(r)
 
 

@@ -17,6 +17,8 @@ Each parallelism, applied in mesh order by `tpkit.parallelize.split`:
 
 Context parallelism's parts:
 
+    context_checks.py     what CP needs of a model, checked before any collective; `describe`
+    context_batch.py      one batch: what splits, whole positions, fingerprints, the token loss
     context_layout.py     which sequence chunks a cp rank holds (zigzag or contiguous)
     context_attention.py  the attention and mask functions registered with transformers under CP
     context_ring.py       ring attention: K/V passed around the cp ring, an online softmax

@@ -40,78 +40,39 @@ from torch.distributed.tensor import DTensor
 from tpkit.parallel.context_attention import (
     IMPLEMENTATION,
     KWARG,
-    PATHS,
     CPForward,
     register,
     reset_active,
     set_active,
     set_inner,
 )
+from tpkit.parallel.context_batch import (
+    SPLIT,
+    TAKEN,
+    check_inputs,
+    fingerprint,
+    has_cache,
+    packed_sequences,
+    token_loss_sum,
+    whole_positions,
+)
+from tpkit.parallel.context_checks import (
+    RING_BYTES,
+    check_model,
+    check_ulysses,
+    is_causal,
+    is_causal_lm,
+)
 from tpkit.parallel.context_layout import Layout, check_length
 
 __all__ = [
-    "ATTENTION_CHOICES",
     "ContextParallel",
     "apply_context_parallel",
     "average_over_cp",
-    "check_context",
     "context_of",
     "context_parallel",
-    "describe",
     "gather_sequence",
 ]
-
-ATTENTION_CHOICES = ("auto", *PATHS)
-#: auto picks the ring once one layer's scores (B x H x T/cp x T float32) would pass this size
-RING_BYTES = 256 * 2**20
-_SPLIT = ("input_ids", "inputs_embeds", "position_ids", "token_type_ids")
-_TAKEN = ("labels", "shift_labels", "num_items_in_batch", "attention_mask")
-
-
-def _is_causal(model: nn.Module) -> bool:
-    flags = [
-        m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)
-    ]
-    return any(flags) if flags else True
-
-
-def _is_causal_lm(model: nn.Module) -> bool:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-
-
-def check_model(model: nn.Module, attention: str) -> str:
-    """What CP needs of a model, checked before anything is installed; returns its attention
-    implementation (the inner one)."""
-    name = type(model).__name__
-    config = getattr(model, "config", None)
-    if attention not in ATTENTION_CHOICES:
-        raise ValueError(f"cp_attention={attention!r}: choose one of {list(ATTENTION_CHOICES)}.")
-    if config is None or not hasattr(model, "set_attn_implementation"):
-        raise ValueError(
-            f"context parallelism splits transformers models; {name} is not one (it has no "
-            "config and no attention interface to hand the rest of the sequence to)."
-        )
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
-            f"context parallelism: {name} is an encoder-decoder (cross-attention over another "
-            "sequence); it is not supported under cp_size > 1 yet. Use cp_size=1."
-        )
-    inner = config._attn_implementation
-    if inner == IMPLEMENTATION:
-        raise ValueError(f"context parallelism is already installed on {name}.")
-    if inner not in ("sdpa", "eager") or not type(model)._can_set_attn_implementation():
-        why = (
-            f"uses attn_implementation={inner!r}"
-            if inner not in ("sdpa", "eager")
-            else "does not call transformers' AttentionInterface"
-        )
-        raise ValueError(
-            f"context parallelism: {name} {why}; CP wraps 'sdpa' or 'eager' attention. Load it "
-            "with attn_implementation='sdpa' (or 'eager'), or use cp_size=1."
-        )
-    return inner
 
 
 class ContextParallel:
@@ -135,8 +96,8 @@ class ContextParallel:
             cp_mesh.get_local_rank(),
             cp_mesh.size(),
         )
-        self.zigzag = _is_causal(model)
-        self.shift = _is_causal_lm(model)
+        self.zigzag = is_causal(model)
+        self.shift = is_causal_lm(model)
         self.trainer = False
         #: hand back per-token outputs whole (the notebook pool's caller expects the model's)
         self.whole_outputs = False
@@ -169,7 +130,7 @@ class ContextParallel:
     # ---- the hooks -------------------------------------------------------------------------
     def _pre(self, module, args, kwargs):
         bound = dict(zip(self._params, args), **kwargs)
-        if bound.get(KWARG) is not None or _has_cache(bound):
+        if bound.get(KWARG) is not None or has_cache(bound):
             self._stack.append(None)  # generation with a cache: unsplit, as without CP
             return None
         fwd, new, targets = self._split(bound)
@@ -204,24 +165,26 @@ class ContextParallel:
         if seq is None:
             raise ValueError("context parallelism needs input_ids or inputs_embeds to split.")
         b, t = seq.shape[:2]
-        _check_inputs(bound, b, t)
+        check_inputs(bound, b, t)
         check_length(t, self.cp, self.zigzag)
         layout = Layout(self.cp, self.rank, t, self.zigzag)
         mask = bound.get("attention_mask")
-        positions = _positions(bound.get("position_ids"), b, t, seq.device)
+        positions = whole_positions(bound.get("position_ids"), b, t, seq.device)
         targets = self._targets(bound)
         path = self._path(b, t)
         self._check_path(path)
         self._check_agree(seq, mask, positions, targets)
         padding = None if mask is None or bool(mask.bool().all()) else mask.bool()
         packed = (
-            _packed(positions) if mask is None and bound.get("position_ids") is not None else None
+            packed_sequences(positions)
+            if mask is None and bound.get("position_ids") is not None
+            else None
         )
         fwd = CPForward(
             layout, self.group, self._path(b, t), self.attention != "auto", padding, packed
         )
-        new = {k: v for k, v in bound.items() if k not in _TAKEN and k not in _SPLIT}
-        for name in _SPLIT:
+        new = {k: v for k, v in bound.items() if k not in TAKEN and k not in SPLIT}
+        for name in SPLIT:
             if bound.get(name) is not None:
                 new[name] = layout.split(bound[name], 1)
         new["position_ids"] = layout.split(positions, 1)
@@ -276,7 +239,7 @@ class ContextParallel:
     def _check_agree(self, seq, mask, positions, targets) -> None:
         """Every cp rank must pass the same whole batch: one tiny all-gather of fingerprints."""
         device = seq.device if seq.device.type != "meta" else torch.device("cpu")
-        mine = torch.stack([_fingerprint(x, device) for x in (seq, mask, positions, targets)])
+        mine = torch.stack([fingerprint(x, device) for x in (seq, mask, positions, targets)])
         mine = torch.cat([torch.tensor(seq.shape[:2], device=device), mine])
         parts = [torch.empty_like(mine) for _ in range(self.cp)]
         dist.all_gather(parts, mine, group=self.group)
@@ -290,7 +253,7 @@ class ContextParallel:
 
     # ---- the loss --------------------------------------------------------------------------
     def _loss(self, logits, targets, count, num_items) -> torch.Tensor:
-        total = _token_loss_sum(logits, targets)
+        total = token_loss_sum(logits, targets)
         if not self.trainer:
             denom = num_items if num_items is not None else count.clamp(min=1)
             return _SumOverCP.apply(total / denom, self.group, self.cp)
@@ -316,61 +279,6 @@ def context_parallel(
 ) -> ContextParallel:
     """Install context parallelism on ``model`` over ``cp_mesh``; returns its `ContextParallel`."""
     return ContextParallel(model, cp_mesh, attention, ring_bytes).install()
-
-
-def check_ulysses(model: nn.Module, tp: int, cp: int) -> None:
-    """Ulysses gives each cp rank heads/cp of a rank's heads: both counts must divide."""
-    cfg = model.config
-    heads = getattr(cfg, "num_attention_heads", 0) or 0
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    if heads and ((heads // tp) % cp or max(1, kv // tp) % cp):
-        raise ValueError(
-            f"context parallelism: cp_attention='ulysses' gives each cp rank heads/cp of a "
-            f"rank's heads, but {heads} heads and {kv} key/value heads at tp_size={tp} do not "
-            f"divide by cp_size={cp}; use cp_attention='allgather' or 'ring'."
-        )
-
-
-def check_context(
-    model: nn.Module, attention: str, sequence_parallel: bool = False, cp: int = 2, tp: int = 1
-) -> None:
-    """Everything `apply_context_parallel` would refuse, before any collective (pure)."""
-    check_model(model, attention)
-    if attention == "ulysses":
-        check_ulysses(model, tp, cp)
-    if sequence_parallel:
-        raise ValueError(
-            "sequence_parallel=True with cp_size > 1 is not supported yet: context parallelism "
-            "already splits every activation along the sequence; pass sequence_parallel=False."
-        )
-
-
-def describe(model: nn.Module, cp: int, attention: str = "auto", tp: int = 1) -> str:
-    """What CP at ``cp`` does to ``model``, in words (`tpkit plan --cp`); checks it first."""
-    check_context(model, attention, cp=cp, tp=tp)
-    zigzag = _is_causal(model)
-    parts = 2 * cp if zigzag else cp
-    layout = (
-        f"zigzag: {parts} chunks, rank r holds chunks r and {parts - 1}-r (causal load balance)"
-        if zigzag
-        else f"contiguous: rank r holds chunk r of {cp} (bidirectional attention)"
-    )
-    how = {
-        "auto": f"all-gather K/V, the ring once one layer's scores pass {RING_BYTES >> 20} MiB",
-        "allgather": "keys and values all-gathered over cp (backward: reduce-scatter)",
-        "ring": "keys and values passed around the cp ring, online softmax",
-        "ulysses": "all-to-all from sequence to heads and back (heads/cp heads per rank)",
-    }[attention]
-    return "\n".join(
-        [
-            f"cp_size={cp}: every sequence split over {cp} ranks, {layout};",
-            f"  sequence lengths must divide by {parts} (pad_to_multiple_of={parts}).",
-            f"attention ({attention}): {how}; wraps the model's "
-            f"{check_model(model, attention)} attention.",
-            "positions, masks and labels from the whole sequence; the loss over its target count.",
-            "FSDP2 shards over dp_shard x cp (cp ranks hold the same parameters).",
-        ]
-    )
 
 
 def apply_context_parallel(
@@ -430,85 +338,3 @@ class _SumOverCP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.cp, None, None
-
-
-def _token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Σ cross-entropy over this rank's tokens (-100 ignored), as transformers' loss sums it."""
-    if isinstance(logits, DTensor):  # vocab-parallel logits (loss_parallel)
-        from tpkit.training.loss import vocab_parallel_cross_entropy
-
-        mesh, local = logits.device_mesh, logits.to_local()
-        return vocab_parallel_cross_entropy(
-            local.reshape(-1, local.shape[-1]), targets.reshape(-1).to(local.device),
-            logits.shape[-1], mesh.get_local_rank(), mesh.size(), mesh.get_group(),
-        ).sum()  # fmt: skip
-    flat = logits.float().reshape(-1, logits.shape[-1])
-    return F.cross_entropy(
-        flat, targets.reshape(-1).to(flat.device), ignore_index=-100, reduction="sum"
-    )
-
-
-def _has_cache(bound: dict) -> bool:
-    return any(bound.get(k) is not None for k in ("past_key_values", "cache", "cache_position"))
-
-
-def _check_inputs(bound: dict, b: int, t: int) -> None:
-    """Refuse what the split cannot carry, before any collective."""
-    for name, value in bound.items():
-        if not isinstance(value, torch.Tensor) or name in _SPLIT + _TAKEN:
-            continue
-        raise ValueError(
-            f"context parallelism does not know how to split the input {name!r} "
-            f"(shape {tuple(value.shape)}); text inputs only (input_ids or inputs_embeds, "
-            "attention_mask, position_ids, token_type_ids, labels). Use cp_size=1 for this model."
-        )
-    mask = bound.get("attention_mask")
-    if mask is not None and tuple(mask.shape) != (b, t):
-        raise ValueError(
-            f"context parallelism takes a 2-D padding mask [batch, seq] = [{b}, {t}]; got "
-            f"attention_mask of shape {tuple(mask.shape)}."
-        )
-    for name in ("labels", "shift_labels", "token_type_ids"):
-        if bound.get(name) is not None and tuple(bound[name].shape[:2]) != (b, t):
-            raise ValueError(
-                f"context parallelism: {name} has shape {tuple(bound[name].shape)}, the inputs "
-                f"[{b}, {t}]; per-token {name} of the same length are split with them."
-            )
-    keep = bound.get("logits_to_keep")
-    if isinstance(keep, int) and keep != 0:
-        raise ValueError(
-            "context parallelism: logits_to_keep must be 0 (every rank keeps its tokens)."
-        )
-
-
-def _positions(position_ids, b: int, t: int, device) -> torch.Tensor:
-    if position_ids is None:
-        return torch.arange(t, device=device).expand(b, t)
-    if position_ids.ndim == 1:
-        position_ids = position_ids[None]
-    if position_ids.ndim != 2 or position_ids.shape[-1] != t:
-        raise ValueError(
-            f"context parallelism takes position_ids of shape [batch, {t}]; got "
-            f"{tuple(position_ids.shape)} (multi-axis positions such as M-RoPE are not split yet)."
-        )
-    return position_ids.expand(b, t)
-
-
-def _packed(positions: torch.Tensor):
-    from transformers.masking_utils import find_packed_sequence_indices
-
-    seq = find_packed_sequence_indices(positions)
-    return None if seq is None else (seq, positions)
-
-
-def _fingerprint(x: torch.Tensor | None, device) -> torch.Tensor:
-    """An int64 summary that differs when two ranks' tensors differ (and never from summation
-    order: integer arithmetic on the values, or on float bits)."""
-    if x is None:
-        return torch.tensor(-1, dtype=torch.int64, device=device)
-    x = x.detach().reshape(-1)
-    if x.is_floating_point():
-        x = x[:: max(1, x.numel() // 4096)].float().view(torch.int32)
-    x = x.to(device=device, dtype=torch.int64)
-    weights = torch.arange(x.numel(), device=device, dtype=torch.int64) % 1_000_003 + 1
-    return (x * weights).sum()

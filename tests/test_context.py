@@ -368,7 +368,7 @@ def _trainer_losses(out: str, cp: int | None, tp: int | None = None) -> dict:
     from transformers import Trainer
 
     import tpkit
-    from tests.test_integrations_trainer import ToyLM, losses, reset_accelerate, training_args
+    from tests.test_trainer import ToyLM, losses, reset_accelerate, training_args
     from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
 
     patch_trainer()

@@ -35,6 +35,8 @@ class TPOptions:
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None
     cp_size: int | None = None
+    #: context parallelism's attention: "auto", "allgather", "ring" or "ulysses"
+    cp_attention: str = "auto"
     ep_size: int | None = None
     distributed_config: Any = None
     plan: PlanArg = "auto"

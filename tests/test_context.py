@@ -81,7 +81,7 @@ def check_parity(
 ) -> dict:
     """Loss, logits and every gradient of a cp (x tp) split against one process."""
     import tpkit
-    from tpkit.parallel.context import average_over_cp, context_parallel
+    from tpkit.parallel.context.apply import average_over_cp, context_parallel
 
     cp = dist.get_world_size() // tp
     ref = cp_model(name, attn)
@@ -175,7 +175,7 @@ def test_cp2_tp2_matches_one_process(ranks4, name, attention):
 def check_packed_and_checkpointing(attention: str) -> dict:
     """Packed sequences (position ids restart, no mask: transformers' block-diagonal mask) with
     gradient checkpointing on (the recomputed attention gets the split again)."""
-    from tpkit.parallel.context import average_over_cp, context_parallel
+    from tpkit.parallel.context.apply import average_over_cp, context_parallel
 
     ref = cp_model("llama").train()
     ref.gradient_checkpointing_enable()
@@ -211,7 +211,7 @@ def test_packed_sequences_with_checkpointing(ranks2, attention):
 
 def check_generate() -> list:
     """generate() passes a cache: it runs unsplit, token for token as one process."""
-    from tpkit.parallel.context import context_parallel
+    from tpkit.parallel.context.apply import context_parallel
 
     ref = cp_model("qwen3").eval()
     model = copy.deepcopy(ref)
@@ -237,7 +237,7 @@ def _count_collectives():
 
 def check_errors() -> dict:
     """Bad input: one ValueError on every rank, before any collective, naming the fix."""
-    from tpkit.parallel.context import context_parallel
+    from tpkit.parallel.context.apply import context_parallel
 
     found = {}
     mesh = _mesh(dist.get_world_size(), 1)["dp"]
@@ -287,7 +287,7 @@ def test_bad_input_is_one_clear_error_before_any_collective(ranks2):
 
 
 def test_layout_zigzag_round_trip():
-    from tpkit.parallel.context_layout import Layout
+    from tpkit.parallel.context.layout import Layout
 
     x = torch.arange(16)[None]
     parts = [Layout(2, r, 16, True).split(x) for r in range(2)]

@@ -31,7 +31,7 @@ from tpkit.io.checkpoint import export_checkpoint, load_checkpoint, save_checkpo
 from tpkit.io.dcp import UnsafeCheckpointError
 from tpkit.io.save import save_tensor_parallel
 from tpkit.io.shards import convert_state_dict, infer_sharded_device_map, load_local_state_dict
-from tpkit.parallel.context import gather_sequence
+from tpkit.parallel.context.apply import gather_sequence
 from tpkit.parallel.dims import ParallelDims
 from tpkit.parallel.mesh import build_mesh, dist_env, get_mesh, init_distributed
 from tpkit.plan import Plan, PlanLike, StyleSpec, derive_plan, validate

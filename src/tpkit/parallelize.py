@@ -27,8 +27,8 @@ from tpkit.guards.debug import install_input_checks
 from tpkit.guards.generation import install_generate_guard
 from tpkit.io.save import install_save_pretrained
 from tpkit.log import get_logger
-from tpkit.parallel.context import apply_context_parallel
-from tpkit.parallel.context_checks import check_context
+from tpkit.parallel.context.apply import apply_context_parallel
+from tpkit.parallel.context.checks import check_context
 from tpkit.parallel.dims import SIZE_KEYWORDS, ParallelDims, launch_hint
 from tpkit.parallel.fsdp import apply_fsdp
 from tpkit.parallel.mesh import build_mesh, get_mesh, init_distributed, tp_submesh

@@ -94,7 +94,7 @@ def _planned(path: str, model_cls: str | None, plan_arg, tp: int):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from tpkit.parallel.context_checks import describe
+    from tpkit.parallel.context.checks import describe
     from tpkit.plan import explain
 
     _check_tp(args.tp)

@@ -92,7 +92,7 @@ from tpkit.integrations.trainer_checkpoints import (
     patched_save,
     patched_save_optimizer_and_scheduler,
 )
-from tpkit.parallel.context import context_of
+from tpkit.parallel.context.apply import context_of
 from tpkit.parallel.fsdp import average_over_dp, is_fsdp
 from tpkit.parallel.mesh import get_mesh
 from tpkit.state import tp_state, wrapper_chain

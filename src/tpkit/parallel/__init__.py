@@ -11,17 +11,10 @@ The runtime (nothing here knows about plans or models; the floor everything else
 Each parallelism, applied in mesh order by `tpkit.parallelize.split`:
 
     tensor.py    tensor parallelism: the plan's styles on the TP mesh, with what rides on it
-    context.py   context parallelism: a model's batch split along the sequence over "cp"
+    context/     context parallelism: a model's batch split along the sequence over "cp"
+                 (a folder of its own: apply, batch, layout, attention, ring, checks)
     sequence.py  sequence parallelism: norms and dropout split along the sequence (Megatron-SP)
     fsdp.py      FSDP2 / HSDP over the data axes, after TP (torchtitan's order)
-
-Context parallelism's parts:
-
-    context_checks.py     what CP needs of a model, checked before any collective; `describe`
-    context_batch.py      one batch: what splits, whole positions, fingerprints, the token loss
-    context_layout.py     which sequence chunks a cp rank holds (zigzag or contiguous)
-    context_attention.py  the attention and mask functions registered with transformers under CP
-    context_ring.py       ring attention: K/V passed around the cp ring, an online softmax
 """
 
 __all__: list[str] = []

@@ -11,7 +11,7 @@ so sliding windows, softcapping, sinks, GQA and scaling stay the model's own cod
   rows of the unsplit mask. A plain causal or bidirectional mask with no padding is not built.
 - All-gather (``allgather``): K and V gathered over cp into natural order, the inner attention on
   this rank's queries and every key. Backward: the K/V gradient summed over cp (reduce-scatter).
-- Ring (``ring``, `tpkit.parallel.context_ring`): K/V blocks passed around the ring with an
+- Ring (``ring``, `tpkit.parallel.context.ring`): K/V blocks passed around the ring with an
   online softmax; never holds more than one remote block and saves no score matrix.
 - Ulysses (``ulysses``): all-to-all from sequence-split to head-split, the inner attention on the
   whole sequence for heads/cp heads, all-to-all back. Needs heads and KV heads divisible by cp.
@@ -33,8 +33,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tpkit.parallel.comm import all_gather_parts, all_reduce_
-from tpkit.parallel.context_layout import Layout
-from tpkit.parallel.context_ring import ring_attention, ring_unsupported
+from tpkit.parallel.context.layout import Layout
+from tpkit.parallel.context.ring import ring_attention, ring_unsupported
 
 __all__ = [
     "IMPLEMENTATION",

@@ -11,7 +11,7 @@ arrive home after cp steps.
 Why our own: torch's ``context_parallel`` runs ring attention only through SDPA's flash and
 efficient kernels (none on CPU), and replaces ``F.scaled_dot_product_attention`` process-wide.
 
-Masks at chunk granularity (`tpkit.parallel.context_layout`): with no mask tensor and causal
+Masks at chunk granularity (`tpkit.parallel.context.layout`): with no mask tensor and causal
 attention a (query chunk, key chunk) pair is whole below the diagonal, lower-triangular on it and
 skipped above it; with a boolean mask tensor each pair takes its slice and is skipped when the
 slice is all False. A query row no key may see gives 0 (as torch's SDPA does).
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
-    from tpkit.parallel.context_attention import CPForward
+    from tpkit.parallel.context.attention import CPForward
 
 __all__ = ["ring_attention", "ring_unsupported"]
 

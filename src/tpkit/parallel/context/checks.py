@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from tpkit.parallel.context_attention import IMPLEMENTATION, PATHS
+from tpkit.parallel.context.attention import IMPLEMENTATION, PATHS
 
 __all__ = [
     "ATTENTION_CHOICES",

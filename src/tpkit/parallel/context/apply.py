@@ -2,8 +2,8 @@
 
 Tensor parallelism divides weights; at long sequences the activations of one sequence dominate
 every rank's memory however the weights are split. CP gives each of cp ranks 1/cp of the
-sequence (zigzag chunks for causal models, `tpkit.parallel.context_layout`) and lets attention see
-the whole context (`tpkit.parallel.context_attention`: all-gather K/V, ring, or Ulysses).
+sequence (zigzag chunks for causal models, `tpkit.parallel.context.layout`) and lets attention see
+the whole context (`tpkit.parallel.context.attention`: all-gather K/V, ring, or Ulysses).
 
 How a batch is fed: every rank of a cp group passes the WHOLE batch to the model, as without CP,
 and gets the whole batch's loss back. A forward pre-hook on the model checks the batch (the same
@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from tpkit.parallel.context_attention import (
+from tpkit.parallel.context.attention import (
     IMPLEMENTATION,
     KWARG,
     CPForward,
@@ -46,7 +46,7 @@ from tpkit.parallel.context_attention import (
     set_active,
     set_inner,
 )
-from tpkit.parallel.context_batch import (
+from tpkit.parallel.context.batch import (
     SPLIT,
     TAKEN,
     check_inputs,
@@ -56,14 +56,14 @@ from tpkit.parallel.context_batch import (
     token_loss_sum,
     whole_positions,
 )
-from tpkit.parallel.context_checks import (
+from tpkit.parallel.context.checks import (
     RING_BYTES,
     check_model,
     check_ulysses,
     is_causal,
     is_causal_lm,
 )
-from tpkit.parallel.context_layout import Layout, check_length
+from tpkit.parallel.context.layout import Layout, check_length
 
 __all__ = [
     "ContextParallel",

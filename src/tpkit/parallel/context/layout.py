@@ -7,7 +7,7 @@ and one late chunk and does the same work. Bidirectional attention is balanced a
 get cp contiguous chunks (rank r holds chunk r).
 
 Everything here is pure index arithmetic on one `Layout`; the collectives that use it live in
-`tpkit.parallel.context_attention` and `tpkit.parallel.context_ring`.
+`tpkit.parallel.context.attention` and `tpkit.parallel.context.ring`.
 """
 
 from __future__ import annotations

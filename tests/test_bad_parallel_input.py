@@ -2,7 +2,7 @@
 built on meta and never loaded. Each case is one clear error on every rank before any
 collective (counted: torch.distributed's functions wherever a module imported them, process
 groups and meshes included), or a correct result (logits and every gradient against the
-unsharded model). Cases of checkpoint files: test_reliability_loading.py, test_checkpoint.py."""
+unsharded model). Cases of checkpoint files: test_loading_checks.py, test_checkpoint.py."""
 
 from __future__ import annotations
 

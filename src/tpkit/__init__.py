@@ -104,6 +104,7 @@ def tensor_parallel(
     loss_parallel: bool = False,
     param_dtype: torch.dtype | None = None,
     example_inputs: tuple | Mapping | None = None,
+    fill_later: bool = False,
 ) -> nn.Module:
     """Split ``model`` over the ranks of its tensor-parallel group, in place, and return it.
 
@@ -148,6 +149,11 @@ def tensor_parallel(
             a forward the inputs tpkit makes up from the model (`tpkit.trace.inputs`) do not
             fit; without them, a model that cannot be traced is split per layer, exactly
             (`tpkit.sources.fallback`).
+        fill_later: the model is on the meta device on purpose and its weights are put in after
+            the split (training from scratch: ``to_empty`` and an init; `load_local_state_dict`;
+            accelerate's ``load_checkpoint_in_model``). Without it a model with parameters on
+            meta is refused, on every rank before any collective: built empty and never loaded,
+            it cannot run (`tpkit.from_pretrained` loads after its own split).
 
     A model tpkit already split is returned as it is (or refused when asked for another layout).
     Outside torchrun (world size 1) the model is returned unchanged (moved to ``device_ids[0]``
@@ -170,6 +176,7 @@ def tensor_parallel(
         loss_parallel=loss_parallel,
         param_dtype=param_dtype,
         example_inputs=example_inputs,
+        fill_later=fill_later,
     )
     if (handle := _pool_tensor_parallel(model, device_ids, options)) is not None:
         return handle  # outside torchrun, 2+ devices: a live model on worker processes

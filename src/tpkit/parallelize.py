@@ -83,6 +83,8 @@ def split(
     done = _already_parallel(model, o, dims)
     if done is not None:
         return done
+    if not (o.fill_later or _building_empty()):
+        _refuse_never_loaded(model)
     if dims.single_process:
         _log_single_process_once()
         return model.to(dims.device) if device_ids else model
@@ -176,6 +178,31 @@ def _refuse_axes_not_built(dims: ParallelDims, sharded: bool) -> None:
                 f"{axis}_size={getattr(dims, axis)}: {what} is not applied by this tpkit build; "
                 f"pass {axis}_size=1 (or leave it out)."
             )
+
+
+def _building_empty() -> bool:
+    """Inside ``accelerate.init_empty_weights()``: the model is built empty to be filled after
+    the split (the old ``tensor_parallel`` package's documented flow, which scripts still use),
+    so its meta parameters are meant."""
+    return nn.Module.register_parameter is not _TORCH_REGISTRATION[0]
+
+
+def _refuse_never_loaded(model: nn.Module) -> None:
+    """A model with parameters on meta that nobody will fill: one clear error on every rank
+    (each built the same model) before the process group and mesh, instead of a split that
+    takes a dozen collectives and a first forward that then refuses it (`refuse_meta`).
+    ``fill_later=True``, or a call inside accelerate's ``init_empty_weights()``, says the weights come
+    after the split."""
+    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if meta:
+        raise ValueError(
+            f"{type(model).__name__} has {len(meta)} parameter(s) on the meta device (e.g. "
+            f"{', '.join(meta[:3])}): built empty and never loaded, it cannot run. Load it with "
+            "tpkit.from_pretrained(path) (it splits on meta, then reads each rank's slices), or "
+            "pass fill_later=True to put the weights in after the split yourself "
+            "(model.to_empty(device=...) and its init to train from scratch, "
+            "tpkit.load_local_state_dict, accelerate's load_checkpoint_in_model)."
+        )
 
 
 def _install_guards(model: nn.Module, tp: int, tp_mesh: DeviceMesh) -> None:

@@ -46,6 +46,7 @@ class TPOptions:
     loss_parallel: bool = False
     param_dtype: torch.dtype | None = None
     example_inputs: tuple | Mapping | None = None
+    fill_later: bool = False
 
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> TPOptions:

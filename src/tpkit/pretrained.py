@@ -158,8 +158,9 @@ def _split_and_stream(
     quant = None
     if quantization_config is not None:
         quant = QuantizedLoad(model, quantization_config)
+    later = dataclasses.replace(options, fill_later=True)  # the slices are read next
     extensions = (quant,) if quant is not None else ()
-    model = split(model, device_ids, options, extensions=extensions, saved_plans=folder)
+    model = split(model, device_ids, later, extensions=extensions, saved_plans=folder)
     device = rank_device(model)
     move_buffers(model, device)
     stream_buffers(model, index, keys, fresh, device)

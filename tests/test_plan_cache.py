@@ -126,6 +126,62 @@ def test_key_misses_on_config_sizes_plan_and_versions(monkeypatch):
         plan_key(llama(), "auto", 2, example_inputs=(torch.zeros(1, 2, dtype=torch.long),))
 
 
+def test_key_misses_on_training_mode():
+    model = _meta("llama")
+    model.eval()
+    evaluating = plan_key(model, "auto", 2)
+    model.model.layers[0].train()  # one module's code may branch on self.training
+    assert key_digest(plan_key(model, "auto", 2)) != key_digest(evaluating)
+
+
+def test_a_config_attribute_that_is_no_config_is_keyed():
+    """IDEFICS keeps a float as a layer's ``config``: keyed by its value, never an error."""
+    keys = []
+    for value in (0.1, 0.2):
+        model = _meta("llama")
+        model.model.layers[0].mlp.up_proj.config = value
+        keys.append(key_digest(plan_key(model, "auto", 2)))
+    assert keys[0] != keys[1]
+
+
+def test_every_option_is_keyed_or_applied_after_the_plan():
+    """A new TPOptions field, or a new derive_plan argument, must be placed: in the key (the
+    plan depends on it) or after the plan (validate checks it against any plan)."""
+    import dataclasses
+    import inspect
+
+    from tpkit.state import TPOptions
+
+    keyed, after = set(plans.OPTIONS_IN_THE_KEY), set(plans.OPTIONS_AFTER_THE_PLAN)
+    assert not keyed & after
+    assert {f.name for f in dataclasses.fields(TPOptions)} == keyed | after
+    derive_reads = list(inspect.signature(derive_plan).parameters)
+    assert derive_reads == ["model", "plan", "tp_size", "example_inputs"], (
+        "derive_plan reads more: put it in plan_key (tpkit.plan.cache) and plan_for"
+    )
+    assert list(inspect.signature(plan_key).parameters) == derive_reads
+
+
+def test_a_plan_edited_or_damaged_on_disk_is_never_used(counting, tmp_path):
+    model = _meta("llama")
+    key = plan_key(model, "auto", 2)
+    path = tmp_path / "cache" / f"{key_digest(key)}.json"
+    fresh = derive_plan(_meta("llama"), "auto", 2)
+    write_plan(path, key, fresh)
+    data = json.loads(path.read_text())
+    entries = data["plan"]["entries"]
+    i = next(i for i, e in enumerate(entries) if e[1] != "replicate")
+    entries[i][1] = "replicate"  # still valid JSON, a valid style, the right key: a wrong plan
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError) as damaged:
+        read_plan(path, key)
+    assert not damaged.value.stale and "checksum" in str(damaged.value)
+    plan = plans.plan_for(model, "auto", 2)
+    assert counting.calls == 1
+    assert plan_differences(plan, fresh) == []
+    assert plan_differences(read_plan(path, key), fresh) == []  # the fresh plan replaced it
+
+
 def test_stale_and_corrupt_files_are_told_apart(tmp_path):
     model = _meta("llama")
     key, other = plan_key(model, "auto", 2), plan_key(model, "auto", 4)
@@ -349,6 +405,51 @@ def different_models() -> str:
 def test_ranks_given_different_models_fail_alike(ranks2):
     errors = ranks2.run(different_models)
     assert errors[0] == errors[1] and "different models on different ranks" in errors[0]
+
+
+def different_plans() -> str:
+    """Rank 1 asks for another plan than rank 0: the same error on every rank, none hangs (nor
+    does rank 1 silently take rank 0's plan)."""
+    import tpkit
+
+    torch.manual_seed(0)
+    plan = "auto" if dist.get_rank() == 0 else {"lm_head": "replicate"}
+    try:
+        tpkit.tensor_parallel(build("llama"), tp_size=2, plan=plan)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_asking_for_different_plans_fail_alike(ranks2):
+    errors = ranks2.run(different_plans)
+    assert errors[0] == errors[1] and "different plans on different ranks" in errors[0], errors
+
+
+def fingerprint_fails_on_rank1() -> str:
+    """Rank 1 cannot fingerprint its model: every rank raises, none waits for it."""
+    import tpkit
+
+    saved = plans.model_fingerprint
+
+    def broken(model):
+        raise RuntimeError("config.to_dict failed")
+
+    if dist.get_rank() == 1:
+        plans.model_fingerprint = broken
+    try:
+        tpkit.tensor_parallel(build("llama"), tp_size=2)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        plans.model_fingerprint = saved
+    return "no error"
+
+
+def test_a_rank_that_cannot_fingerprint_fails_every_rank(ranks2):
+    errors = ranks2.run(fingerprint_fails_on_rank1)
+    assert errors[0] == errors[1] and "rank 1 could not read its model" in errors[0], errors
+    assert "config.to_dict failed" in errors[0]
 
 
 # ---- tpkit plan --save: the checkpoint carries its plan ------------------------------------------

@@ -52,12 +52,19 @@ from tpkit.plan.cache import (
     PlanFileError,
     key_digest,
     model_fingerprint,
+    plan_arg_digest,
     plan_key,
     read_plan,
     write_plan,
 )
 
-__all__ = ["SAVED_DIR", "plan_for", "saved_plan_path"]
+__all__ = [
+    "OPTIONS_AFTER_THE_PLAN",
+    "OPTIONS_IN_THE_KEY",
+    "SAVED_DIR",
+    "plan_for",
+    "saved_plan_path",
+]
 
 log = get_logger(__name__)
 
@@ -67,6 +74,32 @@ SAVED_DIR = "tpkit-plans"
 NOTE_AFTER_S = 2.0
 #: seconds the other ranks wait for rank 0's plan (TPKIT_TIMEOUT if that is longer)
 PLAN_WAIT_S = 3600.0
+
+#: `TPOptions` fields that reach `derive_plan`, and how the key holds them: a plan stored under
+#: the key must be the plan these would derive (tests/test_plan_cache.py holds every field to
+#: one of these two tables, so a new option must be placed before it ships)
+OPTIONS_IN_THE_KEY = {
+    "plan": "the key's plan (a mode, or the user's entries as data)",
+    "example_inputs": "given: not cached (tensors are no key), derived every time",
+    "tp_size": "the key's tp (the resolved size, whichever option gave it)",
+    "dp_size": "only through the resolved tp",
+    "dp_replicate_size": "only through the resolved tp",
+    "dp_shard_size": "only through the resolved tp",
+    "cp_size": "only through the resolved tp",
+    "ep_size": "only through the resolved tp",
+    "distributed_config": "only through the resolved tp",
+    "mesh": "only through the resolved tp",
+}
+#: `TPOptions` fields derivation never reads: applied after the plan, and `validate` checks
+#: each against the plan (stored or derived) on every call
+OPTIONS_AFTER_THE_PLAN = {
+    "sharded": "FSDP2 after the split; validate checks the plan's shards divide",
+    "sequence_parallel": "applied after the split; validate checks it against the plan",
+    "loss_parallel": "applied after the split; validate checks it against the plan",
+    "param_dtype": "FSDP2's mixed precision; validate checks it",
+    "cp_attention": "context parallelism's attention, applied after the split",
+    "fill_later": "whether the weights are put in after the split",
+}
 
 _warned: set[str] = set()  # a cache that cannot be used is one warning per process
 
@@ -99,38 +132,38 @@ def plan_for(
     if not dist_env().is_distributed:
         return here()
     init_distributed(device_type=device_type)
-    return _from_rank0(model, here)
+    return _from_rank0(model, here, plan, tp_size)
 
 
-def _from_rank0(model: nn.Module, compute: Callable[[], Plan]) -> Plan:
+def _from_rank0(
+    model: nn.Module, compute: Callable[[], Plan], plan: Any = None, tp_size: int | None = None
+) -> Plan:
     """Rank 0's ``compute()`` (its plan, or its error), on every rank.
 
-    First one all-gather of every rank's model fingerprint: different models raise the same
-    error everywhere. Then rank 0 computes while the others wait on the process group's store
+    First one all-gather of every rank's model fingerprint and plan argument: different models
+    or plans asked for raise the same error everywhere (a rank whose fingerprint fails sends
+    its error instead). Then rank 0 computes while the others wait on the process group's store
     for its result, for up to `PLAN_WAIT_S` (planning a large MoE model takes minutes of CPU,
     longer than a collective's TPKIT_TIMEOUT allows)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     token = uuid.uuid4().hex if rank == 0 else None  # names rank 0's result on the store
+    try:
+        mine: tuple[Any, ...] = (model_fingerprint(model), plan_arg_digest(plan), tp_size, token)
+    except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there and here
+        mine = ("error", f"{type(exc).__name__}: {exc}", None, token)
     every: list[Any] = [None] * world
-    dist.all_gather_object(every, (model_fingerprint(model), token))
-    prints = [p for p, _ in every]
-    if len(set(prints)) > 1:
-        odd = [r for r, p in enumerate(prints) if p != prints[0]]
-        raise ValueError(
-            f"tensor_parallel was given different models on different ranks (ranks {odd} "
-            "differ from rank 0 in their modules, parameter shapes, dtypes or config): every "
-            "rank must build the same model (same config, same code, same changes) and split it."
-        )
-    key = f"tpkit/plan/{every[0][1]}"
+    dist.all_gather_object(every, mine)
+    _check_alike(every)
+    key = f"tpkit/plan/{every[0][3]}"
     store = default_store()
     if rank == 0:
         try:
-            plan = compute()
-        except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there and here
+            found = compute()
+        except BaseException as exc:  # noqa: BLE001 - sent to every rank, raised there and here
             store.set(key, pickle.dumps(("error", _portable(exc))))
             raise
-        store.set(key, pickle.dumps(("plan", plan)))
-        return plan
+        store.set(key, pickle.dumps(("plan", found)))
+        return found
     store.wait([key], datetime.timedelta(seconds=max(PLAN_WAIT_S, config.timeout_seconds())))
     kind, value = pickle.loads(store.get(key))  # noqa: S301 - rank 0 of this job wrote it
     if store.add(f"{key}/read", 1) == world - 1:  # the last reader clears it
@@ -142,9 +175,36 @@ def _from_rank0(model: nn.Module, compute: Callable[[], Plan]) -> Plan:
     return value
 
 
-def _portable(exc: Exception) -> Exception:
+def _check_alike(every: list[tuple[Any, ...]]) -> None:
+    """Every rank's (model fingerprint, plan digest, tp) from the all-gather: one error, the same
+    on every rank, when a rank could not fingerprint its model or the ranks differ."""
+    failed = [(r, e[1]) for r, e in enumerate(every) if e[0] == "error"]
+    if failed:
+        r, message = failed[0]
+        raise ValueError(
+            f"tensor_parallel: rank {r} could not read its model to compare it with the other "
+            f"ranks' ({message})."
+        )
+    for i, what, differ in (
+        (0, "models", "in their modules, parameter shapes, dtypes or config"),
+        (1, "plans", "in the plan argument"),
+        (2, "tp sizes", "in the tp size"),
+    ):
+        odd = [r for r, e in enumerate(every) if e[i] != every[0][i]]
+        if odd:
+            raise ValueError(
+                f"tensor_parallel was given different {what} on different ranks (ranks {odd} "
+                f"differ from rank 0 {differ}): every rank must build the same model (same "
+                "config, same code, same changes), ask for the same plan, and split it."
+            )
+
+
+def _portable(exc: BaseException) -> BaseException:
     """``exc`` if it survives pickling (the other ranks raise an equal one), else a
-    RuntimeError with its type and message."""
+    RuntimeError with its type and message; an interrupt is a RuntimeError too (the other
+    ranks were not interrupted, they only must not wait)."""
+    if not isinstance(exc, Exception):
+        return RuntimeError(f"{type(exc).__name__} on rank 0 while planning")
     try:
         pickle.loads(pickle.dumps(exc))
         return exc

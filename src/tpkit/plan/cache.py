@@ -11,12 +11,14 @@ The key is everything the derivation reads:
   it was built (a layer swapped, pruned heads) misses;
 - the source files of every model class that is not torch's or transformers' (remote code, a
   user's own module): an edit misses;
-- the plan asked for (a mode, or the user's entries as data), the tp size, the registered
-  styles;
+- the plan asked for (a mode, or the user's entries as data), the tp size, which modules are
+  in training mode, the registered styles;
 - the versions of tpkit (and a digest of its own source, so a development tree that changed
   planning code misses), transformers and torch.
 
-A key that differs in any field is stale: the plan is derived again, never reused. A plan is
+A key that differs in any field is stale: the plan is derived again, never reused. The stored
+plan carries its sha256: a file that does not match it (damaged, edited by hand) is corrupt,
+and the plan is derived again too. A plan is
 stored so that it comes back EXACTLY (entry order, styles, sources, args, fix-ups, notes,
 groups, the types of every value, tuples as tuples): `encode` refuses any value it cannot bring
 back as it was, and such a plan is simply not cached. Pure apart from the files it is given: no
@@ -51,6 +53,7 @@ __all__ = [
     "encode",
     "key_digest",
     "model_fingerprint",
+    "plan_arg_digest",
     "plan_differences",
     "plan_from_data",
     "plan_key",
@@ -59,8 +62,8 @@ __all__ = [
     "write_plan",
 ]
 
-#: the file format; a file of another format is stale
-FORMAT = 1
+#: the file format; a file of another format is stale (2: the plan's sha256 stored beside it)
+FORMAT = 2
 
 
 class NotCacheable(ValueError):
@@ -199,6 +202,7 @@ def plan_key(
         "code": _code_digest(model),
         "plan": _plan_arg(plan),
         "tp": tp_size,
+        "training": _training_digest(model),
         "styles": _digest(sorted(repr(s) for s in all_specs())),
         "versions": _versions(),
     }
@@ -210,6 +214,15 @@ def model_fingerprint(model: nn.Module) -> str:
     cls = type(model)
     parts = [f"{cls.__module__}.{cls.__qualname__}", _configs_digest(model), _modules_digest(model)]
     return _digest(parts)
+
+
+def plan_arg_digest(plan: Any) -> str | None:
+    """sha256 of the plan argument as the key holds it (a mode, or the user's entries as data):
+    equal on ranks that were asked for the same plan. None when it cannot be read as data."""
+    try:
+        return _digest([json.dumps(_plan_arg(plan), sort_keys=True)])
+    except NotCacheable:
+        return None
 
 
 def key_digest(key: Mapping[str, Any]) -> str:
@@ -233,6 +246,12 @@ def _plan_arg(plan: Any) -> Any:
     except (ValueError, TypeError, OSError) as exc:  # derive_plan raises it itself
         raise NotCacheable(f"the plan argument cannot be read ({exc})") from None
     return {"user": plan_to_data(user)}
+
+
+def _training_digest(model: nn.Module) -> str:
+    """sha256 of which modules are in training mode: the trace runs the model as it is, and a
+    module's code may branch on ``self.training`` (dropout, routers' jitter, aux losses)."""
+    return _digest(["".join("1" if m.training else "0" for m in model.modules())])
 
 
 def _digest(lines: list[str]) -> str:
@@ -279,9 +298,15 @@ def _configs_digest(model: nn.Module) -> str:
             seen[id(config)] = config
     h = hashlib.sha256()
     for config in seen.values():
-        data = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+        if hasattr(config, "to_dict"):
+            data = config.to_dict()
+        elif hasattr(config, "__dict__"):
+            data = dict(vars(config))
+        else:  # a module's ``config`` that is no config (a gated layer's float)
+            data = {"__value__": repr(config)}
         data = {k: v for k, v in data.items() if k not in _VOLATILE_CONFIG}
-        data.update(_implementations(config))
+        if hasattr(config, "__dict__"):
+            data.update(_implementations(config))
         h.update(json.dumps(data, sort_keys=True, default=repr).encode() + b"\0")
     return h.hexdigest()
 
@@ -374,15 +399,25 @@ def read_plan(path: str | os.PathLike, key: Mapping[str, Any]) -> Plan | None:
     try:
         data = json.loads(text)
         stored = data["key"]
+        if not isinstance(stored, dict):
+            raise TypeError("the key is no mapping")
     except (ValueError, TypeError, KeyError):
         raise PlanFileError(f"{path} is not a plan file tpkit wrote (corrupt)") from None
     if stored != key:
         changed = sorted(k for k in set(stored) | set(key) if stored.get(k) != key.get(k))
         raise PlanFileError(f"{path} holds a plan for another key ({', '.join(changed)})", True)
+    if data.get("plan_sha256") != _plan_checksum(data.get("plan")):  # edited or damaged
+        raise PlanFileError(f"{path} fails its checksum (corrupt or edited)")
     try:
         return plan_from_data(data["plan"])
     except (ValueError, TypeError, KeyError, AttributeError):
         raise PlanFileError(f"{path} is not a plan file tpkit wrote (corrupt)") from None
+
+
+def _plan_checksum(plan_data: Any) -> str:
+    """sha256 of a plan's data as canonical JSON: a file whose plan was changed by hand or
+    damaged (a flipped byte that still parses) is never read as a plan."""
+    return hashlib.sha256(json.dumps(plan_data, sort_keys=True).encode()).hexdigest()
 
 
 def write_plan(path: str | os.PathLike, key: Mapping[str, Any], plan: Plan) -> Path:
@@ -392,7 +427,10 @@ def write_plan(path: str | os.PathLike, key: Mapping[str, Any], plan: Plan) -> P
     file (the same plan) and the last rename wins. `NotCacheable` when the plan holds a value
     that cannot be stored exactly; OSError when the folder is not writable."""
     path = Path(path)
-    text = json.dumps({"key": dict(key), "plan": plan_to_data(plan)}, indent=1)
+    data = plan_to_data(plan)
+    text = json.dumps(
+        {"key": dict(key), "plan": data, "plan_sha256": _plan_checksum(data)}, indent=1
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

@@ -20,7 +20,6 @@ are of best times. tpkit's rows also say where its time went (the slowest rank's
 
     python -m benchmarks.ready                       # 57M and 300M Llama, tp=2, best of 3
     python -m benchmarks.ready --sizes 57m --repeats 5 --base-src /tmp/main-src
-    python -m benchmarks.ready --share broadcast     # plans on rank 0, broadcast (measured)
 
 Writes ``benchmarks/results/ready.json`` and ``ready.md`` (``--out`` elsewhere).
 """
@@ -46,7 +45,6 @@ SIZES = {
 }  # fmt: skip
 TPKIT = ("tpkit, plan cached", "tpkit, first run", "tpkit, cache off")
 OTHERS = ("transformers TP", "one process")
-SHARED = "tpkit, cache off, rank 0 plans"  # --share both: the plan derived on rank 0, broadcast
 PHASES = ("config", "plan", "split", "read", "forward")
 
 
@@ -74,7 +72,7 @@ def _timed(module, name: str, phases: dict, phase: str) -> None:
     setattr(module, name, wrapper)
 
 
-def child(system: str, path: str, share: str) -> None:
+def child(system: str, path: str) -> None:
     import importlib
 
     import torch
@@ -100,10 +98,6 @@ def child(system: str, path: str, share: str) -> None:
     if system.startswith("tpkit"):
         import tpkit.parallelize as par
 
-        if share == "broadcast" or system == SHARED:
-            import tpkit.io.plans as plans
-
-            plans.SHARE = "broadcast"
         _timed(pre, "_load_config", phases, "config")
         plan_fn = "plan_for" if hasattr(par, "plan_for") else "derive_plan"
         _timed(par, plan_fn, phases, "plan")
@@ -139,9 +133,9 @@ def child(system: str, path: str, share: str) -> None:
 
 
 # ---- the rounds ---------------------------------------------------------------------------------
-def _run(system: str, path: Path, tp: int, env: dict, src: Path, share: str) -> dict:
+def _run(system: str, path: Path, tp: int, env: dict, src: Path) -> dict:
     python = sys.executable
-    args = ["-m", "benchmarks.ready", "--child", system, str(path), "--share", share]
+    args = ["-m", "benchmarks.ready", "--child", system, str(path)]
     if system == "one process":
         cmd = [python, *args]
         threads = str(len(os.sched_getaffinity(0)))
@@ -172,8 +166,6 @@ def measure(args) -> dict:
     systems = list(TPKIT)
     if args.base_src:
         systems.append("tpkit @ base")
-    if args.share == "both":
-        systems.append(SHARED)
     systems += list(OTHERS)
     if args.systems:
         systems = [s for s in systems if s in args.systems]
@@ -183,9 +175,7 @@ def measure(args) -> dict:
             cfg = _config(size)
             path = ensure_checkpoint(cfg)
             warm = work / f"warm-{size}"
-            _run(
-                "tpkit, first run", path, args.tp, {"TPKIT_PLAN_CACHE": str(warm)}, src, "parallel"
-            )
+            _run("tpkit, first run", path, args.tp, {"TPKIT_PLAN_CACHE": str(warm)}, src)
             runs: dict[str, list[dict]] = {s: [] for s in systems}
             for r in range(args.repeats):
                 order = systems[r % len(systems) :] + systems[: r % len(systems)]
@@ -195,10 +185,10 @@ def measure(args) -> dict:
                         env["TPKIT_PLAN_CACHE"] = str(warm)
                     elif system == "tpkit, first run":
                         env["TPKIT_PLAN_CACHE"] = str(work / f"miss-{size}-{r}")
-                    elif system in ("tpkit, cache off", "tpkit @ base", SHARED):
+                    elif system in ("tpkit, cache off", "tpkit @ base"):
                         env["TPKIT_PLAN_CACHE"] = "off"
                         tree = Path(args.base_src) if system == "tpkit @ base" else src
-                    figures = _run(system, path, args.tp, env, tree, args.share)
+                    figures = _run(system, path, args.tp, env, tree)
                     runs[system].append(figures)
                     print(f"{size} round {r + 1} {system}: {figures['ready_s']:.3f} s", flush=True)
             out["sizes"][size] = {"n_params": count_params(cfg), "config": cfg, "runs": runs}
@@ -261,7 +251,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             "# Ready in a blink: `from_pretrained` until a first forward (`ready`)",
             f"{meta['date']} · {meta['machine']} · tp={meta['tp']}, best of {meta['repeats']} "
             f"interleaved rounds, each a fresh process (imports and the process group before the "
-            f"clock) · plans shared: {meta['share']}",
+            "clock) · rank 0 plans, the other ranks receive its plan",
             __doc__.split("\n\n")[1],
             "Phases (tpkit, the slowest rank): `config` reading config.json, `plan` the plan "
             "(read from the cache, or derived), `split` the styles applied on meta, `read` the "
@@ -278,13 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--share", default="parallel", choices=["parallel", "broadcast", "both"])
     p.add_argument("--systems", nargs="+", help="run only these systems (names as in the table)")
     p.add_argument("--base-src", help="another tpkit tree's src/ for a 'tpkit @ base' row")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     if args.child:
-        child(*args.child, args.share)
+        child(*args.child)
         return 0
     import platform
 
@@ -302,12 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         f"transformers {transformers.__version__} · tpkit {commit}",
         "tp": args.tp,
         "repeats": args.repeats,
-        "share": args.share,
         "load_average": os.getloadavg(),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "ready" if args.share == "parallel" else f"ready-{args.share}"
+    name = "ready"
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows, **result}, indent=1))
     text = markdown(rows, meta)
     (out / f"{name}.md").write_text(text + "\n")

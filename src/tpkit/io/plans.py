@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch.distributed as dist
@@ -78,28 +79,32 @@ PLAN_WAIT_S = 3600.0
 #: `TPOptions` fields that reach `derive_plan`, and how the key holds them: a plan stored under
 #: the key must be the plan these would derive (tests/test_plan_cache.py holds every field to
 #: one of these two tables, so a new option must be placed before it ships)
-OPTIONS_IN_THE_KEY = {
-    "plan": "the key's plan (a mode, or the user's entries as data)",
-    "example_inputs": "given: not cached (tensors are no key), derived every time",
-    "tp_size": "the key's tp (the resolved size, whichever option gave it)",
-    "dp_size": "only through the resolved tp",
-    "dp_replicate_size": "only through the resolved tp",
-    "dp_shard_size": "only through the resolved tp",
-    "cp_size": "only through the resolved tp",
-    "ep_size": "only through the resolved tp",
-    "distributed_config": "only through the resolved tp",
-    "mesh": "only through the resolved tp",
-}
+OPTIONS_IN_THE_KEY = MappingProxyType(
+    {
+        "plan": "the key's plan (a mode, or the user's entries as data)",
+        "example_inputs": "given: not cached (tensors are no key), derived every time",
+        "tp_size": "the key's tp (the resolved size, whichever option gave it)",
+        "dp_size": "only through the resolved tp",
+        "dp_replicate_size": "only through the resolved tp",
+        "dp_shard_size": "only through the resolved tp",
+        "cp_size": "only through the resolved tp",
+        "ep_size": "only through the resolved tp",
+        "distributed_config": "only through the resolved tp",
+        "mesh": "only through the resolved tp",
+    }
+)
 #: `TPOptions` fields derivation never reads: applied after the plan, and `validate` checks
 #: each against the plan (stored or derived) on every call
-OPTIONS_AFTER_THE_PLAN = {
-    "sharded": "FSDP2 after the split; validate checks the plan's shards divide",
-    "sequence_parallel": "applied after the split; validate checks it against the plan",
-    "loss_parallel": "applied after the split; validate checks it against the plan",
-    "param_dtype": "FSDP2's mixed precision; validate checks it",
-    "cp_attention": "context parallelism's attention, applied after the split",
-    "fill_later": "whether the weights are put in after the split",
-}
+OPTIONS_AFTER_THE_PLAN = MappingProxyType(
+    {
+        "sharded": "FSDP2 after the split; validate checks the plan's shards divide",
+        "sequence_parallel": "applied after the split; validate checks it against the plan",
+        "loss_parallel": "applied after the split; validate checks it against the plan",
+        "param_dtype": "FSDP2's mixed precision; validate checks it",
+        "cp_attention": "context parallelism's attention, applied after the split",
+        "fill_later": "whether the weights are put in after the split",
+    }
+)
 
 _warned: set[str] = set()  # a cache that cannot be used is one warning per process
 

@@ -252,7 +252,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"{meta['date']} · {meta['machine']} · tp={meta['tp']}, best of {meta['repeats']} "
             f"interleaved rounds, each a fresh process (imports and the process group before the "
             "clock) · rank 0 plans, the other ranks receive its plan",
-            __doc__.split("\n\n")[1],
+            "\n\n".join(__doc__.split("\n\n")[1:4]),
             "Phases (tpkit, the slowest rank): `config` reading config.json, `plan` the plan "
             "(read from the cache, or derived), `split` the styles applied on meta, `read` the "
             "rank's slices read into its shards, `forward` the first 1 × 8 forward.",

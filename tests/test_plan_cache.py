@@ -485,3 +485,33 @@ def test_plan_save_is_read_by_from_pretrained(ranks2, tmp_path, capsys):
     assert len(list((path / plans.SAVED_DIR).glob("*.json"))) == 2
     for r in ranks2.run(load_counting, str(path)):
         assert r["calls"] == 0 and r["diff"] <= 1e-5 and r["same"] == [], r
+
+
+# ---- a mesh over some of the ranks: each stage plans its own model --------------------------------
+def stages_split_their_own_models() -> dict:
+    """Ranks {0, 1} and {2, 3} each split another model over their own tp mesh (a pipeline's
+    stages): no world-wide plan exchange (it would compare different models, or wait for ranks
+    that never plan), each stage matches its unsharded model."""
+    import copy
+
+    import transformers as tf
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import tpkit
+    from tests.models import ATTN
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    stage = dist.get_rank() // 2
+    torch.manual_seed(stage)
+    ref = tf.LlamaForCausalLM(tf.LlamaConfig(**{**ATTN, "num_hidden_layers": 1 + stage})).eval()
+    model = tpkit.tensor_parallel(copy.deepcopy(ref), mesh=mesh["tp"])
+    x = batch(ref.config.vocab_size)
+    with torch.no_grad():
+        diff = (model(input_ids=x).logits - ref(input_ids=x).logits).abs().max().item()
+    return {"stage": stage, "diff": diff, "layers": len(model.model.layers)}
+
+
+def test_a_mesh_over_some_ranks_plans_on_its_own(ranks4):
+    results = ranks4.run(stages_split_their_own_models)
+    assert [(r["stage"], r["layers"]) for r in results] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert all(r["diff"] <= 1e-5 for r in results), results

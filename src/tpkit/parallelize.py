@@ -109,6 +109,7 @@ def split(
             o.example_inputs,
             beside=saved_plans,
             device_type=dims.device_type,
+            ranks=dims.world,
         )
         states = dict(adapted)
         contexts = [

@@ -22,8 +22,10 @@ collective (the process group comes up here, before validation, instead of after
 has cores of its own the two are even, less the collective (milliseconds), and ranks beyond
 the cores gain the most. Ranks of one job then agree by construction, whatever their nodes'
 caches hold. The house rule holds: the same collective first checks that every rank was given
-the same model (a fingerprint each), and carries rank 0's planning error instead of a plan when
-there is one, so a mismatch or a refusal is the same error on every rank, never a hang.
+the same model, plan argument and tp (a fingerprint each), and carries rank 0's planning error
+instead of a plan when there is one, so a mismatch or a refusal is the same error on every
+rank, never a hang. A split over some of the world's ranks only (a user's mesh for one
+pipeline stage) plans on each of its ranks, as before: the others may split another model.
 Logs and the progress note are rank 0's.
 """
 
@@ -122,19 +124,23 @@ def plan_for(
     *,
     beside: str | Path | None = None,
     device_type: str | None = None,
+    ranks: int | None = None,
     derive: Callable[..., Plan] | None = None,
 ) -> Plan:
     """``derive(model, plan, tp_size, example_inputs)`` (`derive_plan`), or the same plan read
     from a file stored under its key (beside the checkpoint folder ``beside``, then the plan
     cache); a plan derived here is stored in the cache. Under torchrun the process group is
     brought up (on ``device_type``'s backend) and rank 0's plan, or its error, goes to every
-    rank."""
+    rank. ``ranks``: how many ranks this split spans (its mesh's size); a split over some of the
+    world's ranks (a user's mesh for one pipeline stage) plans on each of its ranks, as the other
+    ranks may split other models, or none, at that moment."""
     derive = derive or derive_plan  # looked up now: a test may count the calls
 
     def here() -> Plan:
         return _stored_or_derived(model, plan, tp_size, example_inputs, beside, derive)
 
-    if not dist_env().is_distributed:
+    env = dist_env()
+    if not env.is_distributed or (ranks is not None and ranks != env.world_size):
         return here()
     init_distributed(device_type=device_type)
     return _from_rank0(model, here, plan, tp_size)

@@ -33,6 +33,7 @@ from tpkit.parallel.mesh import build_mesh, get_mesh, init_distributed, tp_subme
 from tpkit.parallel.tensor import apply_tensor_parallel
 from tpkit.plan import check_plan_arg, derive_plan, validate
 from tpkit.state import TPOptions, TPState
+from tpkit.trace.analysis import Analysis
 from tpkit.training.init import install_random_init
 
 __all__ = [
@@ -91,7 +92,8 @@ def split(
         for e in every:
             if (a := e.adapt(model, o)) is not None:
                 adapted.append((e, a))
-        the_plan = derive_plan(model, o.plan, dims.tp, o.example_inputs)  # once, for everyone
+        analysis = Analysis(model, o.example_inputs)  # one analysis: validation reuses its runs
+        the_plan = derive_plan(model, o.plan, dims.tp, analysis=analysis)  # once, for everyone
         states = dict(adapted)
         contexts = [
             (e, c)
@@ -108,6 +110,7 @@ def split(
             loss_parallel=o.loss_parallel,
             param_dtype=o.param_dtype,
             example_inputs=o.example_inputs,
+            analysis=analysis,
         )
     except BaseException:
         for e, a in reversed(adapted):

@@ -83,11 +83,13 @@ def _planned(path: str, model_cls: str | None, plan_arg, tp: int):
     """(model on meta, derived plan, the validation error or None): no process group."""
     from tpkit.io.build import build_on_meta
     from tpkit.plan import derive_plan, validate
+    from tpkit.trace.analysis import Analysis
 
     model = build_on_meta(path, model_cls)
-    plan = derive_plan(model, plan_arg or "auto", tp)  # groups tp does not divide: noted
+    analysis = Analysis(model)  # validation reuses the derivation's dry runs
+    plan = derive_plan(model, plan_arg or "auto", tp, analysis=analysis)  # undivided: noted
     try:
-        validate(model, plan, tp)
+        validate(model, plan, tp, analysis=analysis)
     except ValueError as exc:
         return model, plan, exc
     return model, plan, None

@@ -30,8 +30,9 @@ from tpkit.settle.complete import (
     note_whole_params,
 )
 from tpkit.settle.dryrun import dry_run
+from tpkit.settle.fits import config_plan_at
 from tpkit.settle.gathered import gather_reduced_pairs
-from tpkit.settle.settle import DryRun, config_plan_at, settle
+from tpkit.settle.settle import DryRun, settle
 from tpkit.sources.fallback import fallback_plan, splits_anything
 from tpkit.sources.hf import hf_plan
 from tpkit.sources.infer import infer
@@ -162,7 +163,7 @@ def _untraced(analysis: Analysis, plan: Plan, tp: int | None) -> Plan:
 def _completed_inferred(analysis: Analysis) -> Plan | None:
     """The inferred plan, completed as a source plan is (`complete_tied_layers`,
     `complete_grad_allreduce`): what "auto" swaps in where transformers' plan cannot run at a
-    tp (`tpkit.settle.settle.config_plan_at`); None where inference finds no plan."""
+    tp (`tpkit.settle.fits.config_plan_at`); None where inference finds no plan."""
     try:
         inferred = infer(analysis)
     except ValueError:

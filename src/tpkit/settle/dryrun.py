@@ -54,7 +54,7 @@ from tpkit.trace.fake import (
     quiet_fake_tensors,
     real_state,
 )
-from tpkit.trace.fold import Twins, folded, plan_twins
+from tpkit.trace.fold import Twins, folded, known_values, plan_twins
 from tpkit.trace.shadow import GivenValues, ShadowValues, needs_values
 
 __all__ = ["dry_run"]
@@ -76,7 +76,7 @@ def dry_run(analysis: Analysis, plan: Plan, tp: int) -> str | None:
     if key not in analysis.answers:
         analysis.settle_inputs()  # fed as the trace settled it (one row, the text alone)
         run = lambda twins: _dry_run(analysis, plan, tp, twins)  # noqa: E731
-        analysis.answers[key] = analysis.folding(run)
+        analysis.answers[key] = analysis.folding(run, purpose="dry run")
     return analysis.answers[key]
 
 
@@ -192,14 +192,16 @@ def _dry_run_once(
                 with real_state(model, shapes):
                     model(*args, **kwargs)
             else:
-                shadow = ShadowValues(fake, given) if values else contextlib.nullcontext()
+                shadow = ShadowValues(fake, given) if values else None
                 recorder = _Reshapes(running, reshapes)
                 with (
-                    folded(model, twins),
+                    folded(
+                        model, twins, describe=known_values(shadow) if shadow is not None else None
+                    ),
                     meta_state(model, fake, shapes),
                     fake_friendly_experts(model),
                     fake,
-                    shadow,
+                    shadow if shadow is not None else contextlib.nullcontext(),
                     recorder,
                 ):
                     model(*args, **kwargs)

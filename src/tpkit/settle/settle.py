@@ -10,9 +10,8 @@ A derived plan splits what the dataflow allows; at a given tp some of it cannot 
   on whole activations, so no count needs to divide) where a dry run at tp says the model runs
   so, else kept whole with a note (`settle_groups`);
 - transformers' plan splitting heads tp does not divide, or failing a dry run at tp: the
-  inferred plan instead, settled as above (`config_plan_at`);
-- a layer or fused experts too narrow for tp, or an interleaved gate/up tp does not divide:
-  whole (`too_small`, `experts_unfit`: the per-layer fallback asks);
+  inferred plan instead; a layer or fused experts too narrow for tp: whole
+  (`tpkit.settle.fits`);
 - a group the model's code cannot run split at all (a global head count read where no fix-up
   reaches, a split output fed to a layer that needs it whole): the heads merged to the rank's
   width in the reshape that does not fit (``merge_heads``), else the fewest groups kept whole,
@@ -42,13 +41,10 @@ from tpkit.settle.gathered import gather_group
 from tpkit.settle.kvheads import KV_ATTRS, replicate_kv_heads
 
 __all__ = [
-    "MIN_PER_RANK",
     "WHOLE_STYLES",
     "Constraint",
     "DryRun",
-    "config_plan_at",
     "constraints",
-    "experts_unfit",
     "group_instances",
     "fewest_replicated",
     "gathered_instance",
@@ -59,7 +55,6 @@ __all__ = [
     "settle",
     "settle_groups",
     "settle_heads",
-    "too_small",
     "undivided_groups",
 ]
 
@@ -87,75 +82,6 @@ def settle(model: nn.Module, plan: Plan, tp: int, dry_run: DryRun) -> Plan:
     if tp != 2:
         plan = settle_dataflow(model, plan, tp, dry_run)
     return plan
-
-
-def config_plan_at(
-    model: nn.Module,
-    plan: Plan,
-    tp: int,
-    dry_run: DryRun,
-    inferred: Callable[[], Plan | None],
-) -> Plan:
-    """``plan`` (what "auto" chose), or the plan ``inferred()`` gives (the inferred plan,
-    completed; None when there is none) when ``plan`` is transformers' and splits heads ``tp``
-    does not divide (Qwen2.5-0.5B's 14 heads at tp=4), or its split fails a dry run at ``tp``
-    that the unsplit model passes (CodeGen's ``mp_num``): transformers' entries are never
-    rewritten, but the inferred plan's groups are, gathered where the heads do not divide
-    (`settle_groups`), so "auto" still runs at that tp with the weights split. The heads are
-    read as settling lays them out (KV heads fewer than tp kept whole need not divide)."""
-    if tp <= 1:
-        return plan
-    laid = plan.copy()
-    settle_heads(model, laid, tp)
-    config_owners = {
-        t.name.rsplit(".", 1)[0]
-        for t in laid.resolve(model)
-        if t.kind == "module" and t.source == Source.CONFIG and "." in t.name
-    }
-    bad = [
-        f"tp does not divide {label} of {owner}"
-        for owner, label, count in head_constraints(model, laid)
-        if count % tp and owner in config_owners
-    ]
-    if not bad and config_owners and tp != 2:  # tp=2 was dry-run when the source was chosen
-        error = dry_run(laid, tp)  # the code may not fit (CodeGen's mp_num)
-        if error is not None and dry_run(Plan(), tp) is None:
-            bad = [f"its split fails a dry run ({error})"]
-    if not bad:
-        return plan
-    other = inferred()
-    if other is None:
-        return plan  # validation names the problem
-    other = other.copy()
-    other.notes[type(model).__name__] = (
-        f"transformers' base_model_tp_plan is not used at tp_size={tp}: {bad[0]}; the "
-        "inferred plan is, its groups that cannot split at tp gathered or whole (pass "
-        "plan='config' to force transformers' plan)"
-    )
-    return other
-
-
-#: a layer with fewer output features (or table rows / columns, or an expert's intermediate
-#: channels) than this per rank stays whole: not worth a collective
-MIN_PER_RANK = 2
-
-
-def too_small(width: int, tp: int) -> str | None:
-    """Why a layer ``width`` wide (features, rows, an expert's intermediate channels) stays
-    whole at ``tp`` (fewer than `MIN_PER_RANK` per rank), else None."""
-    return f"too small to split at tp={tp}" if width // tp < MIN_PER_RANK else None
-
-
-def experts_unfit(inter: int, interleaved: bool, tp: int) -> str | None:
-    """Why fused experts of intermediate width ``inter`` stay whole at ``tp``, else None: too
-    small (`too_small`), or an interleaved gate/up (``[g0, u0, g1, u1, ...]``) that tp does not
-    divide, whose cut would split a gate from its up."""
-    small = too_small(inter, tp)
-    if small:
-        return small
-    if interleaved and inter % tp:
-        return f"tp={tp} does not divide the intermediate width {inter} of interleaved gate/up"
-    return None
 
 
 def settle_heads(model: nn.Module, plan: Plan, tp: int) -> list[str]:

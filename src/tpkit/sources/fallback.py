@@ -40,7 +40,7 @@ from torch.nn.utils.parametrize import is_parametrized
 
 from tpkit.plan.layout import kind_of, out_width, param_layouts
 from tpkit.plan.spec import Plan
-from tpkit.settle.settle import MIN_PER_RANK, experts_unfit, too_small
+from tpkit.settle.fits import MIN_PER_RANK, experts_unfit, too_small
 from tpkit.sources.attention import mha_splits
 from tpkit.sources.convs import (
     CONVS,
@@ -85,7 +85,7 @@ def fallback_plan(
     weight read directly elsewhere sees only this rank's part), which stay whole. Convolution
     pairs (`tpkit.sources.convs`) are found on a fake forward with ``example`` (the trace inputs,
     else made up as ``analysis`` settled them) and take the paired styles; a model that cannot
-    be traced pairs none. The per-layer size rules are settling's (`tpkit.settle.settle`:
+    be traced pairs none. The per-layer size rules are settling's (`tpkit.settle.fits`:
     `too_small`, `experts_unfit`)."""
     tp = tp_size if tp_size and tp_size > 1 else 2
     analysis = Analysis(model, example) if analysis is None else analysis
@@ -176,7 +176,7 @@ def _experts_styles(mod: nn.Module, tp: int, shared: set[int]) -> tuple[dict, st
     whole: modules with parameters inside the experts (no trace says they read only the
     summed output), shared or parametrized weights, an interleaved gate/up that tp does not
     divide (a cut would split a gate from its up), and fewer than `MIN_PER_RANK` channels of
-    the intermediate width per rank (`tpkit.settle.settle.experts_unfit`)."""
+    the intermediate width per rank (`tpkit.settle.fits.experts_unfit`)."""
     styles = fused_experts(mod)
     if not styles:
         return {}, None

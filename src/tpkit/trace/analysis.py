@@ -20,6 +20,7 @@ The model must not change while its analysis is in use (nothing here notices if 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -60,12 +61,16 @@ class Analysis:
     #: (shadow values or not, the twins folded) -> the unsplit model's reshapes
     #: (`tpkit.settle.dryrun`)
     references: dict[tuple, Any] = field(default_factory=dict, repr=False)
-    #: whether fake forwards fold identical layers (off once a fold broke: `folding`)
+    #: whether fake forwards fold identical layers (`folding`)
     fold: bool = True
+    #: the kinds of forward ("trace", "dry run") that run unfolded: a fold of theirs broke
+    unfolded: set[str] = field(default_factory=set)
     #: index attributes that tell layers apart (a layer read its own: `tpkit.trace.fold`)
     distinguishing: frozenset[str] = frozenset()
     #: why the last fold broke ("" while none has)
     broke: str = ""
+    #: the folded forwards' layer calls: how many ran ("run"), how many stood on another's
+    tally: dict[str, int] = field(default_factory=dict)
     _twins: dict[tuple, Twins] = field(default_factory=dict, repr=False)
     _traces: dict[tuple[bool, bool], Trace | Exception] = field(default_factory=dict, repr=False)
     _resolved: dict[PlanKey, list[Target]] = field(default_factory=dict, repr=False)
@@ -81,7 +86,7 @@ class Analysis:
                 return trace(model, example, real, mixed=mixed, recipe=recipe, twins=twins)
 
             try:
-                self._traces[key] = run(Twins()) if real else self.folding(run, mixed)
+                self._traces[key] = run(Twins()) if real else self.folding(run, mixed, "trace")
             except Exception as exc:  # noqa: BLE001 - model code may do anything on meta
                 self._traces[key] = exc
         found = self._traces[key]
@@ -103,22 +108,24 @@ class Analysis:
         if self.example is None and (False, True) not in self._traces:
             self.traced()
 
-    def twins(self, mixed: bool = True) -> Twins:
+    def twins(self, mixed: bool = True, purpose: str = "dry run") -> Twins:
         """The model's twin layers (`tpkit.trace.fold.find_twins` over its blocks, as the
-        trace reads them with ``mixed``); none once folding is off."""
-        if not self.fold:
+        trace reads them with ``mixed``); none where forwards of ``purpose`` run unfolded."""
+        if not self.fold or purpose in self.unfolded:
             return Twins()
         key = (mixed, self.distinguishing)
         if key not in self._twins:
-            self._twins[key] = find_twins(blocks(self.model, mixed), self.distinguishing)
+            found = find_twins(blocks(self.model, mixed), self.distinguishing)
+            self._twins[key] = dataclasses.replace(found, tally=self.tally)
         return self._twins[key]
 
-    def folding(self, run: Callable[[Twins], T], mixed: bool = True) -> T:
-        """``run(twins)``: a fake forward folded onto the model's twins. Where the fold broke
-        (`tpkit.trace.fold.FoldBroken`) it runs again: with the index a layer read telling
-        layers apart from now on, else unfolded, and folding stays off for this analysis."""
+    def folding(self, run: Callable[[Twins], T], mixed: bool = True, purpose: str = "") -> T:
+        """``run(twins)``: a fake forward (a ``purpose``: "trace", "dry run") folded onto the
+        model's twins. Where the fold broke (`tpkit.trace.fold.FoldBroken`) it runs again:
+        with the index a layer read telling layers apart from now on, else unfolded, as every
+        later forward of that purpose."""
         while True:
-            twins = self.twins(mixed)
+            twins = self.twins(mixed, purpose)
             try:
                 return run(twins)
             except FoldBroken as broke:
@@ -128,7 +135,7 @@ class Analysis:
                 if broke.index and broke.index not in self.distinguishing:
                     self.distinguishing |= {broke.index}
                 else:
-                    self.fold = False
+                    self.unfolded.add(purpose)
 
     def resolve(self, plan: Plan) -> list[Target]:
         """``plan.resolve(model)``, once per plan content."""

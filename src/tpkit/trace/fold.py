@@ -41,10 +41,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.compat import tree_flatten, tree_map
+from tpkit.compat import DisableTorchFunction, tree_flatten, tree_map, unset_fake_temporarily
 from tpkit.plan.spec import Plan
+from tpkit.trace.shadow import ShadowValues
 
-__all__ = ["FoldBroken", "Twins", "find_twins", "folded", "plan_twins"]
+__all__ = [
+    "Describe",
+    "FoldBroken",
+    "Relative",
+    "Twins",
+    "find_twins",
+    "folded",
+    "known_values",
+    "plan_twins",
+]
 
 #: integer attributes that number a layer (`find_twins`): different in every layer by design
 INDEX_ATTRS = re.compile(r"^(layer|block)_?(idx|id|index|number|num|no)$|^(idx|index)$")
@@ -67,10 +77,15 @@ class FoldBroken(BaseException):
 class Twins:
     """``rep``: each twin layer's name -> its representative's (an earlier layer alike);
     ``watched``: each representative -> the (submodule, attribute) index integers its twins
-    differ in, watched while it runs."""
+    differ in, watched while it runs; ``tally``: how many folded layer calls ran their own
+    forward ("run") and how many stood on another's ("stood"), over every forward folded
+    with these twins (and those `plan_twins` makes of them)."""
 
     rep: Mapping[str, str] = field(default_factory=dict)
     watched: Mapping[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
+    tally: dict[str, int] = field(default_factory=dict, compare=False)
+    #: every block's name (``<list>.<index>``): what names are read relative to (`Relative`)
+    layers: frozenset[str] = frozenset()
 
     def __bool__(self) -> bool:
         return bool(self.rep)
@@ -99,7 +114,8 @@ def find_twins(
         rep[name] = rep_name
         differ = {k for k, v in indices.items() if rep_indices.get(k) != v}
         watched.setdefault(rep_name, set()).update(differ)
-    return Twins(rep, {r: tuple(sorted(w)) for r, w in watched.items()})
+    names = frozenset(n for n, _ in layers)
+    return Twins(rep, {r: tuple(sorted(w)) for r, w in watched.items()}, layers=names)
 
 
 def _signature(module: nn.Module, distinguishing: frozenset[str]) -> tuple[tuple, dict]:
@@ -172,7 +188,8 @@ def plan_twins(twins: Twins, plan: Plan, model: nn.Module) -> Twins:
                     views[layer].append((rel, "fixups", repr(fix)))
     rep = {m: r for m, r in twins.rep.items() if views[m] == views[r]}
     reps = set(rep.values())
-    return Twins(rep, {r: w for r, w in twins.watched.items() if r in reps})
+    watched = {r: w for r, w in twins.watched.items() if r in reps}
+    return Twins(rep, watched, twins.tally, twins.layers)
 
 
 def _layer_of(name: str, layers: set[str]) -> str | None:
@@ -185,16 +202,17 @@ def _layer_of(name: str, layers: set[str]) -> str | None:
 
 @dataclass
 class _Call:
-    """What a representative's call was given and gave: the stub of each twin checks its own
-    call against it and hands on an output of the same structure."""
+    """One layer's real call: what it was given (its signature and tensors) and gave; a twin
+    called alike stands on it."""
 
+    layer: str
     signature: tuple
+    inputs: list[torch.Tensor]
     output: Any
-    result: torch.Tensor
 
 
 class _Watched:
-    """A representative's index attribute while it runs: any use of it breaks the fold."""
+    """A running layer's index attribute while it runs: any use of it breaks the fold."""
 
     def __init__(self, name: str, value: int):
         self._name, self._value = name, value
@@ -214,38 +232,114 @@ class _Watched:
         raise FoldBroken(f"the layer reads its index {self._name}", self._name)
 
 
-def _signature_of(args: tuple, kwargs: dict) -> tuple:
-    """A call as compared: tensors by shape and dtype (the first float one, the stream, by
-    no more; the others by identity too), plain values by equality, anything else by
-    identity."""
+#: what a fold compares of each tensor a layer is given, besides its shape and dtype: the
+#: trace's tags, a shadow run's integer values (`folded`'s ``describe``); called with the
+#: tensor and the layer being called
+Describe = Callable[[torch.Tensor, str], Any]
+
+
+class Relative:
+    """Module names as seen from one layer: a name inside a block of the same list as
+    ``<list>.<offset>`` from the layer's index (its own modules at 0, the layer before at -1),
+    any other name as it is. Twins called with alike relative names do alike things to alike
+    relative names; a twin's records are the source's with every offset taken from the twin
+    (`rename`)."""
+
+    def __init__(self, layers: frozenset[str]):
+        self.layers = layers
+
+    @staticmethod
+    def position(layer: str) -> tuple[str, int]:
+        head, _, index = layer.rpartition(".")
+        return head, int(index)
+
+    def split(self, name: str) -> tuple[str, str] | None:
+        """(the block ``name`` is in, the rest of it), None outside every block."""
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            head = ".".join(parts[:i])
+            if head in self.layers:
+                return head, name[len(head) :]
+        return None
+
+    def seen_from(self, value: Any, layer: str) -> Any:
+        """``value`` (names, or containers of them) with every block name relative to
+        ``layer``."""
+        if isinstance(value, str):
+            hit = self.split(value)
+            if hit is None:
+                return value
+            (head, index), (own, mine) = self.position(hit[0]), self.position(layer)
+            return ("@", index - mine, hit[1]) if head == own else value
+        if isinstance(value, (tuple, list)):
+            return tuple(self.seen_from(v, layer) for v in value)
+        if isinstance(value, (set, frozenset)):
+            return frozenset(self.seen_from(v, layer) for v in value)
+        return value
+
+    def rename(self, source: str, twin: str) -> Callable[[str], str]:
+        """Names as ``source`` saw them, as ``twin`` sees them: every block of their list
+        moved by the twin's offset from the source (its own modules to the twin's)."""
+        (s_list, s_index), (t_list, t_index) = self.position(source), self.position(twin)
+
+        def rename(name: str) -> str:
+            hit = self.split(name)
+            if hit is None:
+                return name
+            head, index = self.position(hit[0])
+            if head != s_list:
+                return name  # another list (a decoder reading the encoder): as it is
+            if t_list != s_list and hit[0] != source:
+                raise FoldBroken(f"{twin} would read {name} across lists")
+            moved = f"{t_list}.{index + t_index - s_index}" if t_list == s_list else twin
+            if moved not in self.layers:
+                raise FoldBroken(f"{twin} would read {moved}, which does not exist")
+            return moved + hit[1]
+
+        return rename
+
+
+def known_values(shadow: ShadowValues) -> Describe:
+    """What a shadow run's fold compares of a non-float tensor besides its shape: its values
+    (`tpkit.trace.shadow.ShadowValues.known`: indices, masks, positions are what steer
+    routing and shapes); floats steer no shape, as the shadow run's docstring says."""
+
+    def describe(t: torch.Tensor, layer: str = "") -> Any:
+        if t.is_floating_point() or t.is_complex():
+            return None
+        value = shadow.known(t)
+        if value is None:
+            return None
+        with DisableTorchFunction(), unset_fake_temporarily():
+            return value.numpy().tobytes()
+
+    return describe
+
+
+def _signature_of(args: tuple, kwargs: dict, describe: Describe | None, layer: str) -> tuple:
+    """A call as compared: tensors by shape, dtype and what ``describe`` says of them (a fake
+    tensor has no values: nothing else of it can steer a forward), plain values by equality,
+    anything else by identity (a shared config, a cache)."""
     leaves, spec = tree_flatten((args, kwargs))
-    out, stream = [], True
+    out = []
     for v in leaves:
         if isinstance(v, torch.Tensor):
-            first = stream and (v.is_floating_point() or v.is_complex())
-            stream = stream and not first
-            out.append((tuple(v.shape), v.dtype, None if first else id(v)))
+            more = describe(v, layer) if describe is not None else None
+            out.append((tuple(v.shape), v.dtype, v.requires_grad, more))
         else:
             out.append(_value(v))
     return (str(spec), tuple(out))
 
 
-def _stream(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    return next(
-        (
-            v
-            for v in tree_flatten((args, kwargs))[0]
-            if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
-        ),
-        None,
-    )
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [v for v in tree_flatten(obj)[0] if isinstance(v, torch.Tensor)]
 
 
 def _held(args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:
     """(container, its shallow state) for each mutable container a call is handed."""
     out = []
     for v in tree_flatten((args, kwargs))[0]:
-        if isinstance(v, (torch.Tensor, nn.Module)) or v is None:
+        if isinstance(v, (torch.Tensor, nn.Module, _Watched)) or v is None:
             continue
         if isinstance(v, (dict, list, set)) or hasattr(v, "__dict__"):
             out.append((v, _shallow(v)))
@@ -268,73 +362,100 @@ def _attributes(module: nn.Module) -> list[tuple]:
     ]
 
 
+class _Fold:
+    """The calls of one folded forward: each layer of a kind with twins runs for real unless
+    an earlier layer of its kind was called alike (then its stub stands on that call)."""
+
+    def __init__(self, twins: Twins, describe: Describe | None, on_twin) -> None:
+        self.kind = {**{r: r for r in twins.rep.values()}, **twins.rep}
+        self.describe, self.on_twin = describe, on_twin
+        self.calls: dict[str, list[_Call]] = {}  # kind -> its layers' real calls, in order
+        self.ran: set[str] = set()
+        self.tally = twins.tally
+
+    def forward(self, name: str, module: nn.Module, forward: Callable) -> Callable:
+        def forward_folded(*args: Any, **kwargs: Any) -> Any:
+            if name in self.ran:
+                raise FoldBroken(f"{name} runs more than once")
+            self.ran.add(name)
+            signature = _signature_of(args, kwargs, self.describe, name)
+            kind = self.calls.setdefault(self.kind[name], [])
+            call = next((c for c in kind if c.signature == signature), None)
+            if call is not None:
+                self.tally["stood"] = self.tally.get("stood", 0) + 1
+                return self._stand_in(name, call, args, kwargs)
+            inputs = _tensors((args, kwargs))
+            versions = [t._version for t in inputs]
+            held, attrs = _held(args, kwargs), _attributes(module)
+            output = forward(*args, **kwargs)
+            if [t._version for t in inputs] != versions or any(_shallow(v) != s for v, s in held):
+                raise FoldBroken(f"{name} changes what it is given")
+            if _attributes(module) != attrs:
+                raise FoldBroken(f"{name} changes its own attributes")
+            kind.append(_Call(name, signature, inputs, output))
+            self.tally["run"] = self.tally.get("run", 0) + 1
+            return output
+
+        return forward_folded
+
+    def _stand_in(self, name: str, call: _Call, args: tuple, kwargs: dict) -> Any:
+        """``name``'s output, as ``call``'s layer gave it: an input handed back is this call's
+        own input; the stream (a float output shaped as the first float input) a copy of this
+        call's, so the stream flows from it; anything else made inside is the one ``call``
+        made (alike inputs, alike values: routing is made up the same way)."""
+        mine = _tensors((args, kwargs))
+        given = {id(t): i for i, t in enumerate(call.inputs)}
+        first = next((t for t in mine if t.is_floating_point() or t.is_complex()), None)
+        stream = None
+        for t in _tensors(call.output):
+            if id(t) not in given and first is not None and t.shape == first.shape:
+                stream = t
+                break
+        if self.on_twin is not None:
+            self.on_twin(name, call.layer)
+        out = first.clone() if stream is not None else None  # flows from its input
+
+        def swap(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor):
+                return v
+            if id(v) in given:
+                return mine[given[id(v)]]
+            return out if v is stream else v
+
+        return tree_map(swap, call.output)
+
+
 @contextlib.contextmanager
 def folded(
     model: nn.Module,
     twins: Twins,
     on_twin: Callable[[str, str], None] | None = None,
+    describe: Describe | None = None,
 ) -> Iterator[None]:
-    """Inside the block, each twin's forward is a stub standing on its representative's call
-    (see the module docstring); ``on_twin(twin, rep)`` is told each time a stub stands in
-    (the trace copies what the representative's run recorded). Raises `FoldBroken` where the
-    fold cannot stand for the unfolded forward; everything is put back on exit."""
+    """Inside the block, each layer of a kind with twins stands on an earlier call of its kind
+    that was given alike (see the module docstring), else runs and is recorded; ``describe``
+    adds to what is compared of each tensor given (the trace's tags, a shadow run's integer
+    values); ``on_twin(twin, layer)`` is told each time a twin stands on ``layer``'s call (the
+    trace copies what that run recorded). Raises `FoldBroken` where the fold cannot stand for
+    the unfolded forward; everything is put back on exit."""
     if not twins:
         yield
         return
     modules = dict(model.named_modules())
-    calls: dict[str, _Call] = {}
-    ran: set[str] = set()
+    fold = _Fold(twins, describe, on_twin)
     saved: list[tuple[Any, str, Any, bool]] = []
 
     def put(obj: Any, attr: str, value: Any) -> None:
         saved.append((obj, attr, obj.__dict__.get(attr), attr in obj.__dict__))
         obj.__dict__[attr] = value
 
-    def recorder(name: str, module: nn.Module, forward: Callable) -> Callable:
-        def forward_recorded(*args: Any, **kwargs: Any) -> Any:
-            if name in ran:
-                raise FoldBroken(f"{name} runs more than once")
-            ran.add(name)
-            stream = _stream(args, kwargs)
-            versions = [t._version for t in tree_flatten((args, kwargs))[0] if _tensor(t)]
-            held, attrs = _held(args, kwargs), _attributes(module)
-            output = forward(*args, **kwargs)
-            after = [t._version for t in tree_flatten((args, kwargs))[0] if _tensor(t)]
-            if after != versions or any(_shallow(v) != s for v, s in held):
-                raise FoldBroken(f"{name} changes what it is given")
-            if _attributes(module) != attrs:
-                raise FoldBroken(f"{name} changes its own attributes")
-            results = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-            if stream is None or len(results) != 1 or results[0].shape != stream.shape:
-                raise FoldBroken(f"{name} does not return one tensor shaped as its input")
-            calls[name] = _Call(_signature_of(args, kwargs), output, results[0])
-            return output
-
-        return forward_recorded
-
-    def stub(name: str, rep: str) -> Callable:
-        def forward_stub(*args: Any, **kwargs: Any) -> Any:
-            call = calls.get(rep)
-            if name in ran or call is None or _signature_of(args, kwargs) != call.signature:
-                raise FoldBroken(f"{name} is not called as {rep} was")
-            ran.add(name)
-            if on_twin is not None:
-                on_twin(name, rep)
-            stream = _stream(args, kwargs)
-            out = stream.clone()  # flows from its input, as the twin's output would
-            return tree_map(lambda v: out if v is call.result else v, call.output)
-
-        return forward_stub
-
     try:
-        for rep in set(twins.rep.values()):
-            module = modules[rep]
-            put(module, "forward", recorder(rep, module, module.forward))
-            for rel, attr in twins.watched.get(rep, ()):
+        for name, kind in fold.kind.items():
+            module = modules[name]
+            put(module, "forward", fold.forward(name, module, module.forward))
+            for rel, attr in twins.watched.get(kind, ()):
                 sub = module.get_submodule(rel) if rel else module
                 put(sub, attr, _Watched(attr, sub.__dict__[attr]))
-        for twin, rep in twins.rep.items():
-            put(modules[twin], "forward", stub(twin, rep))
         yield
     finally:
         for obj, attr, value, had in reversed(saved):
@@ -342,7 +463,3 @@ def folded(
                 obj.__dict__[attr] = value
             else:
                 obj.__dict__.pop(attr, None)
-
-
-def _tensor(v: Any) -> bool:
-    return isinstance(v, torch.Tensor)

@@ -175,6 +175,11 @@ class ShadowValues(TorchFunctionMode):
             self._set(t, value)
         return t in self.shadow
 
+    def known(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t``'s value, made up or given, read without the run seeing it; else None."""
+        value = self.shadow.get(t)
+        return value if value is not None else self.given.get(t)
+
     def _freed(self, n: int) -> None:
         self.live -= n
 

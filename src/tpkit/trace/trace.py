@@ -41,7 +41,7 @@ from tpkit.trace.fake import (
     trace_batch,
     trace_one_row,
 )
-from tpkit.trace.fold import Twins, folded
+from tpkit.trace.fold import Describe, Relative, Twins, folded, known_values
 from tpkit.trace.inputs import InputRecipe, text_only, unflattened_patches
 from tpkit.trace.reductions import reduced_dims
 from tpkit.trace.shadow import GivenValues, ShadowValues, needs_values
@@ -231,6 +231,13 @@ class _Tracer(TorchFunctionMode):
         self.state: set[int] = set()
         self.node_outputs: dict[str, list[int]] = {}
         self.pending: list[tuple[str, nn.Module, list, frozenset[str]]] = []
+
+    @contextlib.contextmanager
+    def under(self, shadow: ShadowValues | None):
+        """``shadow`` (when there is one), then this tracer, as modes: the tracer sees calls
+        first and the shadow run computes their values inside."""
+        with shadow if shadow is not None else contextlib.nullcontext(), self:
+            yield
 
     def tag(self, t: torch.Tensor) -> frozenset[str]:
         return self.tags.get(id(t), frozenset())
@@ -988,9 +995,9 @@ class _TraceHooks:
                     given = GivenValues()
                     args, kwargs = fake_inputs(model, example, fake, False, recipe, given)
                     state, experts = meta_state(model, fake), fake_friendly_experts(model)
-                    shadow = ShadowValues(fake, given) if values else contextlib.nullcontext()
-                    twins = folded(model, self.twins, self.records.stand_in)
-                    with twins, state, experts, torch.no_grad(), fake, shadow, self.tracer:
+                    shadow = ShadowValues(fake, given) if values else None
+                    twins = folded(model, self.twins, self.records.stand_in, self._describe(shadow))
+                    with twins, state, experts, torch.no_grad(), fake, self.tracer.under(shadow):
                         model(*args, **kwargs)
                     self.records.finish()
         finally:
@@ -1004,6 +1011,22 @@ class _TraceHooks:
             functional_mha=self.tracer.functional_mha,
             batch=_batch(example, recipe),
         )
+
+    def _describe(self, shadow: ShadowValues | None) -> Describe:
+        """What a fold compares of a tensor a layer is given, besides its shape (`folded`):
+        everything the tracer knows of it (tags, where its features are, cut parts, bare
+        parameters), and in a shadow run its values if it is no float."""
+        tracer, values = self.tracer, known_values(shadow) if shadow is not None else None
+        relative = Relative(self.twins.layers)
+
+        def describe(t: torch.Tensor, layer: str) -> tuple:
+            i = id(t)
+            known = (tracer.tag(t), tracer.origin.get(i), tracer.seen.get(i), tracer.parts.get(i))
+            more = (tracer.params.get(i), i in tracer.one_head)
+            value = values(t, layer) if values is not None else None
+            return (relative.seen_from((known, more), layer), value)
+
+        return describe
 
     def _reset_stream(self, values: list[torch.Tensor], like: torch.Tensor | None = None) -> None:
         """Tag as the stream what looks like ``like`` (same rank, batch and width): not a

@@ -9,10 +9,10 @@ table keeps the order an unfolded run gives it; names of the representative's mo
 any value are renamed to the twin's. Nodes elsewhere that name the representative's modules
 (a table every layer reads, T5's position bias made in its first layer) name the twin's too.
 
-A representative whose nodes name modules of another layer (dataflow across layers other
-than the stream) cannot be copied faithfully: that breaks the fold (`FoldBroken`) and the
-trace runs again unfolded. Node fields are copied generically (every string, set of strings,
-and list of sets renamed), so this module needs no import of the trace's own types.
+Names of other layers of the same list (what the layer before handed on, besides the stream)
+move with the twin (`tpkit.trace.fold.Relative`): the fold compared them so when it let the
+twin stand in. Node fields are copied generically (every string, set of strings, and list of
+sets renamed), so this module needs no import of the trace's own types.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import dataclasses
 import re
 from typing import Any
 
-from tpkit.trace.fold import FoldBroken, Twins
+from tpkit.trace.fold import FoldBroken, Relative, Twins
 
 __all__ = ["TwinRecords"]
 
@@ -38,16 +38,16 @@ class TwinRecords:
         input_params: dict[str, dict],
         functional_mha: dict[str, dict],
     ):
-        self.twins = twins
-        self.reps = set(twins.rep.values())
+        self.members = set(twins.rep) | set(twins.rep.values())  # layers of a kind with twins
+        self.relative = Relative(twins.layers)
         self.tables = (module_inputs, input_params, functional_mha, nodes)
-        self.before: dict[str, list[dict[str, int]]] = {}  # rep -> each table's ids at its start
-        self.spans: dict[str, list[list[str]]] = {}  # rep -> each table's keys its run set
-        self.stood: list[tuple[str, str]] = []  # (twin, rep), in the order they stood in
+        self.before: dict[str, list[dict[str, int]]] = {}  # layer -> each table's ids at its start
+        self.spans: dict[str, list[list[str]]] = {}  # layer -> each table's keys its run set
+        self.stood: list[tuple[str, str]] = []  # (twin, the layer whose call it stood on)
 
     def started(self, name: str) -> None:
         """The trace's pre-hook of module ``name`` has recorded its own entries."""
-        if name in self.reps:
+        if name in self.members:
             self.before[name] = [{k: id(v) for k, v in t.items()} for t in self.tables]
 
     def finished(self, name: str) -> None:
@@ -59,13 +59,14 @@ class TwinRecords:
                 for t, b in zip(self.tables, before, strict=True)
             ]
 
-    def stand_in(self, twin: str, rep: str) -> None:
-        """``twin`` stands on ``rep``'s call now: its entries go where its run would put them."""
-        if rep not in self.spans:
-            raise FoldBroken(f"{twin} stands in before {rep}'s run was recorded")
-        rename = _renamer(rep, twin)
+    def stand_in(self, twin: str, source: str) -> None:
+        """``twin`` stands on ``source``'s call now: its entries go where its run would put
+        them."""
+        if source not in self.spans:
+            raise FoldBroken(f"{twin} stands on {source} before its run was recorded")
+        rename = self.relative.rename(source, twin)
         module_inputs, input_params, functional_mha, nodes = self.tables
-        keys = self.spans[rep]
+        keys = self.spans[source]
         for k in keys[0]:
             module_inputs[rename(k)] = [
                 (key, shape, frozenset(map(rename, tags))) for key, shape, tags in module_inputs[k]
@@ -79,49 +80,39 @@ class TwinRecords:
         for k in keys[3]:
             if rename(k) not in nodes:  # a functional layer, a node from its first call on
                 nodes[rename(k)] = copy.copy(nodes[k])  # filled in by `finish`
-        self.stood.append((twin, rep))
+        self.stood.append((twin, source))
 
     def finish(self) -> None:
-        """After the run (liveness marked): each twin's nodes as its representative's, and
-        every node outside a representative that names its modules naming the twin's too."""
-        module_inputs, input_params, functional_mha, nodes = self.tables
-        layers = set(self.twins.rep) | self.reps
+        """After the run (liveness marked): each twin's nodes as those of the layer it stood
+        on (names of that layer's list moved by the twin's offset: `Relative`), and every
+        node outside the folded layers that names that layer's modules naming the twin's
+        too."""
+        nodes = self.tables[3]
+
+        def layer_of(name: str) -> str | None:
+            hit = self.relative.split(name)
+            return hit[0] if hit is not None and hit[0] in self.members else None
+
+        owners = {n: layer_of(n) for n in nodes}
         twins_of: dict[str, list[str]] = {}
-        for twin, rep in self.stood:
-            twins_of.setdefault(rep, []).append(twin)
-        for rep, twins in twins_of.items():
-            inside = [n for n in nodes if _under(n, rep)]
-            for n in inside:
-                for other in _names(nodes[n]):
-                    layer = next((x for x in layers if _under(other, x)), rep)
-                    if layer != rep:
-                        raise FoldBroken(f"{n} reads {other}, in another layer")
+        for twin, source in self.stood:
+            twins_of.setdefault(source, []).append(twin)
+        for source, twins in twins_of.items():
+            inside = [n for n in nodes if owners[n] == source]
             for twin in twins:
-                rename = _renamer(rep, twin)
+                rename = self.relative.rename(source, twin)
                 for n in inside:
                     nodes[rename(n)] = _renamed(nodes[n], rename)
-        for name, node in nodes.items():
-            owner = next((x for x in layers if _under(name, x)), None)
-            for rep, twins in twins_of.items():
-                if owner == rep or owner in twins:
-                    continue
-                renames = [_renamer(rep, t) for t in twins]
-                _add_twins(node, rep, renames)
+        for n, node in nodes.items():
+            if owners.get(n) is not None:
+                continue
+            for source, twins in twins_of.items():
+                renames = [self.relative.rename(source, t) for t in twins]
+                _add_twins(node, source, renames)
 
 
 def _under(name: str, layer: str) -> bool:
     return name == layer or name.startswith(layer + ".")
-
-
-def _renamer(rep: str, twin: str):
-    prefix = rep + "."
-
-    def rename(name: str) -> str:
-        if name == rep:
-            return twin
-        return twin + "." + name[len(prefix) :] if name.startswith(prefix) else name
-
-    return rename
 
 
 def _renamed(value: Any, rename) -> Any:
@@ -153,20 +144,6 @@ def _in_text(text: str, rename) -> str:
 
 #: a dotted name in a text (what `_in_text` renames)
 _NAME = re.compile(r"[A-Za-z_0-9]+(?:\.[A-Za-z_0-9]+)+")
-
-
-def _names(node: Any) -> set[str]:
-    """Every name a node's sets hold (its sources, consumers, parts' readers, parameters)."""
-    out: set[str] = set()
-    for f in dataclasses.fields(node):
-        v = getattr(node, f.name)
-        if isinstance(v, (set, frozenset)):
-            out |= {x for x in v if isinstance(x, str)}
-        elif isinstance(v, list):
-            for x in v:
-                if isinstance(x, (set, frozenset)):
-                    out |= {y for y in x if isinstance(y, str)}
-    return out
 
 
 def _add_twins(node: Any, rep: str, renames: list) -> None:

@@ -116,3 +116,101 @@ def test_derive_plan_keeps_its_public_signature():
     user = derive_plan(model, {"lm_head": "replicate"}, 2)
     assert user["lm_head"] == "replicate"
     assert isinstance(Plan(), Plan)
+
+
+# -- identical layers run once (`tpkit.trace.fold`) ----------------------------------------------
+class _Block(nn.Module):
+    def __init__(self, width: int, layer_idx: int, reads_index: bool = False):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.layer_idx, self.reads_index = layer_idx, reads_index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.up(x))
+        if self.reads_index and self.layer_idx % 2:  # odd layers scale: not alike
+            h = h * 2
+        return x + self.down(h)
+
+
+class _Stack(nn.Module):
+    def __init__(self, n: int = 6, width: int = 8, reads_index: bool = False):
+        super().__init__()
+        self.layers = nn.ModuleList(_Block(width, i, reads_index) for i in range(n))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _layer_calls(model: nn.Module) -> list[str]:
+    """Names of the layers whose own forward ran (their up projection was called)."""
+    calls: list[str] = []
+    for i, layer in enumerate(model.layers):
+        layer.up.register_forward_pre_hook(lambda *_, i=i: calls.append(i))
+    return calls
+
+
+def _plans(model: nn.Module, example: tuple) -> tuple[Analysis, Plan, Plan]:
+    folded = Analysis(model, example)
+    plan = derive_plan(model, "auto", 2, analysis=folded)
+    unfolded = Analysis(model, example)
+    unfolded.fold = False
+    return folded, plan, derive_plan(model, "auto", 2, analysis=unfolded)
+
+
+def test_identical_layers_are_traced_and_dry_run_once():
+    """Six alike layers: the trace and every dry run run the first one's forward only; the
+    others stand on its call, and the plan is the unfolded one, entry for entry."""
+    model = _Stack()
+    example = (torch.randn(2, 3, 8),)
+    analysis = Analysis(model, example)
+    calls = _layer_calls(model)
+    analysis.trace()
+    assert calls == [0] and analysis.tally == {"run": 1, "stood": 5}
+    folded, plan, unfolded = _plans(model, example)
+    assert plan_key(plan) == plan_key(unfolded) and plan.notes == unfolded.notes
+    assert folded.answers and folded.tally["stood"] == 5 * folded.tally["run"]
+    assert plan["layers.*.up"] == "colwise" and plan["layers.*.down"] == "rowwise"
+
+
+def test_a_layer_that_reads_its_index_is_its_own_kind():
+    """A layer whose forward reads ``layer_idx`` breaks the fold the first time it does: from
+    then on the index tells layers apart, every layer runs its own forward, and the plan is
+    the unfolded one."""
+    model = _Stack(reads_index=True)
+    example = (torch.randn(2, 3, 8),)
+    analysis = Analysis(model, example)
+    calls = _layer_calls(model)
+    analysis.trace()
+    assert "layer_idx" in analysis.distinguishing
+    assert calls[-6:] == [0, 1, 2, 3, 4, 5]  # the second (unfolded) trace ran every layer
+    assert not analysis.twins()
+    _, plan, unfolded = _plans(model, example)
+    assert plan_key(plan) == plan_key(unfolded) and plan.notes == unfolded.notes
+
+
+def test_a_layer_called_otherwise_runs_its_own_forward():
+    """The model's loop hands the third layer something else (a scale): it is not called as
+    the first was, so it runs, and so does every later layer called like it; the rest stand."""
+
+    class Scaled(_Block):
+        def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+            return x + scale * self.down(torch.relu(self.up(x)))
+
+    class Loop(_Stack):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Scaled(8, i) for i in range(6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, scale=0.5 if i >= 2 else 1.0)
+            return self.head(x)
+
+    model = Loop()
+    analysis = Analysis(model, (torch.randn(2, 3, 8),))
+    calls = _layer_calls(model)
+    analysis.trace()
+    assert calls == [0, 2] and analysis.tally == {"run": 2, "stood": 4}

@@ -73,12 +73,12 @@ from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 from torch.overrides import TorchFunctionMode
 
-from tpkit.compat import FakeTensorMode, tree_flatten
+from tpkit.compat import FakeTensorMode
 from tpkit.plan.layout import chunk_sizes
 from tpkit.trace.fake import fake_inputs, meta_state, quiet_fake_tensors
 from tpkit.trace.inputs import InputRecipe
 from tpkit.trace.reductions import reduced_dims
-from tpkit.trace.shadow import GivenValues, ShadowValues, needs_values
+from tpkit.trace.shadow import GivenValues, ShadowValues, needs_values, tensors_in
 
 __all__ = [
     "MIN_GATHER_CHANNELS",
@@ -373,8 +373,7 @@ def _result(found: _ConvTrace, broken: dict[str, str], tp: int) -> ConvPairs:
     return out
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+_tensors = tensors_in
 
 
 def _is_scalar(obj: Any) -> bool:

@@ -43,7 +43,7 @@ from torch import nn
 
 from tpkit.compat import DisableTorchFunction, tree_flatten, tree_map, unset_fake_temporarily
 from tpkit.plan.spec import Plan
-from tpkit.trace.shadow import ShadowValues
+from tpkit.trace.shadow import ShadowValues, tensors_in
 
 __all__ = [
     "Describe",
@@ -331,8 +331,7 @@ def _signature_of(args: tuple, kwargs: dict, describe: Describe | None, layer: s
     return (str(spec), tuple(out))
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [v for v in tree_flatten(obj)[0] if isinstance(v, torch.Tensor)]
+_tensors = tensors_in
 
 
 def _held(args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:

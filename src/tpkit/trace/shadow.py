@@ -45,7 +45,7 @@ from tpkit.compat import (
     unset_fake_temporarily,
 )
 
-__all__ = ["BUDGET", "LIMIT", "GivenValues", "ShadowValues", "needs_values"]
+__all__ = ["BUDGET", "LIMIT", "GivenValues", "ShadowValues", "needs_values", "tensors_in"]
 
 #: Largest tensor (elements) substituted by zeros in a real shadow computation, or computed.
 LIMIT = 1 << 20
@@ -101,8 +101,37 @@ def needs_values(exc: BaseException) -> bool:
     )
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+#: values no pytree looks into (`tensors_in`'s fast path)
+_LEAVES = (
+    int, float, bool, str, bytes, complex, slice, type(None), type(Ellipsis), torch.dtype,
+    torch.device, torch.Size, torch.layout, torch.memory_format,
+)  # fmt: skip
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors in ``obj`` (a call's arguments, its output), in ``tree_flatten``'s order:
+    plain lists, tuples and dicts walked here, anything else handed to ``tree_flatten`` (a
+    named tuple, a model output). Every op of a traced or shadow run asks this several times:
+    ``tree_flatten`` alone was a quarter of GLM-5-next's shadow run."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    out: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        kind = type(v)
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif kind is tuple or kind is list:
+            stack.extend(reversed(v))
+        elif kind is dict:
+            stack.extend(reversed(list(v.values())))
+        elif not isinstance(v, _LEAVES):
+            out.extend(t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor))
+    return out
+
+
+_tensors = tensors_in
 
 
 def _slice_tensors(s: slice) -> bool:

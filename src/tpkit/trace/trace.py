@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tpkit.compat import FakeTensorMode, tree_flatten
+from tpkit.compat import FakeTensorMode
 from tpkit.plan.layout import kind_of, out_width
 from tpkit.trace.fake import (
     example_inputs,
@@ -44,7 +44,7 @@ from tpkit.trace.fake import (
 from tpkit.trace.fold import Describe, Relative, Twins, folded, known_values
 from tpkit.trace.inputs import InputRecipe, text_only, unflattened_patches
 from tpkit.trace.reductions import reduced_dims
-from tpkit.trace.shadow import GivenValues, ShadowValues, needs_values
+from tpkit.trace.shadow import GivenValues, ShadowValues, needs_values, tensors_in
 from tpkit.trace.twins import TwinRecords
 
 __all__ = [
@@ -92,8 +92,7 @@ class Node:
     dead: bool = False
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+_tensors = tensors_in
 
 
 def _norm_dim(dim: int, ndim: int) -> int:

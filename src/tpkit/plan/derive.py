@@ -31,7 +31,7 @@ from tpkit.settle.complete import (
 )
 from tpkit.settle.dryrun import dry_run
 from tpkit.settle.fits import config_plan_at
-from tpkit.settle.gathered import gather_reduced_pairs
+from tpkit.settle.gathered import drop_fixups_of_gathered_owners, gather_reduced_pairs
 from tpkit.settle.settle import DryRun, settle
 from tpkit.sources.fallback import fallback_plan, splits_anything
 from tpkit.sources.hf import hf_plan
@@ -116,6 +116,7 @@ def derive_plan(
         out = _source_plan(analysis, plan, tp)
     else:
         out = _base_plan(analysis).merged(_user_plan(plan))
+        out = drop_fixups_of_gathered_owners(model, out)  # the user gathered what feeds them
     out = gather_reduced_pairs(model, out, _nodes(analysis))  # reductions over split features
     out = complete_tied_layers(analysis, out)
     out = complete_grad_allreduce(analysis, out)

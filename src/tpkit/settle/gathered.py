@@ -39,7 +39,13 @@ from tpkit.plan.layout import kind_of
 from tpkit.plan.spec import Group, Plan, matches
 from tpkit.trace.trace import STREAM, Node, generic
 
-__all__ = ["GATHERED", "gather_group", "gather_reduced_pairs", "gathered_pairs"]
+__all__ = [
+    "GATHERED",
+    "drop_fixups_of_gathered_owners",
+    "gather_group",
+    "gather_reduced_pairs",
+    "gathered_pairs",
+]
 
 #: what a group's split styles become when it is gathered
 GATHERED = MappingProxyType({"colwise": "colwise_gather_output", "rowwise": "rowwise_split_input"})
@@ -187,6 +193,35 @@ def gather_reduced_pairs(model: nn.Module, plan: Plan, nodes: Mapping[str, Node]
                 if hit is not None and hit[0] == "replicated_with_grad_allreduce":
                     plan.set(user, "replicate", plan.source(hit[1]))
         _drop_fixups(model, plan, {m.rsplit(".", 1)[0] for m in members if "." in m})
+    return plan
+
+
+def drop_fixups_of_gathered_owners(model: nn.Module, plan: Plan) -> Plan:
+    """``plan`` without the fix-ups of every module whose code sees whole activations because
+    the plan gathers the column outputs feeding it: some layer inside it gathers its output
+    (``colwise_gather_output``) and none inside leaves an output split or expects a split input.
+    A user's plan does this over the auto plan's fix-ups (BLOOM's ``query_key_value`` gathered:
+    the attention reshapes 3 x all its heads, so dividing ``num_heads`` breaks the reshape and
+    slicing ``alibi`` would pair heads with other heads' slopes). A new plan."""
+    if not plan.fixups:
+        return plan
+    specs = {t.name: (t.kind, style_spec(t.style)) for t in plan.resolve(model)}
+    names = [n for n, _ in model.named_modules()]
+    owners: set[str] = set()
+    for key in plan.fixups:
+        for owner in (n for n in names if matches(key, n)):
+            inside = [v for m, v in specs.items() if m.startswith(f"{owner}.") or not owner]
+            gathered = any(k == "module" and s.collective == "all_gather" for k, s in inside)
+            split = any(
+                s.role in ("column", "row", "channel") or (k != "module" and s.shard is not None)
+                for k, s in inside
+            )
+            if gathered and not split:
+                owners.add(owner)
+    if not owners:
+        return plan
+    plan = plan.copy()
+    _drop_fixups(model, plan, owners)
     return plan
 
 

@@ -68,8 +68,9 @@ def child(model_type: str, class_name: str, tp: int, plans: str | None) -> dict:
         return out
     out["build"] = round(time.perf_counter() - t, 3)
     t = time.perf_counter()
+    shared = _analysis(model)  # as `tpkit plan` does: validation reuses derivation's dry runs
     try:
-        plan = derive_plan(model, "auto", tp)
+        plan = derive_plan(model, "auto", tp, **shared)
     except Exception as exc:  # noqa: BLE001 - a refusal is part of the record
         rec["error"] = _why(exc)
         out.update(status="derive error", error=_why(exc))
@@ -78,7 +79,7 @@ def child(model_type: str, class_name: str, tp: int, plans: str | None) -> dict:
         rec["plan"] = plan_record(plan)
         t = time.perf_counter()
         try:
-            validate(model, plan, tp)
+            validate(model, plan, tp, **shared)
             out["status"] = "ok"
         except ValueError as exc:  # what `tpkit plan` prints instead of the table
             out.update(status="invalid", error=_why(exc))
@@ -87,6 +88,16 @@ def child(model_type: str, class_name: str, tp: int, plans: str | None) -> dict:
         with open(plans, "a") as f:
             f.write(json.dumps(rec, sort_keys=True) + "\n")
     return out
+
+
+def _analysis(model) -> dict:
+    """``{"analysis": one Analysis}`` where the tree timed has them (`tpkit.trace.analysis`),
+    else nothing: a baseline tree from before them (``--src``) derives and validates apart."""
+    try:
+        from tpkit.trace.analysis import Analysis
+    except ImportError:
+        return {}
+    return {"analysis": Analysis(model)}
 
 
 def _why(exc: BaseException) -> str:

@@ -330,7 +330,7 @@ def _result(found: _ConvTrace, broken: dict[str, str], tp: int) -> ConvPairs:
         if not own_forward(found.modules[col]):  # its forward reads out_channels (a reshape)
             out.fixups[col] = {"shard_width": {"out_channels": ["weight", 0]}}
             out.notes[col] += "; its own forward transforms the weight per output channel"
-        for row in rows:
+        for row in sorted(rows):  # a set: its order would follow the hash seed
             out.styles[row] = "conv_rowwise"
             out.notes[row] = f"paired convolution: input channels split (from {col}), all-reduced"
     for name, (col, mod) in found.followers.items():

@@ -833,10 +833,11 @@ def tower_share(model_type: str, class_name: str, tp: int = 2) -> dict:
     language model, its embeddings and head, `_TEXT_SIDE`), the share of all of them, and
     whether the trace kept to the text (`tpkit.trace.inputs.text_only`)."""
     from tpkit.plan import derive_plan, param_layouts
-    from tpkit.trace import inputs as plan_inputs
+    from tpkit.trace.analysis import Analysis
 
     model = build(model_type, class_name, device="meta")
-    plan = derive_plan(model, "auto", tp)
+    analysis = Analysis(model)
+    plan = derive_plan(model, "auto", tp, analysis=analysis)
     layouts = param_layouts(model, plan)
     out = {"tower": 0, "tower_split": 0, "all": 0, "all_split": 0}
     seen = set()
@@ -848,12 +849,11 @@ def tower_share(model_type: str, class_name: str, tp: int = 2) -> dict:
         out["all"], out["all_split"] = out["all"] + p.numel(), out["all_split"] + split
         if not any(part in name.split(".") for part in _TEXT_SIDE):
             out["tower"], out["tower_split"] = out["tower"] + p.numel(), out["tower_split"] + split
-    text_only = getattr(plan_inputs, "_TEXT_ONLY", ())
     return {
         "tower_share": round(out["tower_split"] / out["tower"], 3) if out["tower"] else None,
         "share": round(out["all_split"] / max(1, out["all"]), 3),
         "tower_params": out["tower"],
-        "text_only": model in text_only,
+        "text_only": analysis.recipe.text_only,
     }
 
 

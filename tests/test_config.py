@@ -349,6 +349,11 @@ STATE_ROOMS = (
     "parallel/dims.py",
 )
 STATE_PACKAGES = ("cli/", "guards/debug.py", "io/", "pool/", "training/init.py")
+# the analysis keeps none: what one stage learns reaches the next on its `Analysis` value
+# (`tpkit.trace.analysis`). The style catalogue (plan/catalogue.py) is no analysis state but the
+# registry `register_spec` extends, as extensions.py holds the registered extensions
+ANALYSIS_ROOMS = ("trace/", "settle/", "sources/", "plan/")
+ANALYSIS_REGISTRY = "plan/catalogue.py"
 _MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "Counter",
                   "WeakKeyDictionary", "WeakValueDictionary", "WeakSet", "RLock", "Lock",
                   "bytearray"}  # fmt: skip
@@ -381,7 +386,8 @@ def test_no_module_level_mutable_state_beyond_the_kept_caches():
     extra = []
     for path in sorted(SRC.rglob("*.py")):
         rel = path.relative_to(SRC).as_posix()
-        if rel not in STATE_ROOMS and not rel.startswith(STATE_PACKAGES):
+        analysis = rel.startswith(ANALYSIS_ROOMS) and rel != ANALYSIS_REGISTRY
+        if rel not in STATE_ROOMS and not rel.startswith(STATE_PACKAGES) and not analysis:
             continue
         extra += [f"{rel}: {n}" for n in _module_state(path) if (rel, n) not in KEPT_STATE]
     assert not extra, f"module-level mutable objects: {extra}"

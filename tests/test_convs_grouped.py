@@ -17,7 +17,13 @@ from transformers.models.bit.modeling_bit import WeightStandardizedConv2d
 from tests.harness import RankGroup
 from tests.parity import full_size_share, module_parity
 from tpkit.plan.layout import GroupedRows, chunk_sizes
-from tpkit.sources.convs import conv_pairs, rows_exact, shared_params, splittable_conv
+from tpkit.sources.convs import (
+    conv_pairs,
+    exact_row_convs,
+    rows_exact,
+    shared_params,
+    splittable_conv,
+)
 
 TOL = 1e-5
 
@@ -228,17 +234,18 @@ def test_whole_weight_transform_stays_whole() -> None:
     """A convolution whose forward computes over its whole weight is neither paired nor
     gathered: nothing shows that a rank's rows give its channels."""
     model = whole_standardized()
-    shared = shared_params(model)
-    pairs = conv_pairs(model, 2, lambda _, m: splittable_conv(m, shared), (_input("standardized"),))
+    shared, exact = shared_params(model), exact_row_convs(model)
+    splittable = lambda _, m: splittable_conv(m, shared, exact)  # noqa: E731
+    pairs = conv_pairs(model, 2, splittable, (_input("standardized"),))
     assert "0" not in pairs.styles, pairs.styles
 
 
 def test_transformed_conv_never_reads_split() -> None:
     """In a standardized block no weight-standardized convolution is a row convolution."""
     model = standardized()
-    shared = shared_params(model)
+    shared, exact = shared_params(model), exact_row_convs(model)
     x = (_input("standardized"),)
-    pairs = conv_pairs(model, 2, lambda _, m: splittable_conv(m, shared), x)
+    pairs = conv_pairs(model, 2, lambda _, m: splittable_conv(m, shared, exact), x)
     assert "conv_rowwise" not in pairs.styles.values(), pairs.styles
     assert pairs.styles.get("1.conv2") == "conv_colwise_gather", pairs.styles
 

@@ -98,7 +98,7 @@ def test_tied_split_two_ways_is_kept_whole():
     plan = Plan(entries, source=Source.INFERRED)
     plan.groups.append(Group(("up", "down")))
     assert problems(model, plan, 2)  # refused as it is
-    agree_tied(model, plan)
+    plan = agree_tied(model, plan)
     assert problems(model, plan, 2) == []
     layouts = param_layouts(model, plan)
     assert not any(layouts[n][1].sharded for n in ("up.weight", "down.weight", "other.weight"))
@@ -230,7 +230,7 @@ def test_table_lookup_keeps_linear_whole():
     from tpkit.trace.trace import trace
 
     model = _lookup()
-    assert trace(model)["nodes"]["table"].read_outside
+    assert trace(model).nodes["table"].read_outside
     plan = derive_plan(model, "auto", 2)
     hit = plan.style_for("table")
     assert hit is None or hit[0] == "replicate", plan.to_dict()

@@ -113,10 +113,10 @@ def test_transformers_plan_completed_where_the_dataflow_is_not_traced(monkeypatc
     from tpkit.plan import param_layouts
     from tpkit.plan.spec import Source
 
-    def untraceable(model, example=None):
+    def untraceable(analysis):
         raise ValueError("Could not trace (made to fail by the test)")
 
-    monkeypatch.setattr(derive, "infer_plan", untraceable)
+    monkeypatch.setattr(derive, "infer", untraceable)
     model, plan = _derived(ERNIE_VL)
     targets = _language_layer_targets(model, plan, "model.language_model")
     attn = [t for t in targets if "self_attn." in t.name]
@@ -164,21 +164,21 @@ def test_vlm_transformers_plan_tp2_parity(ranks2):
 
 
 def untraced_family_parity(model_type: str, class_name: str, family: str) -> dict:
-    """Run on every rank: `family_parity` with the dataflow made untraceable (``infer_plan``
-    raising, as it does for ERNIE-4.5-VL), so "auto" takes transformers' plan completed by the
-    per-layer fallback; which sources the split plan's entries have."""
+    """Run on every rank: `family_parity` with the dataflow made untraceable (inference,
+    ``derive.infer``, raising as it does for ERNIE-4.5-VL), so "auto" takes transformers' plan
+    completed by the per-layer fallback; which sources the split plan's entries have."""
     import tpkit.plan.derive as derive
     from tests.test_families import _parity, _split_family
     from tpkit.state import tp_state
 
-    def untraceable(model, example=None):
+    def untraceable(analysis):
         raise ValueError("made untraceable for this test")
 
-    saved, derive.infer_plan = derive.infer_plan, untraceable
+    saved, derive.infer = derive.infer, untraceable
     try:
         ref, model, x = _split_family(model_type, class_name, family)
     finally:
-        derive.infer_plan = saved
+        derive.infer = saved
     out = _parity(ref, model, x)
     plan = tp_state(model).plan
     out["sources"] = {str(plan.source(k)) for k in plan}

@@ -132,13 +132,14 @@ def test_codegen_inferred_plan_never_cuts_groups(codegen):
     from tpkit.plan import derive_plan, validate
     from tpkit.plan.spec import Plan
     from tpkit.settle.dryrun import dry_run
+    from tpkit.trace.analysis import Analysis
 
     cut = Plan.from_dict(
         {"transformer.h.*.attn.qkv_proj": "colwise", "transformer.h.*.attn.out_proj": "rowwise"}
     )
     cut.fixups["transformer.h.*.attn"] = {"divide": ["num_attention_heads", "embed_dim"]}
     for tp in (2, 3, 4):
-        error = dry_run(codegen, cut, None, tp)
+        error = dry_run(Analysis(codegen), cut, tp)
         assert error is not None and "cuts the split features inside their blocks" in error, error
     plan = derive_plan(codegen, "infer", 2)
     validate(codegen, plan, 2)

@@ -155,7 +155,8 @@ def test_every_option_is_keyed_or_applied_after_the_plan():
     keyed, after = set(plans.OPTIONS_IN_THE_KEY), set(plans.OPTIONS_AFTER_THE_PLAN)
     assert not keyed & after
     assert {f.name for f in dataclasses.fields(TPOptions)} == keyed | after
-    derive_reads = list(inspect.signature(derive_plan).parameters)
+    # ``analysis`` caches dry runs on the model for validation to reuse; it changes no plan
+    derive_reads = [p for p in inspect.signature(derive_plan).parameters if p != "analysis"]
     assert derive_reads == ["model", "plan", "tp_size", "example_inputs"], (
         "derive_plan reads more: put it in plan_key (tpkit.plan.cache) and plan_for"
     )

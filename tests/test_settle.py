@@ -115,7 +115,7 @@ def test_group_tp_does_not_divide_is_gathered_where_the_dry_run_runs_it(bart):
         asked.append(tp)
 
     plan = plan.copy()
-    settle(model, plan, 3, runs)
+    plan = settle(model, plan, 3, runs)
     assert asked and set(asked) == {3}
     assert plan[f"{BART}.q_proj"] == "colwise_gather_output"
     assert plan[f"{BART}.out_proj"] == "rowwise_split_input"
@@ -128,7 +128,7 @@ def test_group_tp_does_not_divide_is_gathered_where_the_dry_run_runs_it(bart):
 def test_group_tp_does_not_divide_is_whole_where_the_dry_run_fails_it(bart):
     model, plan = bart
     plan = plan.copy()
-    settle(model, plan, 3, lambda trial, tp: "RuntimeError: no")
+    plan = settle(model, plan, 3, lambda trial, tp: "RuntimeError: no")
     for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
         assert plan[f"{BART}.{name}"] == "replicate"
         assert plan.notes[f"{BART}.{name}"] == (
@@ -145,7 +145,7 @@ def test_head_count_read_off_the_config_settles_the_group(qwen3_6heads):
     assert plan[f"{ATTN}.q_proj"] == "colwise"
     assert not undivided_groups(plan, 4)
     whole = plan.copy()
-    settle(model, whole, 4, lambda trial, tp: "RuntimeError: no")
+    whole = settle(model, whole, 4, lambda trial, tp: "RuntimeError: no")
     assert whole[f"{ATTN}.q_proj"] == "replicate"
     assert whole.notes[f"{ATTN}.q_proj"] == (
         "replicated: tp_size=4 does not divide num_attention_heads=6 of model.layers.0.self_attn"
@@ -165,14 +165,14 @@ def test_kv_heads_fewer_than_tp_are_kept_whole_per_rank():
     model = _meta_qwen3(heads=4, kv_heads=2)
     plan = infer_plan(model)
     at3 = plan.copy()
-    settle(model, plan, 4, lambda trial, tp: None)  # nothing to try: every trial "runs"
+    plan = settle(model, plan, 4, lambda trial, tp: None)  # nothing to try: every trial "runs"
     for name in ("k_proj", "v_proj"):
         assert plan[f"{ATTN}.{name}"] == "colwise_replicated_heads"
         assert plan.args_for(f"{ATTN}.{name}") == {"heads": 2}
     assert plan[f"{ATTN}.q_proj"] == "colwise"  # the queries still split by heads
     # tp=3 is no multiple of the 2 KV heads and does not divide the 4 query heads: the group
     # is settled as a whole instead (gathered: the dry run says it runs)
-    settle(model, at3, 3, lambda trial, tp: None)
+    at3 = settle(model, at3, 3, lambda trial, tp: None)
     assert at3[f"{ATTN}.k_proj"] == "colwise_gather_output"
 
 

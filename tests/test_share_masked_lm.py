@@ -146,10 +146,10 @@ def test_functional_layer_only_when_it_applies_its_own_weight():
                 x = layer(x)
             return x
 
-    nodes = trace(Net(Plain), (torch.randn(2, 3, 8),))["nodes"]
+    nodes = trace(Net(Plain), (torch.randn(2, 3, 8),)).nodes
     assert nodes["layers.0.up"].consumers == {"layers.0.down"}, nodes
     assert nodes["layers.0.down"].writer, nodes
-    nodes = trace(Net(Scaled), (torch.randn(2, 3, 8),))["nodes"]
+    nodes = trace(Net(Scaled), (torch.randn(2, 3, 8),)).nodes
     assert "layers.0.up" not in nodes and "layers.0.down" in nodes, nodes
 
     class ScaledBefore(Plain):  # a scale over the whole weight, then the plain call
@@ -162,10 +162,10 @@ def test_functional_layer_only_when_it_applies_its_own_weight():
             y = F.linear(x, self.weight)
             return y / self.weight.norm(dim=1), None
 
-    nodes = trace(Net(ScaledBefore), (torch.randn(2, 3, 8),))["nodes"]
+    nodes = trace(Net(ScaledBefore), (torch.randn(2, 3, 8),)).nodes
     up = nodes.get("layers.0.up")
     assert up is None or up.needs_whole, nodes
-    nodes = trace(Net(NormedAfter), (torch.randn(2, 3, 8),))["nodes"]
+    nodes = trace(Net(NormedAfter), (torch.randn(2, 3, 8),)).nodes
     up = nodes.get("layers.0.up")
     assert up is None or (up.needs_whole and up.read_outside), nodes
     assert not nodes["layers.0.down"].needs_whole, nodes
@@ -174,7 +174,7 @@ def test_functional_layer_only_when_it_applies_its_own_weight():
         def forward(self, x):
             return F.linear(x.float(), self.weight.float().contiguous()), None
 
-    nodes = trace(Net(Converted), (torch.randn(2, 3, 8),))["nodes"]
+    nodes = trace(Net(Converted), (torch.randn(2, 3, 8),)).nodes
     assert not nodes["layers.0.up"].needs_whole, nodes
     assert nodes["layers.0.up"].consumers == {"layers.0.down"}, nodes
 
@@ -258,9 +258,9 @@ def test_a_linear_written_into_state_is_live():
             scratch[:, :] = self.k(x)  # a tensor of this call's own, dropped: dead
             return x + self.o(torch.relu(self.q(x)))
 
-    nodes = trace(Cached(), (torch.randn(2, 3, 8),))["nodes"]
+    nodes = trace(Cached(), (torch.randn(2, 3, 8),)).nodes
     assert not nodes["k"].dead and not nodes["q"].dead, nodes
-    nodes = trace(Scratch(), (torch.randn(2, 3, 8),))["nodes"]
+    nodes = trace(Scratch(), (torch.randn(2, 3, 8),)).nodes
     assert nodes["k"].dead and not nodes["q"].dead, nodes
 
 
@@ -348,5 +348,5 @@ def test_a_write_through_out_is_a_write():
             torch.add(self.k(x), 0, out=self.cache)
             return x + self.o(torch.relu(self.q(x)))
 
-    nodes = trace(OutCached(), (torch.randn(2, 3, 8),))["nodes"]
+    nodes = trace(OutCached(), (torch.randn(2, 3, 8),)).nodes
     assert not nodes["k"].dead, nodes

@@ -39,11 +39,11 @@ def untraceable_parity(model_type: str, class_name: str, family: str) -> dict:
     def refuse(*_args, **_kwargs):
         raise ValueError("the dataflow cannot be traced (test)")
 
-    saved, derive.infer_plan = derive.infer_plan, refuse
+    saved, derive.infer = derive.infer, refuse
     try:
         return family_parity(model_type, class_name, family)
     finally:
-        derive.infer_plan = saved
+        derive.infer = saved
 
 
 def test_fallback_splits_a_tied_word_table_and_head_tp2(ranks2):

@@ -74,7 +74,7 @@ def full_size_tower(cases: list[tuple[str, str]]) -> dict[str, dict]:
 
     from tests.tiny import full_config
     from tpkit.plan import derive_plan, param_layouts
-    from tpkit.trace import inputs as plan_inputs
+    from tpkit.trace.analysis import Analysis
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
@@ -84,7 +84,8 @@ def full_size_tower(cases: list[tuple[str, str]]) -> dict[str, dict]:
             sub.num_hidden_layers = 2
         with torch.device("meta"):
             model = getattr(transformers, class_name)(config).float().eval()
-        plan = derive_plan(model, "auto", 2)
+        analysis = Analysis(model)
+        plan = derive_plan(model, "auto", 2, analysis=analysis)
         layouts = param_layouts(model, plan)
         total = split = 0
         for name, p in model.named_parameters():
@@ -92,7 +93,7 @@ def full_size_tower(cases: list[tuple[str, str]]) -> dict[str, dict]:
                 total += p.numel()
                 split += p.numel() if layouts[name][1].sharded else 0
         out[model_type] = {
-            "text_only": model in getattr(plan_inputs, "_TEXT_ONLY", ()),
+            "text_only": analysis.recipe.text_only,
             "share": split / max(1, total),
             "tower": sorted(k for k in plan if any(part in k for part in TOWER)),
         }

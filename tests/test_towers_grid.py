@@ -35,11 +35,12 @@ def _traced_tower(arch: tuple[str, str, str]) -> dict:
     vision-side modules the plan splits."""
     from tests.tiny_family import build_family
     from tpkit.plan import derive_plan
-    from tpkit.trace import inputs as plan_inputs
+    from tpkit.trace.analysis import Analysis
 
     model = build_family(*arch[:2], device="meta")
-    plan = derive_plan(model, "auto", 2)
-    text_only = model in getattr(plan_inputs, "_TEXT_ONLY", ())  # the retry's own record
+    analysis = Analysis(model)
+    plan = derive_plan(model, "auto", 2, analysis=analysis)
+    text_only = analysis.recipe.text_only  # the retry's own record
     keys = [k for k in sorted(plan.keys()) if any(w in k for w in ("visual", "vision_"))]
     return {"text_only": text_only, "tower": keys, "model": model}
 
@@ -59,7 +60,7 @@ def test_merge_sizes_and_unflattened_patches_are_made_up():
     keeps its patches as [patches, channels, patch, patch], its grid and placeholders
     unchanged."""
     from tests.tiny_family import build_family
-    from tpkit.trace.inputs import GRID_IMAGE, synthesize_inputs, unflattened_patches
+    from tpkit.trace.inputs import GRID_IMAGE, InputRecipe, synthesize_inputs, unflattened_patches
 
     video = build_family(*VIDEO_LLAMA_3[:2], device="meta")
     _, kw = synthesize_inputs(video, 3, 7)
@@ -69,9 +70,10 @@ def test_merge_sizes_and_unflattened_patches_are_made_up():
     paddle = build_family(*PADDLE[:2], device="meta")
     v = paddle.config.vision_config
     _, flat = synthesize_inputs(paddle, 3, 7)
-    with unflattened_patches(paddle) as grid:
+    recipe = InputRecipe()
+    with unflattened_patches(paddle, recipe) as grid:
         assert grid
-    _, kw = synthesize_inputs(paddle, 3, 7)
+    _, kw = synthesize_inputs(paddle, 3, 7, recipe)
     side = GRID_IMAGE * v.spatial_merge_size
     assert tuple(kw["pixel_values"].shape) == (3 * side * side, v.num_channels, 8, 8)
     assert tuple(flat["pixel_values"].shape) == (3 * side * side, v.num_channels * 64)

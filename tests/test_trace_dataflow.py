@@ -182,7 +182,7 @@ def test_cut_reach_records_each_part():
     """The trace says which linear each part of an uneven cut reaches."""
     from tpkit.trace.trace import trace
 
-    node = trace(GatedSplitTail(), (torch.randn(2, 7, 8),))["nodes"]["gate_up"]
+    node = trace(GatedSplitTail(), (torch.randn(2, 7, 8),)).nodes["gate_up"]
     assert node.cuts == [12, 14] and node.cut_reach == [{"down"}, {"down"}], node
 
 
@@ -209,5 +209,5 @@ def test_tied_head_is_not_read_outside():
         def forward(self, ids):
             return self.head(self.embed(ids))
 
-    nodes = trace(Tied(), (torch.randint(0, 40, (2, 7)),))["nodes"]
+    nodes = trace(Tied(), (torch.randint(0, 40, (2, 7)),)).nodes
     assert not nodes["embed"].read_outside and not nodes["head"].read_outside, nodes

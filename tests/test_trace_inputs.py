@@ -161,18 +161,19 @@ def test_gpt2_classifier_without_pad_token_traces_one_row(ranks2):
 def test_one_row_trace_is_remembered_for_the_dry_run_only_when_it_worked():
     import transformers
 
+    from tpkit.trace.analysis import Analysis
     from tpkit.trace.fake import TRACE_BATCH, trace_batch
-    from tpkit.trace.trace import trace
 
     config = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=101)
     config.pad_token_id = None
     with torch.device("meta"):
         model = transformers.GPT2ForSequenceClassification(config)
-    assert trace(model)["batch"] == 1 == trace_batch(model)
-    broken = nn.Sequential(nn.Linear(4, 8), nn.Linear(5, 2))  # fails with any batch
+    analysis = Analysis(model)
+    assert analysis.trace().batch == 1 == trace_batch(analysis.recipe)
+    broken = Analysis(nn.Sequential(nn.Linear(4, 8), nn.Linear(5, 2)))  # fails with any batch
     with pytest.raises(RuntimeError):
-        trace(broken)
-    assert trace_batch(broken) == TRACE_BATCH
+        broken.trace()
+    assert trace_batch(broken.recipe) == TRACE_BATCH
 
 
 class _Positions(nn.Embedding):

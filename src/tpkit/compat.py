@@ -6,6 +6,10 @@ that moves one breaks one file, and the rest of tpkit imports only public names 
 
 from __future__ import annotations
 
+# Every __torch_function__ (subclasses and modes) off: a fold reads a shadow value's bytes in
+# the middle of a traced forward without the trace seeing that read (`tpkit.trace.fold`).
+from torch._C import DisableTorchFunction
+
 # Fake tensors: shapes and dtypes without memory, what torch.compile traces with.
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -77,6 +81,7 @@ def resolve_process_group(group_name: str):
 
 __all__ = [
     "DataDependentOutputException",
+    "DisableTorchFunction",
     "DynamicOutputShapeException",
     "FakeTensorMode",
     "StorageInfo",

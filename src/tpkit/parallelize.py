@@ -37,6 +37,7 @@ from tpkit.parallel.mesh import build_mesh, get_mesh, init_distributed, tp_subme
 from tpkit.parallel.tensor import apply_tensor_parallel
 from tpkit.plan import check_plan_arg, validate
 from tpkit.state import TPOptions, TPState
+from tpkit.trace.analysis import Analysis
 from tpkit.training.init import install_random_init
 
 __all__ = [
@@ -102,6 +103,7 @@ def split(
         for e in every:
             if (a := e.adapt(model, o)) is not None:
                 adapted.append((e, a))
+        analysis = Analysis(model, o.example_inputs)  # one analysis: validation reuses its runs
         the_plan = plan_for(  # derive_plan's, or the same stored under its key; rank 0's
             model,
             o.plan,
@@ -110,6 +112,7 @@ def split(
             beside=saved_plans,
             device_type=dims.device_type,
             ranks=dims.world,
+            analysis=analysis,
         )
         states = dict(adapted)
         contexts = [
@@ -127,6 +130,7 @@ def split(
             loss_parallel=o.loss_parallel,
             param_dtype=o.param_dtype,
             example_inputs=o.example_inputs,
+            analysis=analysis,
         )
     except BaseException:
         for e, a in reversed(adapted):

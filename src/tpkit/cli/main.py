@@ -85,11 +85,13 @@ def _planned(path: str, model_cls: str | None, plan_arg, tp: int, loading: dict 
     from tpkit.io.build import build_on_meta
     from tpkit.plan import derive_plan, validate
     from tpkit.pretrained import meta_model
+    from tpkit.trace.analysis import Analysis
 
     model = build_on_meta(path, model_cls) if loading is None else meta_model(path, **loading)
-    plan = derive_plan(model, plan_arg or "auto", tp)  # groups tp does not divide: noted
+    analysis = Analysis(model)  # validation reuses the derivation's dry runs
+    plan = derive_plan(model, plan_arg or "auto", tp, analysis=analysis)  # undivided: noted
     try:
-        validate(model, plan, tp)
+        validate(model, plan, tp, analysis=analysis)
     except ValueError as exc:
         return model, plan, exc
     return model, plan, None

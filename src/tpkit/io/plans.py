@@ -126,6 +126,7 @@ def plan_for(
     device_type: str | None = None,
     ranks: int | None = None,
     derive: Callable[..., Plan] | None = None,
+    analysis: Any = None,
 ) -> Plan:
     """``derive(model, plan, tp_size, example_inputs)`` (`derive_plan`), or the same plan read
     from a file stored under its key (beside the checkpoint folder ``beside``, then the plan
@@ -133,11 +134,13 @@ def plan_for(
     brought up (on ``device_type``'s backend) and rank 0's plan, or its error, goes to every
     rank. ``ranks``: how many ranks this split spans (its mesh's size); a split over some of the
     world's ranks (a user's mesh for one pipeline stage) plans on each of its ranks, as the other
-    ranks may split other models, or none, at that moment."""
+    ranks may split other models, or none, at that moment. ``analysis``: the `Analysis` of
+    ``model`` that derivation fills and the caller's validation reuses (it caches work on the
+    model, it does not change the plan, so it is not in the key)."""
     derive = derive or derive_plan  # looked up now: a test may count the calls
 
     def here() -> Plan:
-        return _stored_or_derived(model, plan, tp_size, example_inputs, beside, derive)
+        return _stored_or_derived(model, plan, tp_size, example_inputs, beside, derive, analysis)
 
     env = dist_env()
     if not env.is_distributed or (ranks is not None and ranks != env.world_size):
@@ -223,7 +226,7 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__} on rank 0: {exc}")
 
 
-def _stored_or_derived(model, plan, tp_size, example_inputs, beside, derive) -> Plan:
+def _stored_or_derived(model, plan, tp_size, example_inputs, beside, derive, analysis) -> Plan:
     cache = config.plan_cache()
     key = None
     if cache is not None or beside is not None:
@@ -242,7 +245,7 @@ def _stored_or_derived(model, plan, tp_size, example_inputs, beside, derive) -> 
         if found is not None:
             log.debug("plan read from %s", path)
             return found
-    derived = _derive_noted(model, plan, tp_size, example_inputs, derive, cache)
+    derived = _derive_noted(model, plan, tp_size, example_inputs, derive, cache, analysis)
     if key is not None and cache is not None:
         _write(cache / f"{key_digest(key)}.json", key, derived)
     return derived
@@ -277,7 +280,7 @@ def _warn_once(message: str) -> None:
         log.warning(message)
 
 
-def _derive_noted(model, plan, tp_size, example_inputs, derive, cache) -> Plan:
+def _derive_noted(model, plan, tp_size, example_inputs, derive, cache, analysis) -> Plan:
     """``derive(...)``, with a note on rank 0 when it takes more than `NOTE_AFTER_S`."""
     name = type(model).__name__
     where = f"stored in {cache} for later runs" if cache is not None else "the plan cache is off"
@@ -288,7 +291,9 @@ def _derive_noted(model, plan, tp_size, example_inputs, derive, cache) -> Plan:
     start = time.perf_counter()
     note.start()
     try:
-        return derive(model, plan, tp_size, example_inputs)
+        if analysis is None:
+            return derive(model, plan, tp_size, example_inputs)
+        return derive(model, plan, tp_size, example_inputs, analysis=analysis)
     finally:
         note.cancel()
         seconds = time.perf_counter() - start

@@ -5,7 +5,7 @@ stages that make a plan stand on it in their own rooms, and the three that read 
 back here on top:
 
     plan/      catalogue, spec, layout, fixups   what styles are, the Plan, which dims they split
-    trace/     inputs, fake, shadow, reductions, trace   the model run on fake tensors
+    trace/     inputs, fake, shadow, reductions, trace, analysis   the model run on fake tensors
     settle/    gathered, kvheads, settle, dryrun, complete   what a plan becomes at one tp
     sources/   experts, ssm, attention, convs, hf, infer, fallback, untraced   where entries come from
     plan/      table, checks, derive             a plan as a table (explain), every check (validate), derive_plan
@@ -15,6 +15,7 @@ rooms that import this package's data: ``from tpkit.plan import derive_plan`` wo
 """
 
 from importlib import import_module
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from tpkit.plan.catalogue import StyleSpec, all_specs, canonical_style, register_spec, style_spec
@@ -29,18 +30,20 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers and linters
     from tpkit.sources.infer import infer_plan
 
 #: name -> the module above the data that defines it (imported on first use)
-_LAZY = {
-    "MODES": "tpkit.plan.derive",
-    "PlanLike": "tpkit.plan.derive",
-    "check_plan_arg": "tpkit.plan.derive",
-    "derive_plan": "tpkit.plan.derive",
-    "collectives_per_forward": "tpkit.plan.table",
-    "explain": "tpkit.plan.table",
-    "hf_plan": "tpkit.sources.hf",
-    "infer_plan": "tpkit.sources.infer",
-    "problems": "tpkit.plan.checks",
-    "validate": "tpkit.plan.checks",
-}
+_LAZY = MappingProxyType(
+    {
+        "MODES": "tpkit.plan.derive",
+        "PlanLike": "tpkit.plan.derive",
+        "check_plan_arg": "tpkit.plan.derive",
+        "derive_plan": "tpkit.plan.derive",
+        "collectives_per_forward": "tpkit.plan.table",
+        "explain": "tpkit.plan.table",
+        "hf_plan": "tpkit.sources.hf",
+        "infer_plan": "tpkit.sources.infer",
+        "problems": "tpkit.plan.checks",
+        "validate": "tpkit.plan.checks",
+    }
+)
 
 __all__ = [
     "MODES",

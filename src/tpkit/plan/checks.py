@@ -23,8 +23,9 @@ from tpkit.plan.spec import Plan, Source
 from tpkit.settle.dryrun import dry_run
 from tpkit.settle.kvheads import head_counts
 from tpkit.settle.settle import constraints, head_constraints
+from tpkit.trace.analysis import Analysis
 from tpkit.trace.inputs import output_embeddings
-from tpkit.trace.trace import repeated_blocks, trace
+from tpkit.trace.trace import repeated_blocks
 
 __all__ = ["checkpoint_problems", "head_constraints", "problems", "validate"]
 
@@ -64,8 +65,11 @@ def problems(
     loss_parallel: bool = False,
     param_dtype: torch.dtype | None = None,
     example_inputs: tuple | Mapping | None = None,
+    analysis: Analysis | None = None,
 ) -> list[str]:
-    """`validate`'s problems as a list (empty when there are none)."""
+    """`validate`'s problems as a list (empty when there are none). ``analysis``: the one
+    `derive_plan` built for this model and these inputs, whose dry runs are answered already
+    (`tpkit.trace.analysis.Analysis`); else one is built here."""
     found = _device_map_problems(model) + _pattern_problems(model, plan)
     if found:
         return found
@@ -87,17 +91,16 @@ def problems(
     found += _identity_expert_problems(model, plan)
     found += _dtype_problems(model, plan)
     found += _max_norm_problems(model, plan)
+    analysis = Analysis(model, example_inputs) if analysis is None else analysis
     if not found:
-        found += _user_dataflow_problems(model, plan, tp_size, example_inputs)
+        found += _user_dataflow_problems(analysis, plan, tp_size)
     user = any(plan.source(p) == Source.USER for p in plan)  # then dry-run at tp_size just above
     if not found and tp_size != 2 and not user:
-        found += _tp_dataflow_problems(model, plan, tp_size, example_inputs, fix)
+        found += _tp_dataflow_problems(analysis, plan, tp_size, fix)
     return found
 
 
-def _tp_dataflow_problems(
-    model: nn.Module, plan: Plan, tp: int, example: tuple | Mapping | None, fix: str
-) -> list[str]:
+def _tp_dataflow_problems(analysis: Analysis, plan: Plan, tp: int, fix: str) -> list[str]:
     """A derived plan is dry-run at tp=2 when it is made; at another tp the model's code may
     still not fit its shards (CodeGen's ``qkv_proj`` interleaves 4 fixed groups, ``mp_num``,
     whatever the heads: tp=3 cuts groups apart). Under "auto" derivation settles that (the
@@ -105,8 +108,9 @@ def _tp_dataflow_problems(
     so it is refused here. One forward on fake tensors with rank 0's
     (and the last rank's) shards at this tp, no collectives; the failing module is named with
     its integer attributes tp does not divide, and the tp sizes that do run are listed."""
-    error = dry_run(model, plan, example, tp)
-    if error is None or dry_run(model, Plan(), example, tp) is not None:
+    model = analysis.model
+    error = dry_run(analysis, plan, tp)
+    if error is None or dry_run(analysis, Plan(), tp) is not None:
         return []
     where, _, brief = error[3:].partition(": ") if error.startswith("in ") else ("", "", error)
     module = dict(model.named_modules()).get(where)
@@ -121,7 +125,7 @@ def _tp_dataflow_problems(
     ]
     hint = f" (its {', '.join(odd[:3])}: not a multiple of tp_size={tp})" if odd else ""
     candidates = [int(t) for t in re.findall(r"\d+", fix)][:8]
-    runs = [t for t in candidates if t == 1 or dry_run(model, plan, example, t) is None]
+    runs = [t for t in candidates if t == 1 or dry_run(analysis, plan, t) is None]
     use = ", ".join(map(str, runs)) if runs else "1"
     return [
         f"tp_size={tp}: {where or 'the model'} cannot run on its shards{hint}: {brief}; "
@@ -320,9 +324,7 @@ def _dtype_problems(model: nn.Module, plan: Plan) -> list[str]:
     return out
 
 
-def _user_dataflow_problems(
-    model: nn.Module, plan: Plan, tp_size: int, example: tuple | Mapping | None
-) -> list[str]:
+def _user_dataflow_problems(analysis: Analysis, plan: Plan, tp_size: int) -> list[str]:
     """User entries that the model's dataflow cannot run: a column layer fed by another column
     layer's split output (``down_proj: colwise`` after ``up_proj: colwise``), a row layer fed a
     whole activation. Found by one forward on fake tensors with rank 0's shard shapes (no
@@ -331,14 +333,13 @@ def _user_dataflow_problems(
     user = [p for p in plan if plan.source(p) == Source.USER]
     if not user:
         return []
-    error = dry_run(model, plan, example, tp_size)
-    if error is None or dry_run(model, Plan(), example, tp_size) is not None:
+    model = analysis.model
+    error = dry_run(analysis, plan, tp_size)
+    if error is None or dry_run(analysis, Plan(), tp_size) is not None:
         return []  # runs, or the default trace inputs do not fit this model's forward at all
     hints = []
-    try:
-        nodes = trace(model, example)["nodes"]
-    except Exception:  # noqa: BLE001 - the dry run's error alone still says what failed
-        nodes = {}
+    traced = analysis.traced()  # without it the dry run's error alone still says what failed
+    nodes = traced.nodes if traced is not None else {}
     styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
     for name, style in styles.items():
         feeders = sorted(s for s in getattr(nodes.get(name), "src", ()) if s in styles)

@@ -30,14 +30,16 @@ from tpkit.settle.complete import (
     note_whole_params,
 )
 from tpkit.settle.dryrun import dry_run
+from tpkit.settle.fits import config_plan_at
 from tpkit.settle.gathered import drop_fixups_of_gathered_owners, gather_reduced_pairs
-from tpkit.settle.settle import head_constraints, settle, settle_heads
+from tpkit.settle.settle import DryRun, settle
 from tpkit.sources.fallback import fallback_plan, splits_anything
 from tpkit.sources.hf import hf_plan
-from tpkit.sources.infer import infer_plan
+from tpkit.sources.infer import infer
 from tpkit.sources.untraced import complete_towers, complete_untraced_layers
+from tpkit.trace.analysis import Analysis
 from tpkit.trace.inputs import input_embeddings, output_embeddings
-from tpkit.trace.trace import reuse_traces, trace
+from tpkit.trace.trace import Node
 
 __all__ = ["MODES", "PlanLike", "check_plan_arg", "derive_plan"]
 
@@ -77,6 +79,8 @@ def derive_plan(
     plan: PlanLike = "auto",
     tp_size: int | None = None,
     example_inputs: tuple | Mapping | None = None,
+    *,
+    analysis: Analysis | None = None,
 ) -> Plan:
     """Turn what the user passed into the `Plan` for ``model``.
 
@@ -97,86 +101,75 @@ def derive_plan(
     positional tuple or a kwargs dict) replaces the trace inputs made up from the model
     (`tpkit.trace.inputs`). Under "auto", a model whose dataflow cannot be traced, or whose
     inferred plan splits nothing, is split per layer (`tpkit.sources.fallback`), never refused.
+
+    ``analysis`` (`tpkit.trace.analysis.Analysis` of this model and these inputs) is the value
+    every stage reads and fills: pass the same one to `validate` and its dry runs are
+    answered already. One is built here when none is given. Each step below takes a plan and
+    returns one, never changing the one it was given.
     """
     check_plan_arg(plan)
     plan = "auto" if plan is None else plan
-    with reuse_traces():
-        if isinstance(plan, str) and plan in MODES:
-            out = _source_plan(model, plan, example_inputs, tp_size)
-        else:
-            out = _base_plan(model, example_inputs).merged(_user_plan(plan))
-            drop_fixups_of_gathered_owners(model, out)  # the user gathered what feeds them
-        gather_reduced_pairs(model, out, example_inputs)  # reductions over split features
-        out = complete_tied_layers(model, out, example_inputs)
-        out = complete_grad_allreduce(model, out, example_inputs)
-        if tp_size is not None and tp_size > 1 and plan == "auto":
-            out = _config_plan_at(model, out, tp_size, example_inputs)
-        if not (isinstance(plan, str) and plan in ("config", "infer")):
-            _untraced(model, out, example_inputs, tp_size)
-        if tp_size is not None and tp_size > 1:
-            settle(model, out, tp_size, lambda p, tp: dry_run(model, p, example_inputs, tp))
-        agree_tied(model, out)  # a tie still split two ways: whole, never refused
-        # last: settling may gather a column layer, whose output is then whole
-        out = complete_param_grads(model, out, example_inputs)
-        return note_whole_params(model, out)
+    analysis = Analysis(model, example_inputs) if analysis is None else analysis
+    model, tp = analysis.model, tp_size
+    runs = _dry_runs(analysis)
+    if isinstance(plan, str) and plan in MODES:
+        out = _source_plan(analysis, plan, tp)
+    else:
+        out = _base_plan(analysis).merged(_user_plan(plan))
+        out = drop_fixups_of_gathered_owners(model, out)  # the user gathered what feeds them
+    out = gather_reduced_pairs(model, out, _nodes(analysis))  # reductions over split features
+    out = complete_tied_layers(analysis, out)
+    out = complete_grad_allreduce(analysis, out)
+    if tp is not None and tp > 1 and plan == "auto":
+        out = config_plan_at(model, out, tp, runs, lambda: _completed_inferred(analysis))
+    if not (isinstance(plan, str) and plan in ("config", "infer")):
+        out = _untraced(analysis, out, tp)
+    if tp is not None and tp > 1:
+        out = settle(model, out, tp, runs)
+    out = agree_tied(model, out)  # a tie still split two ways: whole, never refused
+    # last: settling may gather a column layer, whose output is then whole
+    out = complete_param_grads(analysis, out)
+    return note_whole_params(model, out)
 
 
-def _untraced(model: nn.Module, plan: Plan, example, tp: int | None) -> None:
+def _dry_runs(analysis: Analysis) -> DryRun:
+    """The dry run settling asks (`tpkit.settle.settle.DryRun`), bound to ``analysis``."""
+    return lambda plan, tp: dry_run(analysis, plan, tp)
+
+
+def _nodes(analysis: Analysis) -> dict[str, Node] | None:
+    """The trace's nodes, or None where the model does not trace."""
+    traced = analysis.traced()
+    return traced.nodes if traced is not None else None
+
+
+def _untraced(analysis: Analysis, plan: Plan, tp: int | None) -> Plan:
     """What the model's trace never ran (`tpkit.sources.untraced`): each tower planned as the
     model it is and joined under its path, then each other layer no entry names split per
     layer; nothing when the model cannot be traced (the per-layer fallback covers it all)."""
-    try:
-        called = set(trace(model, example)["module_inputs"])
-    except Exception:  # noqa: BLE001 - model code may do anything on meta
-        return
-    complete_towers(model, plan, called, lambda sub: derive_plan(sub, "auto", tp))
+    model, traced = analysis.model, analysis.traced()
+    if traced is None:
+        return plan
+    called = set(traced.module_inputs)
+    plan = complete_towers(model, plan, called, lambda sub: derive_plan(sub, "auto", tp))
     convs = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
     layers = (n for n, m in model.named_modules() if kind_of(m) or isinstance(m, convs))
     if all(n in called or plan.style_for(n) for n in layers):
-        return  # every layer ran (or is named): nothing for the fallback to add
+        return plan  # every layer ran (or is named): nothing for the fallback to add
     why = "the model's trace never ran it"
-    fallback = fallback_plan(model, why, tp, _read_outside(model, example), example=example)
-    complete_untraced_layers(model, plan, called, fallback)
+    fallback = fallback_plan(model, why, tp, _read_outside(analysis), analysis=analysis)
+    return complete_untraced_layers(model, plan, called, fallback)
 
 
-def _config_plan_at(model: nn.Module, plan: Plan, tp: int, example) -> Plan:
-    """``plan`` (what "auto" chose), or the inferred plan when ``plan`` is transformers' and
-    splits heads ``tp`` does not divide (Qwen2.5-0.5B's 14 heads at tp=4): transformers' entries
-    are never rewritten, but the inferred plan's groups are, gathered where the heads do not
-    divide (`tpkit.settle.settle`), so "auto" still runs at that tp with the weights split. The
-    heads are read as settling lays them out (KV heads fewer than tp kept whole need not
-    divide)."""
-    laid = plan.copy()
-    settle_heads(model, laid, tp)
-    config_owners = {
-        t.name.rsplit(".", 1)[0]
-        for t in laid.resolve(model)
-        if t.kind == "module" and t.source == Source.CONFIG and "." in t.name
-    }
-    bad = [
-        f"tp does not divide {label} of {owner}"
-        for owner, label, count in head_constraints(model, laid)
-        if count % tp and owner in config_owners
-    ]
-    if not bad and config_owners and tp != 2:  # tp=2 was dry-run when the source was chosen
-        error = dry_run(model, laid, example, tp)  # the code may not fit (CodeGen's mp_num)
-        if error is not None and dry_run(model, Plan(), example, tp) is None:
-            bad = [f"its split fails a dry run ({error})"]
-    if not bad:
-        return plan
+def _completed_inferred(analysis: Analysis) -> Plan | None:
+    """The inferred plan, completed as a source plan is (`complete_tied_layers`,
+    `complete_grad_allreduce`): what "auto" swaps in where transformers' plan cannot run at a
+    tp (`tpkit.settle.fits.config_plan_at`); None where inference finds no plan."""
     try:
-        inferred = infer_plan(model, example)
+        inferred = infer(analysis)
     except ValueError:
-        return plan  # validation names the problem
-    with reuse_traces():
-        inferred = complete_tied_layers(model, inferred, example)
-        inferred = complete_grad_allreduce(model, inferred, example)
-    inferred.notes[type(model).__name__] = (
-        f"transformers' base_model_tp_plan is not used at tp_size={tp}: {bad[0]}; the "
-        "inferred plan is, its groups that cannot split at tp gathered or whole (pass "
-        "plan='config' to force transformers' plan)"
-    )
-    return inferred
+        return None
+    return complete_grad_allreduce(analysis, complete_tied_layers(analysis, inferred))
 
 
 def _user_plan(plan: PlanLike) -> Plan:
@@ -187,49 +180,48 @@ def _user_plan(plan: PlanLike) -> Plan:
     return Plan.from_yaml(plan)
 
 
-def _base_plan(model: nn.Module, example) -> Plan:
+def _base_plan(analysis: Analysis) -> Plan:
     """What user entries merge over: the "auto" plan, or nothing when none can be derived."""
     try:
-        return _source_plan(model, "auto", example)
+        return _source_plan(analysis, "auto")
     except ValueError:
         return Plan()  # nothing to derive: the user's plan is the whole plan
 
 
-def _source_plan(model: nn.Module, mode: str, example, tp: int | None = None) -> Plan:
+def _source_plan(analysis: Analysis, mode: str, tp: int | None = None) -> Plan:
     """The plan ``mode`` names. Under "auto", a model whose dataflow cannot be traced, or whose
     inferred plan splits nothing, gets the per-layer fallback (`tpkit.sources.fallback`: each
     layer split on its own, its output gathered) instead of a refusal; "infer" still raises."""
+    model = analysis.model
     if mode in ("auto", "config"):
         plan = hf_plan(model)
         if plan is not None:
             if mode == "config":
                 return plan
-            return _whole_read_outside(
-                model, _checked_config_plan(model, plan, example, tp), example
-            )
+            return _whole_read_outside(analysis, _checked_config_plan(analysis, plan, tp))
         if mode == "config":
             raise ValueError(
                 f"{type(model).__name__} ships no base_model_tp_plan; use plan='auto' or 'infer'."
             )
     if mode != "auto":
-        return infer_plan(model, example)
+        return infer(analysis)
     try:
-        inferred = infer_plan(model, example)
+        inferred = infer(analysis)
     except ValueError as exc:
         cause = exc.__cause__ or exc
         brief = f"{type(cause).__name__}: {cause}".splitlines()[0][:200]
         why = f"the dataflow could not be traced ({brief})"
-        return fallback_plan(model, why, tp, example=example)
+        return fallback_plan(model, why, tp, analysis=analysis)
     if splits_anything(model, inferred):
         return inferred
     why = "the traced dataflow has no column/row pair to split"
-    fallback = fallback_plan(model, why, tp, _read_outside(model, example), example=example)
+    fallback = fallback_plan(model, why, tp, _read_outside(analysis), analysis=analysis)
     return fallback if splits_anything(model, fallback) else inferred
 
 
-def _whole_read_outside(model: nn.Module, plan: Plan, example) -> Plan:
-    """``plan`` (in place) with every table whose weight the trace saw read outside its own
-    forward kept whole, and every layer tied to one: a split table read by other code reaches
+def _whole_read_outside(analysis: Analysis, plan: Plan) -> Plan:
+    """``plan`` with every table whose weight the trace saw read outside its own forward kept
+    whole, and every layer tied to one (a new plan): a split table read by other code reaches
     it as a shard (Gemma-4's pad row read off its text embedding: "mixed torch.Tensor and
     DTensor" once transformers' text plan, joined under ``model.language_model``, was used and
     the embedding made vocab-parallel beside it). Inference already keeps them whole; this
@@ -237,12 +229,14 @@ def _whole_read_outside(model: nn.Module, plan: Plan, example) -> Plan:
     split would hand that code the whole table, gathered on every forward: as much traffic
     and transient memory as the table, so whole it stays, and its note says why (Gemma-4's
     table, 12% of the full-size model)."""
+    model = analysis.model
     modules = dict(model.named_modules())
     # tables only: a linear read outside is the SSM planner's (Mamba's ``dt_proj.weight``, whose
     # channels the mixer splits with it) or a dry run's concern
-    names = [n for n in _read_outside(model, example) if kind_of(modules[n]) == "embedding"]
+    names = [n for n in _read_outside(analysis) if kind_of(modules[n]) == "embedding"]
     if not names:
         return plan
+    plan = plan.copy()
     weights = {id(p) for n in names for p in modules[n].parameters(recurse=False)}
     tied = [n for n, m in modules.items() if any(id(p) in weights for p in m.parameters(False))]
     for name in dict.fromkeys(names + tied):
@@ -259,19 +253,17 @@ def _whole_read_outside(model: nn.Module, plan: Plan, example) -> Plan:
     return plan
 
 
-def _read_outside(model: nn.Module, example) -> list[str]:
+def _read_outside(analysis: Analysis) -> list[str]:
     """Layers whose weight the trace saw computed with outside their own forward (the trace
-    inference just ran: cached on fake tensors, or the real one it fell back to)."""
+    inference just ran: on fake tensors, or the real one it fell back to)."""
     for real in (False, True):
-        try:
-            nodes = trace(model, example, real=real)["nodes"]
-        except Exception:  # noqa: BLE001, S112 - model code may do anything; try the other way
-            continue
-        return [name for name, node in nodes.items() if node.read_outside]
+        traced = analysis.traced(real=real)
+        if traced is not None:
+            return [name for name, node in traced.nodes.items() if node.read_outside]
     return []
 
 
-def _checked_config_plan(model: nn.Module, plan: Plan, example, tp: int | None = None) -> Plan:
+def _checked_config_plan(analysis: Analysis, plan: Plan, tp: int | None = None) -> Plan:
     """transformers' plan, unless the model's own code cannot run with it.
 
     Some shipped plans name only the embedding (DiffLlama, LFM2, HunYuan dense: every layer stays
@@ -282,20 +274,20 @@ def _checked_config_plan(model: nn.Module, plan: Plan, example, tp: int | None =
     the inferred plan passes the same check it is used instead, and its notes say why. A plan
     that passes is completed by the inferred plan's groups it leaves whole.
     """
+    model = analysis.model
     try:  # first: its trace settles the made-up inputs (a VLM's tower inputs that fail: text)
-        inferred = infer_plan(model, example)
+        inferred = infer(analysis)
     except ValueError:
         inferred = None
     if not _names_a_layer(model, plan):
         error = "it names only the vocabulary embedding, no layer"
     else:
-        error = dry_run(model, plan, example, 2)
+        error = dry_run(analysis, plan, 2)
         error = error and f"it fails a tp=2 dry run ({error})"
     if error is None:
         added = []
         if inferred is not None:
-            _groups_as_entries(inferred)
-            added = complete_with_inferred(model, plan, inferred, example)
+            plan, added = complete_with_inferred(analysis, plan, _groups_as_entries(inferred))
         if added:
             plan.notes[type(model).__name__] = (
                 "transformers' base_model_tp_plan leaves whole what the inferred plan splits: "
@@ -303,13 +295,13 @@ def _checked_config_plan(model: nn.Module, plan: Plan, example, tp: int | None =
                 + " (pass plan='config' for transformers' plan alone)"
             )
         elif inferred is None:
-            _complete_with_fallback(model, plan, example, tp)
+            plan = _complete_with_fallback(analysis, plan, tp)
         return plan
-    if inferred is None or dry_run(model, inferred, example, 2) is not None:
+    if inferred is None or dry_run(analysis, inferred, 2) is not None:
         if not _names_a_layer(model, plan):
-            return _vocab_only_fallback(model, plan, inferred is None, example, tp)
-        if inferred is None and dry_run(model, Plan(), example, 2) is not None:
-            _complete_with_fallback(model, plan, example, tp, checked=False)  # nothing to check
+            return _vocab_only_fallback(analysis, plan, inferred is None, tp)
+        if inferred is None and dry_run(analysis, Plan(), 2) is not None:
+            plan = _complete_with_fallback(analysis, plan, tp, checked=False)  # nothing to check
         return plan  # nothing better to offer: validation or forward will name the problem
     inferred.notes[type(model).__name__] = (
         f"transformers' base_model_tp_plan is not used: {error}; the inferred plan is (pass "
@@ -318,11 +310,13 @@ def _checked_config_plan(model: nn.Module, plan: Plan, example, tp: int | None =
     return inferred
 
 
-def _groups_as_entries(plan: Plan) -> None:
-    """Name each group of ``plan`` by its entries (in place): a pair in an ``nn.Sequential``
-    has entries ``merger.mlp.0`` / ``merger.mlp.2`` but its group says ``merger.mlp.*``, which
-    `complete_with_inferred` reads as not one entry per layer kind and skips (EXAONE-4.5's
-    projector, 30% of its tiny model, left whole beside transformers' plan)."""
+def _groups_as_entries(plan: Plan) -> Plan:
+    """``plan`` with each group named by its entries (a new plan): a pair in an
+    ``nn.Sequential`` has entries ``merger.mlp.0`` / ``merger.mlp.2`` but its group says
+    ``merger.mlp.*``, which `complete_with_inferred` reads as not one entry per layer kind and
+    skips (EXAONE-4.5's projector, 30% of its tiny model, left whole beside transformers'
+    plan)."""
+    plan = plan.copy()
     for i, group in enumerate(plan.groups):
         if all(p in plan for p in group.modules):
             continue
@@ -332,13 +326,15 @@ def _groups_as_entries(plan: Plan) -> None:
             modules += [h for h in hits if h not in modules]
         if modules:
             plan.groups[i] = dataclasses.replace(group, modules=tuple(modules))
+    return plan
 
 
 def _complete_with_fallback(
-    model: nn.Module, plan: Plan, example, tp: int | None, checked: bool = True
-) -> None:
-    """Add to transformers' ``plan`` (in place) the per-layer fallback's entries for the layers
-    it leaves whole, when the dataflow cannot be traced (so no inferred group can complete it,
+    analysis: Analysis, plan: Plan, tp: int | None, checked: bool = True
+) -> Plan:
+    """Transformers' ``plan`` with the per-layer fallback's entries added for the layers it
+    leaves whole (a new plan), when the dataflow cannot be traced (so no inferred group can
+    complete it,
     `complete_with_inferred`): ERNIE-4.5-VL's text plan names no expert and its tower's plan
     no attention, 8% of the tiny model split against 99% by the fallback alone. A fallback
     layer takes its input whole and gathers its output: exact wherever its input is whole.
@@ -348,8 +344,9 @@ def _complete_with_fallback(
     A split input left over would fail on shapes, never compute wrong numbers; and when
     ``checked`` (transformers' plan passed a tp=2 dry run) they are added only if the dry run
     still passes with them, else none is."""
+    model = analysis.model
     why = "the dataflow could not be traced and transformers' base_model_tp_plan leaves it whole"
-    fallback = fallback_plan(model, why, tp, example=example)
+    fallback = fallback_plan(model, why, tp, analysis=analysis)
     resolved = plan.resolve(model)
     named = [t.name for t in resolved]
     beside_columns = {  # modules holding a column layer of transformers' plan
@@ -370,8 +367,9 @@ def _complete_with_fallback(
             continue  # its input may be a column layer's split output
         trial.set(pattern, fallback[pattern], fallback.source(pattern), fallback.args.get(pattern))
         added.append(pattern)
-    if not added or (checked and dry_run(model, trial, example, 2) is not None):
-        return
+    if not added or (checked and dry_run(analysis, trial, 2) is not None):
+        return plan
+    plan = plan.copy()
     for pattern in added:
         plan.set(pattern, fallback[pattern], fallback.source(pattern), fallback.args.get(pattern))
         if pattern in fallback.fixups:
@@ -382,22 +380,22 @@ def _complete_with_fallback(
         f"transformers' base_model_tp_plan completed by the per-layer fallback ({len(added)} "
         "layers it leaves whole; the dataflow could not be traced)"
     )
+    return plan
 
 
-def _vocab_only_fallback(
-    model: nn.Module, plan: Plan, untraced: bool, example, tp: int | None
-) -> Plan:
+def _vocab_only_fallback(analysis: Analysis, plan: Plan, untraced: bool, tp: int | None) -> Plan:
     """The per-layer fallback (`tpkit.sources.fallback`) in place of a transformers plan that
     splits only the vocabulary when no inferred plan runs either: the model's layers would
     otherwise all stay whole (a default GLM-4V config, whose forward fails in its rotary,
     kept 88% of its weights whole). Each layer split on its own and gathered is exact whatever
     code runs between layers, as when no transformers plan exists (`_source_plan`);
     transformers' plan is kept when the fallback splits nothing."""
+    model = analysis.model
     why = "transformers' base_model_tp_plan names only the vocabulary embedding, no layer, and " + (
         "the dataflow could not be traced" if untraced else "the inferred plan fails a dry run"
     )
-    read_outside = [] if untraced else _read_outside(model, example)
-    fallback = fallback_plan(model, why, tp, read_outside, example=example)
+    read_outside = [] if untraced else _read_outside(analysis)
+    fallback = fallback_plan(model, why, tp, read_outside, analysis=analysis)
     if not splits_anything(model, fallback):
         return plan
     fallback.notes[type(model).__name__] = f"per-layer fallback: {why}"

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -74,7 +75,9 @@ WIDTH_ATTRS = (
     "all_head_size",
 )
 #: Width attributes a module's own forward reads to shape its output: they must follow the shard.
-FORWARD_WIDTH_ATTRS = {"nf": ("weight", -1)}  # transformers' Conv1D: x @ W viewed as (..., nf)
+FORWARD_WIDTH_ATTRS = MappingProxyType(
+    {"nf": ("weight", -1)}
+)  # transformers' Conv1D: x @ W viewed as (..., nf)
 
 
 def shard_width_fixups(model: nn.Module, plan: Plan) -> dict[str, dict[str, Any]]:

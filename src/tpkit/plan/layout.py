@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -135,15 +136,17 @@ def param_layout(
 
 #: ``mha_heads``: where each of ``nn.MultiheadAttention``'s own parameters holds its heads
 #: (``out_proj`` is a child with its own ``rowwise`` entry)
-_MHA_LAYOUTS = {
-    "in_proj_weight": ParamLayout(0, 3),  # [q; k; v] packed, [3 E, E]
-    "in_proj_bias": ParamLayout(0, 3),
-    "q_proj_weight": ParamLayout(0),  # [E, E], [E, kdim], [E, vdim]
-    "k_proj_weight": ParamLayout(0),
-    "v_proj_weight": ParamLayout(0),
-    "bias_k": ParamLayout(2),  # [1, 1, E]
-    "bias_v": ParamLayout(2),
-}
+_MHA_LAYOUTS = MappingProxyType(
+    {
+        "in_proj_weight": ParamLayout(0, 3),  # [q; k; v] packed, [3 E, E]
+        "in_proj_bias": ParamLayout(0, 3),
+        "q_proj_weight": ParamLayout(0),  # [E, E], [E, kdim], [E, vdim]
+        "k_proj_weight": ParamLayout(0),
+        "v_proj_weight": ParamLayout(0),
+        "bias_k": ParamLayout(2),  # [1, 1, E]
+        "bias_v": ParamLayout(2),
+    }
+)
 
 
 def chunk_sizes(size: int, parts: int) -> list[int]:

@@ -20,6 +20,8 @@ looks the rows up whole before the embedding's own code runs (`tpkit.styles.embe
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from torch import nn
 
 from tpkit.plan.catalogue import style_spec
@@ -27,7 +29,7 @@ from tpkit.plan.layout import kind_of, param_layout, param_layouts, param_styles
 from tpkit.plan.spec import Group, Plan, Source, matches
 from tpkit.settle.dryrun import dry_run
 from tpkit.settle.settle import group_instances, keep_whole
-from tpkit.trace.trace import trace
+from tpkit.trace.analysis import Analysis
 
 __all__ = [
     "agree_tied",
@@ -40,12 +42,14 @@ __all__ = [
 
 
 def complete_with_inferred(
-    model: nn.Module, plan: Plan, inferred: Plan, example=None, tp: int = 2
-) -> list[Group]:
-    """Add to ``plan`` (in place) every group of ``inferred`` that ``plan`` leaves whole: none of
-    its modules or their ancestors named by ``plan``, and a tp dry run still passing with it
+    analysis: Analysis, plan: Plan, inferred: Plan, tp: int = 2
+) -> tuple[Plan, list[Group]]:
+    """``plan`` with every group of ``inferred`` added that ``plan`` leaves whole: none of its
+    modules or their ancestors named by ``plan``, and a tp dry run still passing with it
     (transformers' plans skip MLA's down projections, routers' shared MLPs, hybrid layers...).
-    Returns the groups added."""
+    Returns the new plan and the groups added."""
+    model = analysis.model
+    plan = plan.copy()
     names = list(dict(model.named_modules())) + [n for n, _ in model.named_parameters()]
 
     def named_above(name: str) -> bool:
@@ -76,24 +80,25 @@ def complete_with_inferred(
             continue
         trial = plan.copy()
         add(trial, group)
-        if dry_run(model, trial, example, tp) is None:
+        if dry_run(analysis, trial, tp) is None:
             add(plan, group)
             added.append(group)
-    return added
+    return plan, added
 
 
-def complete_grad_allreduce(model: nn.Module, plan: Plan, example=None) -> Plan:
+def complete_grad_allreduce(analysis: Analysis, plan: Plan) -> Plan:
     """Add ``replicated_with_grad_allreduce`` for the modules with their own parameters that act
     on a column-parallel output which ``plan`` (typically transformers') leaves unnamed:
     Apertus's xIELU activation (scalar ``alpha_p``/``alpha_n`` between up_proj and down_proj)
     or a per-head norm. Each rank's gradient for them covers only its shard of the activation,
     so without the all-reduce they drift apart across ranks. Conversely an inferred or
-    transformers entry of that style whose columns a user entry replicated becomes ``replicate``. Traced on fake tensors; a model that does not trace gets the plan
-    unchanged."""
-    try:
-        nodes = trace(model, example)["nodes"]
-    except Exception:  # noqa: BLE001 - model code may do anything on meta
+    transformers entry of that style whose columns a user entry replicated becomes
+    ``replicate``. Read off the trace; a model that does not trace gets the plan unchanged.
+    A new plan."""
+    model, traced = analysis.model, analysis.traced()
+    if traced is None:
         return plan
+    plan, nodes = plan.copy(), traced.nodes
     split: set[str] = set()  # consumers of some column-parallel output
     modules = dict(model.named_modules())
     for t in plan.resolve(model):
@@ -131,7 +136,7 @@ def complete_grad_allreduce(model: nn.Module, plan: Plan, example=None) -> Plan:
     return plan
 
 
-def complete_param_grads(model: nn.Module, plan: Plan, example=None) -> Plan:
+def complete_param_grads(analysis: Analysis, plan: Plan) -> Plan:
     """Add a parameter entry ``replicated_with_grad_allreduce`` for each bare parameter whose
     values meet the split output of a column layer of the final ``plan`` with no linear in
     between, broadcast over the split (`tpkit.trace.trace.Node.partial_params`): MLCD's
@@ -146,16 +151,16 @@ def complete_param_grads(model: nn.Module, plan: Plan, example=None) -> Plan:
     its gradient already). Run on the settled plan, since settling
     may gather a column layer whose output then is whole. Not handled: one parameter read
     both with split features and with whole ones (each rank's gradient would need only part
-    of it summed); no architecture swept does that."""
-    try:
-        info = trace(model, example)
-    except Exception:  # noqa: BLE001 - model code may do anything on meta
+    of it summed); no architecture swept does that. A new plan."""
+    model, info = analysis.model, analysis.traced()
+    if info is None:
         return plan
-    nodes, params = info["nodes"], dict(model.named_parameters(remove_duplicate=False))
+    plan = plan.copy()
+    nodes, params = info.nodes, dict(model.named_parameters(remove_duplicate=False))
     # what reaches the heads through a per-head input the fix-ups slice (CPM-Ant's position
     # bias) is summed by the slice's own all-reduce (`tpkit.parallel.tensor.apply_plan`): not again
     sliced: set[str] = set()
-    for module, keys in info.get("input_params", {}).items():
+    for module, keys in info.input_params.items():
         for key in plan.fixups_for(module).get("head_inputs", {}):
             sliced |= keys.get(key, frozenset())
     for t in plan.resolve(model):
@@ -178,13 +183,15 @@ def complete_param_grads(model: nn.Module, plan: Plan, example=None) -> Plan:
 #: whatever the module's (whole) input, and gathers or reduces its output: a linear tied to a
 #: row-parallel weight (DiffusionGemma's decoder ``o_proj``, tied to its encoder's) slices its
 #: whole input itself (``rowwise_split_input``) and all-reduces
-TIED_STYLES = {
-    "linear": ("colwise_gather_output", "rowwise_split_input"),
-    "embedding": ("vocab_parallel",),
-}
+TIED_STYLES = MappingProxyType(
+    {
+        "linear": ("colwise_gather_output", "rowwise_split_input"),
+        "embedding": ("vocab_parallel",),
+    }
+)
 
 
-def complete_tied_layers(model: nn.Module, plan: Plan, example=None) -> Plan:
+def complete_tied_layers(analysis: Analysis, plan: Plan) -> Plan:
     """Make every name of a tied parameter that the plan splits compute with the same split.
 
     First, twins (`_mirror_tied_twins`): a module left whole all of whose parameters are tied
@@ -198,7 +205,9 @@ def complete_tied_layers(model: nn.Module, plan: Plan, example=None) -> Plan:
     rank's shard as if it were the whole weight: ShieldGemma-2 wraps Gemma-3, its
     ``get_output_embeddings`` names no head, and its ``lm_head`` tied to the vocab-parallel
     embedding returned each rank a different half of the vocabulary's logits (rank 0 right,
-    rank 1 wrong, no error). User entries are left as they are."""
+    rank 1 wrong, no error). User entries are left as they are. A new plan."""
+    model = analysis.model
+    plan = plan.copy()
     modules = dict(model.named_modules())
     owners: dict[int, list[tuple[str, str]]] = {}
     for name, module in modules.items():
@@ -206,7 +215,7 @@ def complete_tied_layers(model: nn.Module, plan: Plan, example=None) -> Plan:
             if p is not None:
                 owners.setdefault(id(p), []).append((name, pname))
     if any(len(t) > 1 for t in owners.values()):
-        _mirror_tied_twins(model, plan, owners, example)
+        plan = _mirror_tied_twins(analysis, plan, owners) or plan
     styles = param_styles(model, plan)
     for tied in owners.values():
         if len(tied) < 2:
@@ -250,16 +259,16 @@ def _whole_here(plan: Plan, name: str) -> bool:
 
 
 def _mirror_tied_twins(
-    model: nn.Module, plan: Plan, owners: dict[int, list[tuple[str, str]]], example
-) -> bool:
-    """Give each module left whole (`_whole_here`) whose parameters are all tied, name for
-    name, to those of a module with an entry that splits one of them (its twin) the twin's
-    entry, its parent the twin parent's fix-ups (head counts), all twins at once, in place,
-    when a tp=2 dry run passes with them; else change nothing. Exact as the twin is: the same
+    analysis: Analysis, plan: Plan, owners: dict[int, list[tuple[str, str]]]
+) -> Plan | None:
+    """A copy of ``plan`` in which each module left whole (`_whole_here`) whose parameters are
+    all tied, name for name, to those of a module with an entry that splits one of them (its
+    twin) has the twin's entry, its parent the twin parent's fix-ups (head counts), all twins
+    at once, when a tp=2 dry run passes with them; else None. Exact as the twin is: the same
     weights, the same kind of module in the same place of a block that shares all of them (an
     encoder's and a decoder's shared layers), and where the dataflow differs the dry run fails
-    (a column twin whose row partner is not mirrored hands a split output to whole code).
-    Returns whether the twins were mirrored."""
+    (a column twin whose row partner is not mirrored hands a split output to whole code)."""
+    model = analysis.model
     modules = dict(model.named_modules())
     trial, mirrored = plan.copy(), []
     for name, module in modules.items():
@@ -289,10 +298,9 @@ def _mirror_tied_twins(
                 trial.fixups[parent] = dict(fix)
             mirrored.append(name)
             break
-    if not mirrored or dry_run(model, trial, example, 2) is not None:
-        return False
-    vars(plan).update(vars(trial))
-    return True
+    if not mirrored or dry_run(analysis, trial, 2) is not None:
+        return None
+    return trial
 
 
 def _tied_names_alike(
@@ -327,8 +335,9 @@ def _tied_names_alike(
 
 
 def agree_tied(model: nn.Module, plan: Plan) -> Plan:
-    """Keep whole (in place) every name of a tied parameter that ``plan`` still lays out two
-    ways after completion and settling, when no user entry is involved: tpkit never refuses
+    """``plan`` with every name of a tied parameter kept whole that ``plan`` still lays out two
+    ways after completion and settling, when no user entry is involved (a new plan): tpkit
+    never refuses
     a plan it derived for a tie (validation would, "tied parameters would be split
     differently") when the slower exact split exists. `complete_tied_layers` makes most ties
     agree by splitting both names; what is left (a holder with no whole style of that layout,
@@ -337,6 +346,7 @@ def agree_tied(model: nn.Module, plan: Plan) -> Plan:
     directly, a column or row layer with its inferred group (`tpkit.settle.settle.keep_whole`),
     each with a note. A transformers entry in no inferred group cannot be replicated alone
     (its partner would get a split input) and is left to validation, as a user's is."""
+    plan = plan.copy()
     owners: dict[int, list[str]] = {}
     for full, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(full)
@@ -381,14 +391,16 @@ def _keep_name_whole(model: nn.Module, plan: Plan, name: str, why: str) -> bool:
 
 
 def note_whole_params(model: nn.Module, plan: Plan) -> Plan:
-    """Note (in place) why each module's own bare >=2-D parameters that ``plan`` leaves whole
-    stay so, where nothing names the module: a module that is no layer tpkit splits (not a
+    """``plan`` with a note on why each module's own bare >=2-D parameters that it leaves
+    whole stay so, where nothing names the module (a new plan): a module that is no layer
+    tpkit splits (not a
     linear, table, convolution or other ``torch.nn`` layer) runs its own code on its
     parameters, and no style runs that code on a shard, so no split of them is proven exact.
     YOLOS's mid-layer position table (15% of the model) is interpolated over the patch grid
     and added to the whole hidden states in every layer: split along the features it would
     have to be gathered back on every forward. Without the note `tpkit plan` and the
     full-size report said only "no plan entry splits it". Changes no layout."""
+    plan = plan.copy()
     layouts = param_layouts(model, plan)
     for name, module in model.named_modules():
         if kind_of(module) or type(module).__module__.startswith("torch.nn"):

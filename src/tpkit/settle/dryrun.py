@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,6 +45,7 @@ from tpkit.plan.layout import (
 )
 from tpkit.plan.spec import Plan
 from tpkit.settle.settle import lay_out
+from tpkit.trace.analysis import Analysis, plan_key
 from tpkit.trace.fake import (
     REAL_TRACE_MAX_PARAMS,
     fake_friendly_experts,
@@ -54,41 +54,51 @@ from tpkit.trace.fake import (
     quiet_fake_tensors,
     real_state,
 )
-from tpkit.trace.shadow import ShadowValues, needs_values
+from tpkit.trace.fold import Twins, folded, known_values, plan_twins
+from tpkit.trace.shadow import GivenValues, ShadowValues, needs_values
 
 __all__ = ["dry_run"]
 
 _NOTHING_LEARNED = "<nothing learned>"
 #: the calls whose output shape says how a feature dim is cut into blocks
 _RESHAPES = frozenset({"view", "reshape", "unflatten", "flatten"})
-#: model -> (inputs, with shadow values) -> the unsplit fake forward's reshapes per module;
-#: weak, so an entry goes with its model
-_UNSPLIT: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
-def dry_run(model: nn.Module, plan: Plan, example: tuple | Mapping | None, tp: int) -> str | None:
-    """None when ``model`` runs with ``plan`` at ``tp`` on fake tensors (rank 0's shard shapes,
-    fix-ups applied; the last rank's too when a split is uneven), else the error in brief. A
-    model whose code needs real values (a data-dependent branch) is dry-run again with made-up
-    routing values (`tpkit.trace.shadow`), then on its real weights with zero shards when it is
-    small, and otherwise counts as passing: nothing can be learned without running it."""
-    for rank in (0, tp - 1) if _uneven(model, plan, tp) else (0,):
-        error = _dry_run_modes(model, plan, example, tp, rank)
+def dry_run(analysis: Analysis, plan: Plan, tp: int) -> str | None:
+    """None when the analysed model runs with ``plan`` at ``tp`` on fake tensors (rank 0's
+    shard shapes, fix-ups applied; the last rank's too when a split is uneven), else the error
+    in brief. A model whose code needs real values (a data-dependent branch) is dry-run again
+    with made-up routing values (`tpkit.trace.shadow`), then on its real weights with zero
+    shards when it is small, and otherwise counts as passing: nothing can be learned without
+    running it. Each question (the plan's content, ``tp``) is answered once per analysis
+    (`tpkit.trace.analysis.Analysis.answers`): settling asks the same ones again."""
+    key = (plan_key(plan), tp)
+    if key not in analysis.answers:
+        analysis.settle_inputs()  # fed as the trace settled it (one row, the text alone)
+        run = lambda twins: _dry_run(analysis, plan, tp, twins)  # noqa: E731
+        analysis.answers[key] = analysis.folding(run, purpose="dry run")
+    return analysis.answers[key]
+
+
+def _dry_run(analysis: Analysis, plan: Plan, tp: int, twins: Twins) -> str | None:
+    for rank in (0, tp - 1) if _uneven(analysis.model, plan, tp) else (0,):
+        error = _dry_run_modes(analysis, plan, tp, rank, twins)
         if error is not None:
             return error
     return None
 
 
-def _dry_run_modes(model: nn.Module, plan: Plan, example, tp: int, rank: int) -> str | None:
-    error = _dry_run_once(model, plan, example, tp, real=False, rank=rank)
+def _dry_run_modes(analysis: Analysis, plan: Plan, tp: int, rank: int, twins: Twins) -> str | None:
+    model = analysis.model
+    error = _dry_run_once(analysis, plan, tp, real=False, rank=rank, twins=twins)
     if error == _NOTHING_LEARNED:  # data-dependent routing: made-up values (`plan.shadow`)
-        error = _dry_run_once(model, plan, example, tp, real=False, values=True, rank=rank)
+        error = _dry_run_once(analysis, plan, tp, real=False, values=True, rank=rank, twins=twins)
     if error == _NOTHING_LEARNED:
         params = list(model.parameters())
         real = params and params[0].device.type != "meta"
         small = sum(p.numel() for p in params) <= REAL_TRACE_MAX_PARAMS
         run = real and small
-        error = _dry_run_once(model, plan, example, tp, real=True, rank=rank) if run else None
+        error = _dry_run_once(analysis, plan, tp, real=True, rank=rank) if run else None
     return None if error == _NOTHING_LEARNED else error
 
 
@@ -150,41 +160,48 @@ def _width_hooks(
 
 
 def _dry_run_once(
-    model: nn.Module,
+    analysis: Analysis,
     plan: Plan,
-    example,
     tp: int,
     real: bool,
     values: bool = False,
     rank: int = 0,
     record: dict[str, list] | None = None,
+    twins: Twins | None = None,
 ) -> str | None:
     """None when a forward with ``rank``'s shapes runs, else the error in brief. A fake run
     also fails where a reshape cuts the shards inside their blocks (`_cut_inside`); with
-    ``record`` (the unsplit reference run) it only fills it."""
+    ``record`` (the unsplit reference run) it only fills it. ``twins``: the layers a fake run
+    folds (`tpkit.trace.fold`), those the plan lays out alike."""
+    model, example = analysis.model, analysis.example
     plan = plan.copy()
     reshapes: dict[str, list] = {} if record is None else record
     lay_out(model, plan, tp)  # as settling lays the plan out for this tp, before any trial
+    twins = Twins() if twins is None or real else plan_twins(twins, plan, model)
     shapes = _shard_shapes(model, plan, tp, rank)
     undo, hooks, running = (lambda: None), [], []
     try:  # every temporary change is made inside, so the finally undoes all of them
         undo = apply_fixups(model, plan, tp, rank)
         hooks = _width_hooks(model, plan, shapes, tp, rank)
         fake = None if real else FakeTensorMode(allow_non_fake_inputs=True)
-        args, kwargs = fake_inputs(model, example, fake, real)
+        given = GivenValues()
+        args, kwargs = fake_inputs(model, example, fake, real, analysis.recipe, given)
         hooks += _where(model, running)
         with quiet_fake_tensors(), torch.no_grad():
             if real:
                 with real_state(model, shapes):
                     model(*args, **kwargs)
             else:
-                shadow = ShadowValues(fake) if values else contextlib.nullcontext()
+                shadow = ShadowValues(fake, given) if values else None
                 recorder = _Reshapes(running, reshapes)
                 with (
+                    folded(
+                        model, twins, describe=known_values(shadow) if shadow is not None else None
+                    ),
                     meta_state(model, fake, shapes),
                     fake_friendly_experts(model),
                     fake,
-                    shadow,
+                    shadow if shadow is not None else contextlib.nullcontext(),
                     recorder,
                 ):
                     model(*args, **kwargs)
@@ -198,7 +215,7 @@ def _dry_run_once(
         undo()
     if real or record is not None:
         return None
-    return _cut_inside(reshapes, _unsplit(model, example, values), tp, rank)
+    return _cut_inside(reshapes, _unsplit(analysis, values, twins), tp, rank)
 
 
 class _Reshapes(TorchFunctionMode):
@@ -219,17 +236,18 @@ class _Reshapes(TorchFunctionMode):
         return result
 
 
-def _unsplit(model: nn.Module, example, values: bool) -> dict[str, list] | None:
-    """The unsplit model's reshapes on the same fake inputs (cached per model and inputs);
-    None when that forward does not run (then nothing can be compared)."""
-    cache = _UNSPLIT.setdefault(model, {})
-    shapes = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
-    key = (id(example), values, hash(shapes))  # a model changed since has other parameters
-    if key not in cache or cache[key][0] is not example:  # an id reused by other inputs
+def _unsplit(analysis: Analysis, values: bool, twins: Twins) -> dict[str, list] | None:
+    """The unsplit model's reshapes on the same fake inputs, its same layers folded (once per
+    analysis, with shadow values or not: `tpkit.trace.analysis.Analysis.references`); None
+    when that forward does not run (then nothing can be compared)."""
+    key = (values, tuple(twins.rep.items()))
+    if key not in analysis.references:
         record: dict[str, list] = {}
-        error = _dry_run_once(model, Plan(), example, 1, real=False, values=values, record=record)
-        cache[key] = (example, None if error is not None else record)
-    return cache[key][1]
+        error = _dry_run_once(
+            analysis, Plan(), 1, real=False, values=values, record=record, twins=twins
+        )
+        analysis.references[key] = None if error is not None else record
+    return analysis.references[key]
 
 
 def _cut_inside(

@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from types import MappingProxyType
 
 from torch import nn
 
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.layout import kind_of
 from tpkit.plan.spec import Group, Plan, matches
-from tpkit.trace.trace import STREAM, Node, generic, trace
+from tpkit.trace.trace import STREAM, Node, generic
 
 __all__ = [
     "GATHERED",
@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 #: what a group's split styles become when it is gathered
-GATHERED = {"colwise": "colwise_gather_output", "rowwise": "rowwise_split_input"}
+GATHERED = MappingProxyType({"colwise": "colwise_gather_output", "rowwise": "rowwise_split_input"})
 _KINDS = ("linear", "conv1d")
 
 
@@ -151,27 +151,26 @@ def gather_group(model: nn.Module, plan: Plan, group: Group, why: str) -> bool:
     return True
 
 
-def gather_reduced_pairs(model: nn.Module, plan: Plan, example: Any = None) -> list[str]:
-    """Gather (in place) every column/row pair of ``plan`` whose column output the model's code
-    reduces over its split features (`tpkit.trace.trace.Node.reduced`): on a rank's part a mean,
+def gather_reduced_pairs(model: nn.Module, plan: Plan, nodes: Mapping[str, Node] | None) -> Plan:
+    """``plan`` with every column/row pair gathered whose column output the model's code
+    reduces over its split features (``nodes``: the trace's, None where the model does not
+    trace; `tpkit.trace.trace.Node.reduced`): on a rank's part a mean,
     a norm or a top-k is a wrong number with no error. Plain ``colwise`` / ``rowwise`` members
     become ``colwise_gather_output`` / ``rowwise_split_input`` (exact, weights still split);
     a pair with any other split style is replicated. Per layer: a model that reduces in some
     layers only (Gemma-3n's first 10 of 35) keeps the others split. The user's own entries are
-    left as they are. Returns the modules changed; each gets a note saying which op, where.
+    left as they are. Each module changed gets a note saying which op, where. A new plan.
     Inference needs none of this (its pairing already leaves such pairs out); this is for
     transformers' plans, which are written per layer kind, not per layer."""
-    try:
-        nodes = trace(model, example)["nodes"]
-    except Exception:  # noqa: BLE001 - model code may do anything on meta
-        return []
+    if nodes is None:
+        return plan
+    plan = plan.copy()
     targets = {t.name: t for t in plan.resolve(model) if t.kind == "module"}
 
     def split(name: str, role: str) -> bool:
         t = targets.get(name)
         return t is not None and style_spec(t.style).role == role
 
-    changed: list[str] = []
     done: set[str] = set()
     for name in sorted(nodes):
         if not nodes[name].reduced or name in done or not split(name, "column"):
@@ -194,20 +193,18 @@ def gather_reduced_pairs(model: nn.Module, plan: Plan, example: Any = None) -> l
                 if hit is not None and hit[0] == "replicated_with_grad_allreduce":
                     plan.set(user, "replicate", plan.source(hit[1]))
         _drop_fixups(model, plan, {m.rsplit(".", 1)[0] for m in members if "." in m})
-        changed.extend(sorted(members))
-    return changed
+    return plan
 
 
-def drop_fixups_of_gathered_owners(model: nn.Module, plan: Plan) -> list[str]:
-    """Drop (in place) the fix-ups of every module whose code sees whole activations because
+def drop_fixups_of_gathered_owners(model: nn.Module, plan: Plan) -> Plan:
+    """``plan`` without the fix-ups of every module whose code sees whole activations because
     the plan gathers the column outputs feeding it: some layer inside it gathers its output
     (``colwise_gather_output``) and none inside leaves an output split or expects a split input.
     A user's plan does this over the auto plan's fix-ups (BLOOM's ``query_key_value`` gathered:
     the attention reshapes 3 x all its heads, so dividing ``num_heads`` breaks the reshape and
-    slicing ``alibi`` would pair heads with other heads' slopes). Returns the modules whose
-    fix-ups were dropped."""
+    slicing ``alibi`` would pair heads with other heads' slopes). A new plan."""
     if not plan.fixups:
-        return []
+        return plan
     specs = {t.name: (t.kind, style_spec(t.style)) for t in plan.resolve(model)}
     names = [n for n, _ in model.named_modules()]
     owners: set[str] = set()
@@ -221,8 +218,11 @@ def drop_fixups_of_gathered_owners(model: nn.Module, plan: Plan) -> list[str]:
             )
             if gathered and not split:
                 owners.add(owner)
+    if not owners:
+        return plan
+    plan = plan.copy()
     _drop_fixups(model, plan, owners)
-    return sorted(owners)
+    return plan
 
 
 def _drop_fixups(model: nn.Module, plan: Plan, owners: set[str]) -> None:

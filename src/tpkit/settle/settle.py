@@ -9,6 +9,9 @@ A derived plan splits what the dataflow allows; at a given tp some of it cannot 
   (`tpkit.settle.gathered`: weights still split, column outputs all-gathered, the code between
   on whole activations, so no count needs to divide) where a dry run at tp says the model runs
   so, else kept whole with a note (`settle_groups`);
+- transformers' plan splitting heads tp does not divide, or failing a dry run at tp: the
+  inferred plan instead; a layer or fused experts too narrow for tp: whole
+  (`tpkit.settle.fits`);
 - a group the model's code cannot run split at all (a global head count read where no fix-up
   reaches, a split output fed to a layer that needs it whole): the heads merged to the rank's
   width in the reshape that does not fit (``merge_heads``), else the fewest groups kept whole,
@@ -44,6 +47,7 @@ __all__ = [
     "constraints",
     "group_instances",
     "fewest_replicated",
+    "gathered_instance",
     "head_constraints",
     "keep_whole",
     "lay_out",
@@ -63,18 +67,21 @@ WHOLE_STYLES = frozenset({"replicate", "colwise_gather_output", "rowwise_split_i
 _RESHAPE = "is invalid for input of size"  # torch's error for a view that does not fit
 
 
-def settle(model: nn.Module, plan: Plan, tp: int, dry_run: DryRun) -> None:
-    """``plan`` (in place) made to run at ``tp``: KV heads fewer than tp kept whole per rank
-    (`settle_heads`), then each inferred group that cannot split at tp gathered or kept whole
-    (`settle_groups`), then, at a tp other than the 2 inference dry-ran, each inferred group
-    whose split the model's code cannot run at tp (`settle_dataflow`). A plan tpkit derived
-    is never refused for tp: only the user's and transformers' entries can be."""
+def settle(model: nn.Module, plan: Plan, tp: int, dry_run: DryRun) -> Plan:
+    """``plan`` made to run at ``tp`` (a new plan; ``plan`` is left as it is): KV heads fewer
+    than tp kept whole per rank (`settle_heads`), then each inferred group that cannot split
+    at tp gathered or kept whole (`settle_groups`), then, at a tp other than the 2 inference
+    dry-ran, each inferred group whose split the model's code cannot run at tp
+    (`settle_dataflow`). A plan tpkit derived is never refused for tp: only the user's and
+    transformers' entries can be."""
     if tp <= 1:
-        return
+        return plan
+    plan = plan.copy()
     settle_heads(model, plan, tp)
-    settle_groups(model, plan, tp, dry_run)
+    plan = settle_groups(model, plan, tp, dry_run)
     if tp != 2:
-        settle_dataflow(model, plan, tp, dry_run)
+        plan = settle_dataflow(model, plan, tp, dry_run)
+    return plan
 
 
 def settle_heads(model: nn.Module, plan: Plan, tp: int) -> list[str]:
@@ -86,33 +93,34 @@ def settle_heads(model: nn.Module, plan: Plan, tp: int) -> list[str]:
     return replicate_kv_heads(model, plan, tp)
 
 
-def settle_groups(model: nn.Module, plan: Plan, tp: int, dry_run: DryRun) -> None:
-    """Each inferred group that cannot split at ``tp`` (`unfit_groups`: a count of
+def settle_groups(model: nn.Module, plan: Plan, tp: int, dry_run: DryRun) -> Plan:
+    """``plan`` with each inferred group that cannot split at ``tp`` (`unfit_groups`: a count of
     `Group.counts`, or any number validation would check for its modules, owners and their
-    head counts: packed parts, head counts, fix-up attributes) keeps its weights split in the
-    gathered form when a dry run at ``tp`` says the model runs so; else it is kept whole
-    (replicated) with a note saying which count tp does not divide."""
+    head counts: packed parts, head counts, fix-up attributes) in the gathered form (weights
+    still split) when a dry run at ``tp`` says the model runs so; else kept whole (replicated)
+    with a note saying which count tp does not divide. A new plan."""
     for group, why in unfit_groups(model, plan, tp):
-        trial = plan.copy()
-        if gather_instance(model, trial, group, why) and dry_run(trial, tp) is None:
-            gather_instance(model, plan, group, why)
+        trial = gathered_instance(model, plan, group, why)
+        if trial is not None and dry_run(trial, tp) is None:
+            plan = trial
+    plan = plan.copy()
     for group, why in unfit_groups(model, plan, tp):  # not gathered: whole
         keep_whole(plan, group, why, model)
+    return plan
 
 
-def settle_dataflow(model: nn.Module, plan: Plan, tp: int, dry_run: DryRun) -> None:
-    """``plan`` (in place) when a dry run at ``tp`` fails although every count divides (a
-    reshape to a fixed head size on an uneven width, CodeGen's 4 fixed qkv groups at tp=3):
+def settle_dataflow(model: nn.Module, plan: Plan, tp: int, dry_run: DryRun) -> Plan:
+    """``plan``, or, when a dry run at ``tp`` fails although every count divides (a reshape to
+    a fixed head size on an uneven width, CodeGen's 4 fixed qkv groups at tp=3), a copy with
     the fewest inferred groups, per layer, kept whole, each gathered instead where that runs
-    (`fewest_replicated`'s search at this tp). Nothing when the plan runs, or when the model
-    does not run on the made-up inputs even unsplit (the dry run cannot tell)."""
+    (`fewest_replicated`'s search at this tp). ``plan`` when it runs, or when the model does
+    not run on the made-up inputs even unsplit (the dry run cannot tell)."""
     error = dry_run(plan, tp)
     if error is None or dry_run(Plan(), tp) is not None:
-        return
+        return plan
     groups = [g for g in group_instances(model, plan) if _live(plan, g)]
     why = f"a dry run at tp_size={tp} failed: {error}"
-    settled = _fewest(model, plan, groups, dry_run, tp, why)
-    vars(plan).update(vars(settled))  # in place, as every settling step: settled is a copy
+    return _fewest(model, plan, groups, dry_run, tp, why)
 
 
 def lay_out(model: nn.Module, plan: Plan, tp: int) -> None:
@@ -142,23 +150,20 @@ def keep_whole(plan: Plan, group: Group, why: str, model: nn.Module | None = Non
             plan.fixups.pop(key)
 
 
-def gather_instance(
+def gathered_instance(
     model: nn.Module, plan: Plan, group: Group, why: str, packed: bool = True
-) -> bool:
-    """`tpkit.settle.gathered.gather_group` for one group, written out per layer first
-    (`materialise`); a packed column layer counts as a plain one here, since its output is
-    gathered whole (any cut of the fused rows is exact then, whatever its parts; not with
-    ``packed=False``: inference's tp=2 search keeps such groups whole, as it always has).
-    False, and ``plan`` untouched, where a member cannot be gathered."""
+) -> Plan | None:
+    """A copy of ``plan`` with one group gathered (`tpkit.settle.gathered.gather_group`),
+    written out per layer first (`materialise`); a packed column layer counts as a plain one
+    here, since its output is gathered whole (any cut of the fused rows is exact then,
+    whatever its parts; not with ``packed=False``: inference's tp=2 search keeps such groups
+    whole, as it always has). None where a member cannot be gathered."""
     trial = plan.copy()
     materialise(model, trial, group)
     for pattern in group.modules:
         if packed and trial.get(pattern) == "packed_colwise":
             trial.set(pattern, "colwise", trial.source(pattern))
-    if not gather_group(model, trial, group, why):
-        return False
-    vars(plan).update(vars(trial))
-    return True
+    return trial if gather_group(model, trial, group, why) else None
 
 
 def materialise(model: nn.Module, plan: Plan, group: Group) -> None:
@@ -434,8 +439,11 @@ def _fewest(
     def trial(whole: list[int], gathered: tuple[int, ...] = ()) -> Plan:
         out = plan.copy()
         for i in whole:
-            if i not in gathered or not gather_instance(model, out, groups[i], why, packed):
+            done = gathered_instance(model, out, groups[i], why, packed) if i in gathered else None
+            if done is None:
                 keep_whole(out, groups[i], why, model)
+            else:
+                out = done
         return out
 
     order = sorted(range(len(groups)), key=lambda i: not groups[i].owners)
@@ -452,7 +460,7 @@ def _fewest(
             chosen = rest
     gathered: tuple[int, ...] = ()  # then each kept whole keeps its weights split if it runs
     for i in chosen:
-        gatherable = gather_instance(model, plan.copy(), groups[i], why, packed)
+        gatherable = gathered_instance(model, plan, groups[i], why, packed) is not None
         if gatherable and dry_run(trial(chosen, (*gathered, i)), tp) is None:
             gathered = (*gathered, i)
     return trial(chosen, gathered)

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -74,11 +73,12 @@ from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 from torch.overrides import TorchFunctionMode
 
-from tpkit.compat import FakeTensorMode, tree_flatten
+from tpkit.compat import FakeTensorMode
 from tpkit.plan.layout import chunk_sizes
 from tpkit.trace.fake import fake_inputs, meta_state, quiet_fake_tensors
+from tpkit.trace.inputs import InputRecipe
 from tpkit.trace.reductions import reduced_dims
-from tpkit.trace.shadow import ShadowValues, needs_values
+from tpkit.trace.shadow import GivenValues, ShadowValues, needs_values, tensors_in
 
 __all__ = [
     "MIN_GATHER_CHANNELS",
@@ -88,6 +88,7 @@ __all__ = [
     "TRANSPOSED_CONVS",
     "ConvPairs",
     "conv_pairs",
+    "exact_row_convs",
     "own_forward",
     "rows_exact",
     "shared_params",
@@ -180,16 +181,22 @@ def shared_params(model: nn.Module) -> set[int]:
     return {k for k, v in counts.items() if v > 1}
 
 
-def splittable_conv(module: nn.Module, shared: set[int]) -> bool:
+def splittable_conv(
+    module: nn.Module, shared: set[int], exact: frozenset[int] | None = None
+) -> bool:
     """A convolution or norm the paired styles may split: its own parameters (none in
     ``shared``), not parametrized (weight norm computes over the whole weight), and its class's
     own ``forward`` (a subclass's forward could read across the weight), or a convolution
     subclass whose forward a probe shows computes each output channel from that channel's
     weight rows alone (`rows_exact`: weight standardization); such a one is only ever split by
-    its output channels (never read split: the roles `conv_pairs` gives check `own_forward`)."""
+    its output channels (never read split: the roles `conv_pairs` gives check `own_forward`).
+    ``exact``: the ids of the modules whose probe passed (`exact_row_convs`), probed before
+    the fake forwards that ask; without it the module is probed here, outside any forward."""
     if is_parametrized(module) or any(id(p) in shared for p in module.parameters(recurse=False)):
         return False
-    return own_forward(module) or rows_exact(module)
+    if own_forward(module):
+        return True
+    return id(module) in exact if exact is not None else rows_exact(module)
 
 
 def own_forward(module: nn.Module) -> bool:
@@ -198,8 +205,11 @@ def own_forward(module: nn.Module) -> bool:
     return base is not None and type(module).forward is base.forward
 
 
-#: module -> what its `rows_exact` probe found (one probe per module, computed outside traces)
-_ROWS_EXACT: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+def exact_row_convs(model: nn.Module) -> frozenset[int]:
+    """ids of ``model``'s convolution subclasses whose own forward `rows_exact` shows exact on
+    their rows of the weight: probed once, here, outside the fake forwards that ask
+    (`splittable_conv`'s ``exact``)."""
+    return frozenset(id(m) for m in model.modules() if rows_exact(m))
 
 
 def rows_exact(module: nn.Module) -> bool:
@@ -211,15 +221,14 @@ def rows_exact(module: nn.Module) -> bool:
     at tp 2 and 3, every part compared with the whole output's channels. A transform over the
     input channels (weight standardization spans them) makes the module unfit to be read
     split: it is only ever split by output channels. Anything the probe cannot run (children
-    with parameters or buffers, an error) is False: the module stays whole."""
+    with parameters or buffers, an error) is False: the module stays whole. Run it outside a
+    fake forward (`exact_row_convs`)."""
     if not isinstance(module, CONVS) or own_forward(module):
         return False
-    if module not in _ROWS_EXACT:
-        try:
-            _ROWS_EXACT[module] = _probe_rows(module)
-        except Exception:  # noqa: BLE001 - model code may do anything: not provably exact
-            _ROWS_EXACT[module] = False
-    return _ROWS_EXACT[module]
+    try:
+        return _probe_rows(module)
+    except Exception:  # noqa: BLE001 - model code may do anything: not provably exact
+        return False
 
 
 def _probe_rows(module: nn.Module) -> bool:
@@ -268,26 +277,27 @@ def conv_pairs(
     tp: int,
     splittable: Callable[[str, nn.Module], bool],
     example: tuple | Mapping | None = None,
+    recipe: InputRecipe | None = None,
 ) -> ConvPairs:
     """The convolution pairs of ``model`` at ``tp`` (see the module docstring), found on one
     fake-tensor forward per fixpoint round (``example``: the trace inputs, else made up from
-    the model). ``splittable(name, module)`` says whether a module may be split at all (the
-    fallback's checks: not shared, not parametrized, not an overridden forward). A model whose
-    forward cannot run on fake tensors pairs nothing (nor does one without a convolution)."""
+    the model as ``recipe`` says). ``splittable(name, module)`` says whether a module may be
+    split at all (the fallback's checks: not shared, not parametrized, not an overridden
+    forward), asked inside those forwards. A model whose forward cannot run on fake tensors
+    pairs nothing (nor does one without a convolution)."""
     if not any(isinstance(m, CONVS + TRANSPOSED_CONVS) for m in model.modules()):
         return ConvPairs()
-    for mod in model.modules():  # probed here, outside the fake forwards that ask
-        rows_exact(mod)
     excluded: set[str] = set()
     broken: dict[str, str] = {}
     for _ in range(_ROUNDS):
         try:
-            found = _ConvTrace(model, tp, splittable, excluded).run(example)
+            found = _ConvTrace(model, tp, splittable, excluded).run(example, recipe=recipe)
         except Exception as exc:  # noqa: BLE001 - model code may do anything: no pairs
             if not needs_values(exc):
                 return ConvPairs(broken=broken)
             try:  # data-dependent code (a layerdrop draw, a mask's length): made-up values
-                found = _ConvTrace(model, tp, splittable, excluded).run(example, values=True)
+                trace = _ConvTrace(model, tp, splittable, excluded)
+                found = trace.run(example, values=True, recipe=recipe)
             except Exception:  # noqa: BLE001 - as above
                 return ConvPairs(broken=broken)
         newly = {s: why for s, why in found.broken.items() if s not in excluded}
@@ -320,7 +330,7 @@ def _result(found: _ConvTrace, broken: dict[str, str], tp: int) -> ConvPairs:
         if not own_forward(found.modules[col]):  # its forward reads out_channels (a reshape)
             out.fixups[col] = {"shard_width": {"out_channels": ["weight", 0]}}
             out.notes[col] += "; its own forward transforms the weight per output channel"
-        for row in rows:
+        for row in sorted(rows):  # a set: its order would follow the hash seed
             out.styles[row] = "conv_rowwise"
             out.notes[row] = f"paired convolution: input channels split (from {col}), all-reduced"
     for name, (col, mod) in found.followers.items():
@@ -363,8 +373,7 @@ def _result(found: _ConvTrace, broken: dict[str, str], tp: int) -> ConvPairs:
     return out
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+_tensors = tensors_in
 
 
 def _is_scalar(obj: Any) -> bool:
@@ -409,7 +418,12 @@ class _ConvTrace(TorchFunctionMode):
         self.modules = dict(model.named_modules())
 
     # -- the forward ---------------------------------------------------------------------------
-    def run(self, example: tuple | Mapping | None, values: bool = False) -> _ConvTrace:
+    def run(
+        self,
+        example: tuple | Mapping | None,
+        values: bool = False,
+        recipe: InputRecipe | None = None,
+    ) -> _ConvTrace:
         """One fake forward; ``values``: with `ShadowValues` (code that reads a value)."""
         model, hooks = self.model, []
         for mod in model.modules():
@@ -419,8 +433,9 @@ class _ConvTrace(TorchFunctionMode):
         try:
             with quiet_fake_tensors():
                 fake = FakeTensorMode(allow_non_fake_inputs=True)
-                args, kwargs = fake_inputs(model, example, fake, real=False)
-                shadow = ShadowValues(fake) if values else contextlib.nullcontext()
+                given = GivenValues()
+                args, kwargs = fake_inputs(model, example, fake, False, recipe, given)
+                shadow = ShadowValues(fake, given) if values else contextlib.nullcontext()
                 with meta_state(model, fake), torch.no_grad(), fake, shadow, self:
                     model(*args, **kwargs)
         finally:

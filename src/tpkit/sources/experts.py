@@ -36,6 +36,7 @@ from torch import nn
 
 from tpkit.plan.catalogue import packed_style
 from tpkit.plan.layout import param_layout
+from tpkit.trace.trace import Trace
 
 __all__ = [
     "EXPERT_ATTRS",
@@ -57,7 +58,7 @@ EXPERT_ATTRS = ("num_experts", "moe_num_experts", "num_local_experts", "n_routed
 
 def expert_groups(
     model: nn.Module,
-    info: dict,
+    info: Trace,
     exclude: set[str],
     styles: dict,
     why: dict,
@@ -75,7 +76,7 @@ def expert_groups(
     for name, mod in model.named_modules():
         if name in exclude or any(name.startswith(f"{d}.") for d in done):
             continue
-        inputs = info["module_inputs"].get(name, [])
+        inputs = info.module_inputs.get(name, [])
         entries, inter, owners, divide = fused_experts(mod), 0, [], []
         extra = [n for n, c in mod.named_children() if any(True for _ in c.parameters())]
         key = _probe_key(mod, inputs, entries, extra)

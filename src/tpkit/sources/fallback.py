@@ -33,30 +33,40 @@ layer this way; tpkit keeps it as the floor under inference instead of a refusal
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from types import MappingProxyType
 
 from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
 from tpkit.plan.layout import kind_of, out_width, param_layouts
 from tpkit.plan.spec import Plan
+from tpkit.settle.fits import MIN_PER_RANK, experts_unfit, too_small
 from tpkit.sources.attention import mha_splits
-from tpkit.sources.convs import CONVS, conv_pairs, not_gathered, shared_params, splittable_conv
+from tpkit.sources.convs import (
+    CONVS,
+    conv_pairs,
+    exact_row_convs,
+    not_gathered,
+    shared_params,
+    splittable_conv,
+)
 from tpkit.sources.experts import fused_experts
+from tpkit.trace.analysis import Analysis
 
 __all__ = ["MIN_PER_RANK", "SOURCE", "fallback_plan", "splits_anything"]
 
-#: a layer with fewer output features (or table rows / columns) than this per rank stays whole
-MIN_PER_RANK = 2
 #: the source the fallback's entries carry (`Plan.source`, `tpkit plan`'s table)
 SOURCE = "fallback"
 #: the forwards the fallback's styles are exact for (a subclass that keeps them is fine)
 _CONVS = CONVS
-_BASE_FORWARD = {
-    "linear": nn.Linear.forward,
-    "embedding": nn.Embedding.forward,
-    "bag": nn.EmbeddingBag.forward,
-    **{c: c.forward for c in _CONVS},
-}
+_BASE_FORWARD = MappingProxyType(
+    {
+        "linear": nn.Linear.forward,
+        "embedding": nn.Embedding.forward,
+        "bag": nn.EmbeddingBag.forward,
+        **{c: c.forward for c in _CONVS},
+    }
+)
 
 
 def fallback_plan(
@@ -65,6 +75,7 @@ def fallback_plan(
     tp_size: int | None = None,
     read_outside: Collection[str] = (),
     example: tuple | Mapping | None = None,
+    analysis: Analysis | None = None,
 ) -> Plan:
     """Every Linear, Conv1D, Embedding and EmbeddingBag of ``model`` split on its own, its
     output gathered (see the module docstring). ``why`` (why the dataflow is not used) goes
@@ -73,12 +84,18 @@ def fallback_plan(
     ``read_outside`` names layers a trace saw computed with outside their own forward (a
     weight read directly elsewhere sees only this rank's part), which stay whole. Convolution
     pairs (`tpkit.sources.convs`) are found on a fake forward with ``example`` (the trace inputs,
-    else made up) and take the paired styles; a model that cannot be traced pairs none."""
+    else made up as ``analysis`` settled them) and take the paired styles; a model that cannot
+    be traced pairs none. The per-layer size rules are settling's (`tpkit.settle.fits`:
+    `too_small`, `experts_unfit`)."""
     tp = tp_size if tp_size and tp_size > 1 else 2
+    analysis = Analysis(model, example) if analysis is None else analysis
     shared = shared_params(model) - _tied_tables(model, tp)
     shared.update(id(model.get_submodule(n).weight) for n in read_outside)
+    exact = exact_row_convs(model)
     plan = Plan()
-    pairs = conv_pairs(model, tp, lambda _, mod: splittable_conv(mod, shared), example)
+    analysis.settle_inputs()  # the conv pairs' forwards are fed as the trace settled it
+    splittable = lambda _, mod: splittable_conv(mod, shared, exact)  # noqa: E731
+    pairs = conv_pairs(model, tp, splittable, analysis.example, analysis.recipe)
     for name, style in pairs.styles.items():
         plan.set(name, style, SOURCE)
         plan.notes[name] = f"per-layer fallback, {pairs.notes[name]}: {why}"
@@ -159,7 +176,7 @@ def _experts_styles(mod: nn.Module, tp: int, shared: set[int]) -> tuple[dict, st
     whole: modules with parameters inside the experts (no trace says they read only the
     summed output), shared or parametrized weights, an interleaved gate/up that tp does not
     divide (a cut would split a gate from its up), and fewer than `MIN_PER_RANK` channels of
-    the intermediate width per rank."""
+    the intermediate width per rank (`tpkit.settle.fits.experts_unfit`)."""
     styles = fused_experts(mod)
     if not styles:
         return {}, None
@@ -170,11 +187,8 @@ def _experts_styles(mod: nn.Module, tp: int, shared: set[int]) -> tuple[dict, st
     down = mod.down_proj
     inter = int(down.shape[1] if mod.__dict__.get("is_transposed") is True else down.shape[2])
     interleaved = mod.__dict__["has_gate"] and not mod.__dict__["is_concatenated"]
-    if inter // tp < MIN_PER_RANK:
-        return {}, f"too small to split at tp={tp}"
-    if interleaved and inter % tp:
-        return {}, f"tp={tp} does not divide the intermediate width {inter} of interleaved gate/up"
-    return styles, None
+    unfit = experts_unfit(inter, interleaved, tp)
+    return ({}, unfit) if unfit else (styles, None)
 
 
 def _style(mod: nn.Module, tp: int, shared: set[int]) -> tuple[str | None, str | None]:
@@ -209,14 +223,12 @@ def _style(mod: nn.Module, tp: int, shared: set[int]) -> tuple[str | None, str |
         if getattr(mod, "sparse", False):
             return None, "sparse gradients"
         rows, cols = weight.shape
-        if not bag and rows // tp >= MIN_PER_RANK:
+        if not bag and not too_small(rows, tp):
             return "vocab_parallel", None
-        if cols // tp >= MIN_PER_RANK:
-            return "colwise_embedding_gather", None
-        return None, f"too small to split at tp={tp}"
-    if out_width(mod, kind) // tp < MIN_PER_RANK:
-        return None, f"too small to split at tp={tp}"
-    return "colwise_gather_output", None
+        small = too_small(cols, tp)
+        return (None, small) if small else ("colwise_embedding_gather", None)
+    small = too_small(out_width(mod, kind), tp)
+    return (None, small) if small else ("colwise_gather_output", None)
 
 
 def splits_anything(model: nn.Module, plan: Plan) -> bool:

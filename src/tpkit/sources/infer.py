@@ -62,14 +62,15 @@ from tpkit.settle.dryrun import dry_run
 from tpkit.settle.gathered import gathered_pairs
 from tpkit.settle.settle import fewest_replicated
 from tpkit.sources.attention import functional_splits, mha_splits
-from tpkit.sources.convs import conv_pairs, shared_params, splittable_conv
+from tpkit.sources.convs import conv_pairs, exact_row_convs, shared_params, splittable_conv
 from tpkit.sources.experts import expert_groups
 from tpkit.sources.ssm import ssm_groups
+from tpkit.trace.analysis import Analysis
 from tpkit.trace.fake import REAL_TRACE_MAX_PARAMS
 from tpkit.trace.inputs import input_embeddings, output_embeddings
-from tpkit.trace.trace import STREAM, Node, has_mixed_blocks, same_type_blocks, trace
+from tpkit.trace.trace import STREAM, Node, Trace, has_mixed_blocks
 
-__all__ = ["Draft", "generic_name", "infer_plan"]
+__all__ = ["Draft", "generic_name", "infer", "infer_plan"]
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Draft:
     and ``why`` holds why a module stays whole until it is styled after all (then its reason
     is dropped)."""
 
-    info: dict[str, Any]  # the trace (`tpkit.trace.trace.trace`)
+    info: Trace  # the trace (`tpkit.trace.trace.trace`)
     styles: dict[str, str] = field(default_factory=dict)  # module or parameter -> style
     args: dict[str, dict] = field(default_factory=dict)  # module -> style arguments
     fixups: dict[str, dict] = field(default_factory=dict)  # owner -> per-rank fix-ups
@@ -95,7 +96,7 @@ class Draft:
 
     @property
     def nodes(self) -> dict[str, Node]:
-        return self.info["nodes"]
+        return self.info.nodes
 
     def add_groups(self, groups: list[Group] | list[dict[str, Any]]) -> None:
         """Append groups, plain ``{modules, owners, counts}`` dicts (experts, SSM) typed."""
@@ -231,10 +232,11 @@ def _common_parent(names: list[str]) -> str:
     return ".".join(common)
 
 
-def _trace_for_inference(model: nn.Module, example) -> dict[str, Any]:
+def _trace_for_inference(analysis: Analysis, mixed: bool) -> Trace:
+    model = analysis.model
     try:
         try:
-            return trace(model, example)
+            return analysis.trace(mixed=mixed)
         except Exception:  # noqa: BLE001 - model code may do anything on meta
             # code that needs values (a data-dependent branch): one real forward, when the
             # weights are real and small enough for that to be cheap
@@ -242,7 +244,7 @@ def _trace_for_inference(model: nn.Module, example) -> dict[str, Any]:
             small = sum(p.numel() for p in params) <= REAL_TRACE_MAX_PARAMS
             if not params or params[0].device.type == "meta" or not small:
                 raise
-            return trace(model, example, real=True)
+            return analysis.trace(real=True, mixed=mixed)
     except Exception as exc:  # noqa: BLE001
         raise ValueError(
             f"Could not trace {type(model).__name__} on the meta device to infer a plan "
@@ -338,7 +340,7 @@ def _tables(model: nn.Module, draft: Draft) -> None:
         mod = model.get_submodule(name)
         if node.kind != "embedding" or name in styles or node.src or node.read_outside:
             continue
-        if name not in draft.info.get("module_inputs", {name: None}):
+        if name not in draft.info.module_inputs:
             continue  # never run by the trace: how its weight is read is unknown
         # a functional table (`tpkit.trace.trace`: F.embedding on its own weight) says the same
         if getattr(mod, "max_norm", None) is not None or getattr(mod, "sparse", False):
@@ -359,7 +361,7 @@ def _column_style(node: Node) -> str:
 def _group(model: nn.Module, draft: Draft, r: str, cols: set[str]) -> Group:
     """Styles, fix-ups and counts for one row linear ``r`` and its column sources."""
     info, styles, fixups = draft.info, draft.styles, draft.fixups
-    nodes, modules = info["nodes"], dict(model.named_modules())
+    nodes, modules = info.nodes, dict(model.named_modules())
     pair = sorted(cols) + [r]
     counts = {}
     for c in sorted(cols):
@@ -415,7 +417,7 @@ def _dead_siblings(nodes: dict[str, Node], styles: dict, parents: set[str], pair
             yield name
 
 
-def _channel_convs(owner: nn.Module, name: str, widths: set[int], info: dict, styles: dict):
+def _channel_convs(owner: nn.Module, name: str, widths: set[int], info: Trace, styles: dict):
     """The owner's depthwise ``nn.Conv1d`` children as wide as a split part: a gated short
     convolution (LFM2's ``B, C, x = in_proj(h).chunk(3)``, ``conv(B * x)``, ``out_proj(C * y)``)
     convolves each channel on its own, so the rank's channels are exact; the code reads the
@@ -428,7 +430,7 @@ def _channel_convs(owner: nn.Module, name: str, widths: set[int], info: dict, st
         c = mod.out_channels
         if mod.groups != c or mod.in_channels != c or c not in widths:
             continue
-        if any(STREAM in tags for _, _, tags in info["module_inputs"].get(full, [])):
+        if any(STREAM in tags for _, _, tags in info.module_inputs.get(full, [])):
             continue
         yield full
 
@@ -518,13 +520,18 @@ def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> 
     ``example_inputs`` (positional tuple or kwargs dict, any device) replaces the default trace
     inputs: ``input_ids`` of shape [3, 7] for transformers models, else a float tensor shaped for
     the first linear. Raises ValueError when the model cannot be traced on meta. A hybrid whose
-    layer list mixes types is read both ways (`trace.same_type_blocks`); the plan that splits
-    more of its weights is kept.
+    layer list mixes types is read both ways (`tpkit.trace.trace.blocks`' ``mixed``); the plan
+    that splits more of its weights is kept.
     """
-    plan = _infer_once(model, example_inputs)
+    return infer(Analysis(model, example_inputs))
+
+
+def infer(analysis: Analysis) -> Plan:
+    """`infer_plan` on an analysis: its trace and dry runs are the ones every stage shares."""
+    model = analysis.model
+    plan = _infer_once(analysis, mixed=True)
     if has_mixed_blocks(model):
-        with same_type_blocks():
-            other = _infer_once(model, example_inputs)
+        other = _infer_once(analysis, mixed=False)
         if _sharded(model, other) > _sharded(model, plan):
             plan = other
     return plan
@@ -542,10 +549,11 @@ def _sharded(model: nn.Module, plan: Plan) -> int:
     return sum(params[n].numel() for n in params if params[n].ndim >= 2 and layouts[n][1].sharded)
 
 
-def _infer_once(model: nn.Module, example_inputs) -> Plan:
+def _infer_once(analysis: Analysis, mixed: bool) -> Plan:
     """`infer_plan` for one reading of the stream: the passes over one `Draft`, then settled at
     tp=2 where the model's code cannot run the split (`tpkit.settle.settle.fewest_replicated`)."""
-    draft = Draft(_trace_for_inference(model, example_inputs))
+    model = analysis.model
+    draft = Draft(_trace_for_inference(analysis, mixed))
     _vocabulary(model, draft)
     draft.candidates = _row_candidates(draft.nodes, draft.exclude)
     draft.rows, draft.why = _pairs(draft.nodes, draft.exclude, draft.candidates)
@@ -568,8 +576,8 @@ def _infer_once(model: nn.Module, example_inputs) -> Plan:
         model, draft.nodes, draft.candidates, draft.styles, draft.why
     )
     draft.groups.extend(gathered)
-    _conv_pairs(model, draft, example_inputs)  # last: beside the gathered pairs too
-    runs = lambda plan, tp: dry_run(model, plan, example_inputs, tp)  # noqa: E731
+    _conv_pairs(analysis, draft)  # last: beside the gathered pairs too
+    runs = lambda plan, tp: dry_run(analysis, plan, tp)  # noqa: E731
     return fewest_replicated(model, draft.plan(model), runs)
 
 
@@ -578,16 +586,18 @@ def _infer_once(model: nn.Module, example_inputs) -> Plan:
 _MIN_CONV_CHANNELS = 64
 
 
-def _conv_pairs(model: nn.Module, draft: Draft, example_inputs) -> None:
+def _conv_pairs(analysis: Analysis, draft: Draft) -> None:
     """Convolution pairs (`tpkit.sources.convs`: a conformer's pointwise -> GLU -> depthwise ->
     BatchNorm -> pointwise) among the convolutions no other pass claimed, one group each.
     Only next to other splits: a model with nothing else to split takes the per-layer
     fallback, which pairs the same convolutions and gathers the rest."""
     if all(style == "replicate" for style in draft.styles.values()):
         return
-    shared = shared_params(model)
-    free = lambda name, mod: name not in draft.styles and splittable_conv(mod, shared)  # noqa: E731
-    pairs = conv_pairs(model, 2, free, example_inputs)
+    model = analysis.model
+    shared, exact = shared_params(model), exact_row_convs(model)
+    free = lambda name, mod: name not in draft.styles and splittable_conv(mod, shared, exact)  # noqa: E731
+    analysis.settle_inputs()
+    pairs = conv_pairs(model, 2, free, analysis.example, analysis.recipe)
     for name, style in pairs.styles.items():
         draft.styles[name] = style
         draft.why.pop(name, None)
@@ -619,7 +629,7 @@ def _attention(model: nn.Module, draft: Draft) -> None:
         draft.why.pop(name, None)
     draft.why.update(why)
     draft.groups.extend(groups)
-    calls = draft.info.get("functional_mha", {})
+    calls = draft.info.functional_mha
     taken = {n for n, s in draft.styles.items() if s != "replicate"}
     styles, args, groups = functional_splits(model, calls, taken)
     for name, style in styles.items():
@@ -629,7 +639,7 @@ def _attention(model: nn.Module, draft: Draft) -> None:
     draft.groups.extend(groups)
 
 
-def _owner_fixups(owner: nn.Module, widths: set[int], info: dict, owner_name: str) -> dict:
+def _owner_fixups(owner: nn.Module, widths: set[int], info: Trace, owner_name: str) -> dict:
     divide = []
     for attr in HEAD_ATTRS + WIDTH_ATTRS:
         value = owner.__dict__.get(attr)
@@ -642,8 +652,8 @@ def _owner_fixups(owner: nn.Module, widths: set[int], info: dict, owner_name: st
     heads = [owner.__dict__[a] for a in divide if a in HEAD_ATTRS]
     head_inputs = {}
     if heads:
-        h, b = heads[0], info["batch"]
-        for key, shape, tags in info["module_inputs"].get(owner_name, []):
+        h, b = heads[0], info.batch
+        for key, shape, tags in info.module_inputs.get(owner_name, []):
             if tags or len(shape) < 2:
                 continue  # tagged inputs are already sharded (T5's position_bias) or the stream
             if shape[0] == b * h and shape[0] != b:

@@ -43,10 +43,11 @@ _OF = re.compile(r"^(?P<what>.* of )(?P<name>.+)$")
 
 def complete_towers(
     model: nn.Module, plan: Plan, called: set[str], derive: Callable[[nn.Module], Plan]
-) -> list[str]:
-    """Add to ``plan`` (in place) the plan ``derive`` gives each untraced tower of ``model``
-    (see the module docstring); ``called``: the modules the model's trace ran. Returns the
-    towers planned."""
+) -> Plan:
+    """``plan`` with the plan ``derive`` gives each untraced tower of ``model`` joined under its
+    path (see the module docstring; a new plan); ``called``: the modules the model's trace
+    ran."""
+    plan = plan.copy()
     named = [t.name for t in plan.resolve(model)]
     done: list[str] = []
     for name, sub in model.named_modules():
@@ -65,19 +66,19 @@ def complete_towers(
         plan.notes[type(model).__name__ + " towers"] = (
             "planned on their own, the model's trace never ran them: " + ", ".join(done)
         )
-    return done
+    return plan
 
 
 def complete_untraced_layers(
     model: nn.Module, plan: Plan, called: set[str], fallback: Plan
-) -> list[str]:
-    """Add to ``plan`` (in place) ``fallback``'s entry for each layer the trace never ran
-    (not in ``called``) that no entry of ``plan`` names, nor a module above it, when that entry
-    splits the layer on its own with a whole input and a gathered output (role "whole":
-    ``colwise_gather_output``, ``conv_colwise_gather``). Tables (``nn.Embedding``,
+) -> Plan:
+    """``plan`` with ``fallback``'s entry added for each layer the trace never ran (not in
+    ``called``) that no entry of ``plan`` names, nor a module above it, when that entry splits
+    the layer on its own with a whole input and a gathered output (role "whole":
+    ``colwise_gather_output``, ``conv_colwise_gather``; a new plan). Tables (``nn.Embedding``,
     ``nn.EmbeddingBag``) are never added, whatever the fallback gives them: no trace saw how
-    their weight is read. Returns the layers added."""
-    added = []
+    their weight is read."""
+    plan = plan.copy()
     modules = dict(model.named_modules())
     for name in fallback:
         if name in called or style_spec(fallback[name]).role != "whole":
@@ -89,8 +90,7 @@ def complete_untraced_layers(
             continue
         plan.set(name, fallback[name], fallback.source(name), fallback.args.get(name))
         plan.notes[name] = "per-layer fallback: the model's trace never ran it"
-        added.append(name)
-    return added
+    return plan
 
 
 def _is_tower(module: nn.Module) -> bool:

@@ -4,7 +4,10 @@ reductions.py  which dims a torch call reads across (reductions, selections, sca
 shadow.py      made-up values for data-dependent routing on fake tensors, memory-bounded
 inputs.py      trace inputs made up from the model when none are given
 fake.py        a forward on fake tensors (parameters swapped for fake meta ones)
+fold.py        identical layers run once: a layer's twins stand on its forward
+twins.py       what a folded trace's twins would have recorded, copied from their representative
 trace.py       one fake forward tagging the dataflow between linear-like modules
+analysis.py    `Analysis`: one model's analysis as one value, handed to every stage
 """
 
 __all__: list[str] = []

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,7 +17,8 @@ import torch
 from torch import nn
 
 from tpkit.compat import tree_map
-from tpkit.trace.inputs import keep_value, synthesize_inputs
+from tpkit.trace.inputs import InputRecipe, synthesize_inputs, trying
+from tpkit.trace.shadow import GivenValues
 
 __all__ = [
     "REAL_TRACE_MAX_PARAMS",
@@ -38,32 +38,24 @@ TRACE_BATCH, TRACE_SEQ = 3, 7
 #: Largest model traced on its real weights when the fake-tensor trace fails.
 REAL_TRACE_MAX_PARAMS = 50_000_000  # odd sizes, unlikely to coincide with a width or head count
 
-#: Models whose forward refused a batch of `TRACE_BATCH` rows and traced with one (GPT-2's
-#: sequence classifiers without a pad token: "Cannot handle batch sizes > 1"); their dry runs
-#: use one row too. Weak, so a model's entry goes with the model.
-_ONE_ROW: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+def trace_batch(recipe: InputRecipe | None = None) -> int:
+    """The batch size of the made-up inputs: `TRACE_BATCH`, or 1 where the forward refused
+    more rows (`tpkit.trace.inputs.InputRecipe.one_row`: GPT-2's sequence classifiers without a
+    pad token, "Cannot handle batch sizes > 1"); the dry runs then use one row too."""
+    return 1 if recipe is not None and recipe.one_row else TRACE_BATCH
 
 
-def trace_batch(model: nn.Module) -> int:
-    """The batch size of ``model``'s made-up inputs: `TRACE_BATCH`, or 1 (see `_ONE_ROW`)."""
-    return 1 if model in _ONE_ROW else TRACE_BATCH
+def trace_one_row(recipe: InputRecipe) -> contextlib.AbstractContextManager[None]:
+    """Make up one-row inputs inside the block, and from then on if it exits cleanly (the
+    forward accepted them)."""
+    return trying(recipe, one_row=True)
 
 
-@contextlib.contextmanager
-def trace_one_row(model: nn.Module):
-    """Make up one-row inputs for ``model`` inside the block, and from then on if it exits
-    cleanly (the forward accepted them)."""
-    _ONE_ROW.add(model)
-    try:
-        yield
-    except BaseException:
-        _ONE_ROW.discard(model)
-        raise
-
-
-def example_inputs(model: nn.Module) -> tuple[tuple, dict]:
-    """Made-up trace inputs (`tpkit.trace.inputs.synthesize_inputs`) at the trace's sizes."""
-    return synthesize_inputs(model, trace_batch(model), TRACE_SEQ)
+def example_inputs(model: nn.Module, recipe: InputRecipe | None = None) -> tuple[tuple, dict]:
+    """Made-up trace inputs (`tpkit.trace.inputs.synthesize_inputs`) at the trace's sizes, as
+    ``recipe`` makes them (a fresh one: the first try)."""
+    return synthesize_inputs(model, trace_batch(recipe), TRACE_SEQ, recipe)
 
 
 @contextlib.contextmanager
@@ -144,11 +136,20 @@ def real_state(model: nn.Module, shapes: Mapping[int, tuple]):
             mod._parameters[k] = v
 
 
-def fake_inputs(model: nn.Module, given: tuple | Mapping | None, fake: Any, real: bool):
+def fake_inputs(
+    model: nn.Module,
+    given: tuple | Mapping | None,
+    fake: Any,
+    real: bool,
+    recipe: InputRecipe | None = None,
+    values: GivenValues | None = None,
+):
     """(args, kwargs) for one traced forward: ``given`` (a positional tuple or a kwargs dict, any
-    device) or `example_inputs`; as fake meta tensors, or (``real``) zeros on the model's device."""
+    device) or `example_inputs` made as ``recipe`` says; as fake meta tensors, or (``real``)
+    zeros on the model's device. The values of integer inputs go to ``values`` (for the
+    forward's `tpkit.trace.shadow.ShadowValues`)."""
     if given is None:
-        args, kwargs = example_inputs(model)
+        args, kwargs = example_inputs(model, recipe)
     elif isinstance(given, Mapping):
         args, kwargs = (), dict(given)
     else:
@@ -156,8 +157,9 @@ def fake_inputs(model: nn.Module, given: tuple | Mapping | None, fake: Any, real
     if real:
         device = next(model.parameters()).device
         convert = lambda t: _real_input(t, device)  # noqa: E731
-    else:  # integer inputs keep their values for the shadow run (`inputs.keep_value`)
-        convert = lambda t: keep_value(fake.from_tensor(t.to("meta")), t)  # noqa: E731
+    else:  # integer inputs keep their values for the shadow run (`GivenValues`)
+        kept = values if values is not None else GivenValues()
+        convert = lambda t: kept.keep(fake.from_tensor(t.to("meta")), t)  # noqa: E731
     return tree_map(lambda t: convert(t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
 
 

@@ -25,8 +25,9 @@ import contextlib
 import inspect
 import logging
 import math
-import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -34,16 +35,16 @@ from torch import nn
 
 from tpkit.compat import FakeTensorMode
 from tpkit.plan.layout import in_width, kind_of
-from tpkit.trace.shadow import ShadowValues, given_value, keep_value
+from tpkit.trace.shadow import GivenValues, ShadowValues
 
 __all__ = [
     "GRID_IMAGE",
-    "given_value",
+    "InputRecipe",
     "input_embeddings",
-    "keep_value",
     "output_embeddings",
     "synthesize_inputs",
     "text_only",
+    "trying",
     "unflattened_patches",
 ]
 
@@ -68,7 +69,7 @@ _TOWER_INPUTS = ("pixel_values", "input_features", "input_values")
 #: ``spatial_merge_size``**2 patches, one temporal patch; small whatever the model's size
 GRID_IMAGE = 2
 #: the grid argument's columns, by the ending of its name (`_grid_inputs`)
-_GRID_COLUMNS = {"_grid_thw": 3, "_grid_hw": 2}
+_GRID_COLUMNS = MappingProxyType({"_grid_thw": 3, "_grid_hw": 2})
 #: the forward argument of a NaFlex tower's per-image patch grid, [images, 2] (`_grid_inputs`)
 _SHAPES = "spatial_shapes"
 #: the ending of a forward argument ``image_*`` that gives each image's merge size, [images]
@@ -79,38 +80,61 @@ _IMAGE_START = ("vision_start_token_id", "image_start_token_id", "boi_token_id")
 _IMAGE_END = ("vision_end_token_id", "image_end_token_id", "eoi_token_id")
 #: config attributes of an audio-LLM's audio placeholder token (`_audio_inputs`), first found
 _AUDIO_TOKEN = ("audio_token_id", "audio_token_index")
-#: an audio-LLM's placeholders per made-up audio, measured once per model (`_audio_tokens`)
-_AUDIO_TOKENS: weakref.WeakKeyDictionary[nn.Module, int | None] = weakref.WeakKeyDictionary()
-#: the ``input_ids`` layout of a model with ``num_codebooks``, read once per model off its
-#: input embedding (`_codebook_ids_shape`): the width of a last dim of codebooks, 0 stacked
-_CODEBOOK_WIDTH: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 #: forward arguments named ``<stem>_ids`` that are not an index set by a config list
 #: (`_config_ids`): token, position and segment ids have their own rules or defaults
 _OWN_IDS = ("input", "position", "token_type", "decoder_input", "decoder_position", "cache")
-#: models whose trace with tower inputs failed: their made-up inputs keep to the text from
-#: then on (`text_only`), for the trace and the dry run alike. Weak: an entry goes with its model.
-_TEXT_ONLY: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-#: grid VLMs whose tower failed on flattened patches and ran on them as [patches, channels,
-#: (temporal,) patch, patch] (`unflattened_patches`: PaddleOCR-VL's patch embedding)
-_UNFLAT: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+@dataclass
+class InputRecipe:
+    """How one analysis makes up its model's inputs: settled by the trace's retries, then used
+    by every later forward of the same analysis (its dry runs), and what was measured once.
+    One per `tpkit.trace.analysis.Analysis`: nothing of it outlives the analysis, so a
+    model planned twice is planned twice the same way.
+
+    - ``one_row``: the forward refused `tpkit.trace.fake.TRACE_BATCH` rows and ran with one
+      (GPT-2's sequence classifiers without a pad token);
+    - ``text_only``: the forward with tower inputs failed and the ids alone ran (`text_only`);
+    - ``unflat``: a grid VLM's patches ran unflattened (`unflattened_patches`);
+    - ``audio_tokens``: an audio-LLM's placeholders per made-up audio (`_audio_tokens`),
+      measured once (``audio_measured``; None where that forward failed);
+    - ``codebook_width``: the ids layout of a model with ``num_codebooks``
+      (`_codebook_ids_shape`), read once off its input embedding (None: not read yet, or
+      stacked)."""
+
+    one_row: bool = False
+    text_only: bool = False
+    unflat: bool = False
+    audio_tokens: int | None = None
+    audio_measured: bool = False
+    codebook_width: int | None = None
 
 
 @contextlib.contextmanager
-def text_only(model: nn.Module):
-    """Inside the block, and from then on if it exits cleanly, ``model``'s made-up inputs carry
-    no tower inputs (the ids alone, as before towers were traced): the trace's retry when a
-    forward with made-up images or audio fails, so one tower the made-up inputs do not fit
-    costs that tower's split, not the whole plan."""
-    _TEXT_ONLY.add(model)
+def trying(recipe: InputRecipe, **changes: bool) -> Iterator[None]:
+    """``recipe`` with ``changes`` inside the block, and from then on if it exits cleanly (the
+    forward accepted the inputs made so); put back as it was when the block raises."""
+    saved = {k: getattr(recipe, k) for k in changes}
+    for k, v in changes.items():
+        setattr(recipe, k, v)
     try:
         yield
     except BaseException:
-        _TEXT_ONLY.discard(model)
+        for k, v in saved.items():
+            setattr(recipe, k, v)
         raise
 
 
+def text_only(recipe: InputRecipe) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, and from then on if it exits cleanly, the made-up inputs carry no
+    tower inputs (the ids alone, as before towers were traced): the trace's retry when a
+    forward with made-up images or audio fails, so one tower the made-up inputs do not fit
+    costs that tower's split, not the whole plan."""
+    return trying(recipe, text_only=True)
+
+
 @contextlib.contextmanager
-def unflattened_patches(model: nn.Module) -> Iterator[bool]:
+def unflattened_patches(model: nn.Module, recipe: InputRecipe) -> Iterator[bool]:
     """Inside the block, and from then on if it exits cleanly, a grid VLM's made-up patches are
     [patches, channels, (temporal,) patch, patch] instead of flattened to one row each: the
     trace's retry before `text_only`. The processors of the Qwen2-VL lineage flatten each
@@ -119,26 +143,26 @@ def unflattened_patches(model: nn.Module) -> Iterator[bool]:
     layout that runs is the one kept. Yields whether the model has grid inputs at all (False:
     nothing changed, no retry is worth a trace)."""
     config = getattr(model, "config", None)
-    grid = config is not None and model not in _UNFLAT
-    grid = grid and bool(_grid_inputs(model, config, _params(model), 1, 1))
+    grid = config is not None and not recipe.unflat
+    grid = grid and bool(_grid_inputs(model, config, _params(model), 1, 1, recipe))
     if not grid:
         yield False
         return
-    _UNFLAT.add(model)
-    try:
+    with trying(recipe, unflat=True):
         yield True
-    except BaseException:
-        _UNFLAT.discard(model)
-        raise
 
 
-def synthesize_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple, dict]:
+def synthesize_inputs(
+    model: nn.Module, batch: int, seq: int, recipe: InputRecipe | None = None
+) -> tuple[tuple, dict]:
     """(args, kwargs) of meta tensors that ``model``'s forward accepts, ``batch`` rows of
-    ``seq`` tokens / frames / patches. Raises ValueError when the model has nothing to read
-    sizes from (no config, no Linear, Conv1D, Embedding, EmbeddingBag or conv)."""
+    ``seq`` tokens / frames / patches, made as ``recipe`` says (a fresh one: the first try).
+    Raises ValueError when the model has nothing to read sizes from (no config, no Linear,
+    Conv1D, Embedding, EmbeddingBag or conv)."""
+    recipe = InputRecipe() if recipe is None else recipe
     config = getattr(model, "config", None)
     if config is not None and hasattr(model, "get_input_embeddings"):  # a transformers model
-        return (), _model_inputs(model, config, batch, seq)
+        return (), _model_inputs(model, config, batch, seq, recipe)
     return _module_inputs(model, batch, seq)
 
 
@@ -180,7 +204,9 @@ def _read(config: Any, *names: str) -> Any:
     return None
 
 
-def _model_inputs(model: nn.Module, config: Any, batch: int, seq: int) -> dict[str, Any]:
+def _model_inputs(
+    model: nn.Module, config: Any, batch: int, seq: int, recipe: InputRecipe
+) -> dict[str, Any]:
     """A transformers model's inputs: its main input, a dual encoder's other tower, the
     decoder's start ids, every required argument, ``use_cache=False``."""
     params = _params(model)
@@ -195,7 +221,7 @@ def _model_inputs(model: nn.Module, config: Any, batch: int, seq: int) -> dict[s
     )
     if dual:  # CLIP, SigLIP, CLAP: both towers run in one forward, each needs its input
         names += [n for n in ("input_ids", "pixel_values", "input_features") if n in params]
-    towers = model not in _TEXT_ONLY
+    towers = not recipe.text_only
     if not towers:  # a tower input named by ``dummy_inputs`` (Voxtral's input_features) too
         names = [n for n in names if n == main or n not in _TOWER_INPUTS]
     names += _tower_names(config, params) if towers else []
@@ -204,7 +230,7 @@ def _model_inputs(model: nn.Module, config: Any, batch: int, seq: int) -> dict[s
     names += _required(params)
     kwargs: dict[str, Any] = {}
     for name in dict.fromkeys(names):
-        value = _model_input(model, config, name, batch, seq)
+        value = _model_input(model, config, name, batch, seq, recipe)
         if value is not None:
             kwargs[name] = value
     if main not in kwargs and main in params:  # Perceiver's ``inputs``: what its first layer reads
@@ -212,8 +238,8 @@ def _model_inputs(model: nn.Module, config: Any, batch: int, seq: int) -> dict[s
         if first is not None:
             kwargs[main] = first[0]
     if towers:
-        kwargs.update(_grid_inputs(model, config, params, batch, seq))
-        kwargs.update(_audio_inputs(model, config, params, batch, seq))
+        kwargs.update(_grid_inputs(model, config, params, batch, seq, recipe))
+        kwargs.update(_audio_inputs(model, config, params, batch, seq, recipe))
     kwargs.update(_config_ids(config, params, batch))
     _naflex_patches(config, params, kwargs)
     pixels = kwargs.get("pixel_values")
@@ -277,7 +303,12 @@ def _tower_names(config: Any, params: dict[str, inspect.Parameter]) -> list[str]
 
 
 def _grid_inputs(
-    model: nn.Module, config: Any, params: dict[str, inspect.Parameter], batch: int, seq: int
+    model: nn.Module,
+    config: Any,
+    params: dict[str, inspect.Parameter],
+    batch: int,
+    seq: int,
+    recipe: InputRecipe,
 ) -> dict[str, torch.Tensor]:
     """A grid VLM's image inputs, consistent with each other (Qwen2-VL lineage: a forward that
     takes ``image_grid_thw`` / ``image_grid_hw``): one image per row of `GRID_IMAGE` x
@@ -328,7 +359,7 @@ def _grid_inputs(
     thw = [1, side, side][-cols:]
     patches, tokens = side * side, GRID_IMAGE * GRID_IMAGE
     width: tuple[int, ...] = (channels * temporal * patch * patch,)
-    if model in _UNFLAT:  # `unflattened_patches`
+    if recipe.unflat:  # `unflattened_patches`
         width = (channels, *([temporal] * (temporal > 1)), patch, patch)
     start, end = (
         next((v for a in attrs if isinstance(v := getattr(config, a, None), int)), None)
@@ -356,7 +387,12 @@ def _grid_inputs(
 
 
 def _audio_inputs(
-    model: nn.Module, config: Any, params: dict[str, inspect.Parameter], batch: int, seq: int
+    model: nn.Module,
+    config: Any,
+    params: dict[str, inspect.Parameter],
+    batch: int,
+    seq: int,
+    recipe: InputRecipe,
 ) -> dict[str, torch.Tensor]:
     """An audio-LLM's audio inputs, consistent with each other (Qwen2-Audio, Voxtral,
     AudioFlamingo3, GLM-ASR: a config with an audio placeholder token and an ``audio_config``):
@@ -366,7 +402,7 @@ def _audio_inputs(
     gives features for one audio. That count is what the encoder's convs, pooling and the
     projector's frame stacking leave, and no config rule gives it for every model, so it is
     measured (`_audio_tokens`). The ids and the mask are CPU tensors with values: the forward
-    counts placeholders and mask lengths (`keep_value`). {} for any other model, or where the
+    counts placeholders and mask lengths (`tpkit.trace.shadow.GivenValues`). {} for any other model, or where the
     count cannot be measured (the trace then keeps to the text, `text_only`)."""
     token = next((v for a in _AUDIO_TOKEN if isinstance(v := getattr(config, a, None), int)), None)
     if token is None or getattr(config, "audio_config", None) is None:
@@ -378,10 +414,11 @@ def _audio_inputs(
         return {}
     masks = [n for n in params if "feature" in n and n.endswith("mask")]
     mask = torch.ones((batch, features.shape[-1]), dtype=torch.long)
-    if model not in _AUDIO_TOKENS:
+    if not recipe.audio_measured:
         one = {m: mask[:1] for m in masks}
-        _AUDIO_TOKENS[model] = _audio_tokens(model, config, features[:1], one)
-    count = _AUDIO_TOKENS[model]
+        recipe.audio_tokens = _audio_tokens(model, config, features[:1], one)
+        recipe.audio_measured = True
+    count = recipe.audio_tokens
     if not count:
         return {}
     text = _text_id(config)
@@ -401,7 +438,7 @@ def _audio_tokens(
     ``get_audio_features`` (its ``pooler_output``: Voxtral stacks four frames per feature
     there), else of its audio tower (the module built from ``config.audio_config``:
     Qwen2-Audio scatters the tower's output itself). The masks keep their values
-    (`tpkit.trace.shadow.keep_value`) and the forward runs under
+    (`tpkit.trace.shadow.GivenValues`) and the forward runs under
     `tpkit.trace.shadow.ShadowValues`, so the valid frames a model selects are the ones its own
     length formula gives, as in the trace's forward: GLM-ASR reshapes its tower's output by the
     audio config's ``intermediate_size`` but counts valid frames with a fixed merge of 4, and
@@ -418,12 +455,13 @@ def _audio_tokens(
             return None
         run, takes = tower, _params(tower)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
+    values = GivenValues()
     given = {
-        k: keep_value(fake.from_tensor(v.to("meta")), v) for k, v in masks.items() if k in takes
+        k: values.keep(fake.from_tensor(v.to("meta")), v) for k, v in masks.items() if k in takes
     }
     x = fake.from_tensor(features)  # outside the modes: `ShadowValues` would see its making
     try:
-        with _fake_state(model, fake), torch.no_grad(), fake, ShadowValues(fake):
+        with _fake_state(model, fake), torch.no_grad(), fake, ShadowValues(fake, values):
             out = run(x, **given)
     except Exception:  # noqa: BLE001 - model code may do anything on fake tensors
         return None
@@ -473,7 +511,7 @@ def _config_ids(
     (not token, position or segment ids) where the config has a non-empty list, tuple or dict
     of names (strings) whose attribute starts with the stem (X-MOD's ``lang_ids`` and
     ``config.languages``; a list of numbers, an image size or mean, is no index): [batch]
-    zeros, the first name, with values (`keep_value`). Without them X-MOD's forward raises
+    zeros, the first name, with values (`tpkit.trace.shadow.GivenValues`). Without them X-MOD's forward raises
     unless a default language was set, and its trace on meta fell back per layer."""
     out = {}
     for name in params:
@@ -532,13 +570,15 @@ def _dummy_names(model: nn.Module) -> list[str]:
     return []
 
 
-def _model_input(model: nn.Module, config: Any, name: str, batch: int, seq: int) -> Any:
+def _model_input(
+    model: nn.Module, config: Any, name: str, batch: int, seq: int, recipe: InputRecipe
+) -> Any:
     if name.endswith("input_ids") or name == "labels":
         codebooks = getattr(config, "num_codebooks", None)  # MusicGen: codebooks stacked in batch
         codebooks = codebooks if isinstance(codebooks, int) and codebooks > 0 else None
         shape = (batch * (codebooks or 1), seq)
         if name == "input_ids" and codebooks:
-            shape = _codebook_ids_shape(model, shape, batch, codebooks) or shape
+            shape = _codebook_ids_shape(model, shape, batch, codebooks, recipe) or shape
         start = getattr(config, "decoder_start_token_id", None) if "decoder" in name else None
         ids = torch.zeros(shape, dtype=torch.long, device="meta")
         return ids.fill_(start) if isinstance(start, int) and start >= 0 else ids
@@ -558,7 +598,11 @@ def _model_input(model: nn.Module, config: Any, name: str, batch: int, seq: int)
 
 
 def _codebook_ids_shape(
-    model: nn.Module, stacked: tuple[int, int], batch: int, codebooks: int
+    model: nn.Module,
+    stacked: tuple[int, int],
+    batch: int,
+    codebooks: int,
+    recipe: InputRecipe,
 ) -> tuple[int, ...] | None:
     """The ``input_ids`` layout of a model with ``num_codebooks``, read off its input
     embedding: MusicGen's decoder takes the codebooks stacked in the batch ([batch *
@@ -566,17 +610,18 @@ def _codebook_ids_shape(
     speech-to-text one row per step of its text token and each codebook's audio token
     ([batch, seq, 1 + codebooks]: its embedding adds one offset per last-dim position and sums
     them). Stacked ids there failed its trace, and the model took the per-layer fallback.
-    The embedding is run on fake ids of each layout, ``stacked`` first, once per model (later
-    calls come from dry runs, whose weights are fakes of another mode); the first it embeds
+    The embedding is run on fake ids of each layout, ``stacked`` first, once per analysis
+    (`InputRecipe.codebook_width`: later calls come from dry runs, whose weights are fakes of
+    another mode); the first it embeds
     to one vector per (row, step) wins. None for the stacked layout, also when the embedding
     takes none of them or cannot be called alone."""
     seq = stacked[1]
-    if model not in _CODEBOOK_WIDTH:
+    if recipe.codebook_width is None:
         width = _embedded_width(model, (stacked, (1, seq, codebooks + 1), (1, seq, codebooks)))
         if width is None:
             return None
-        _CODEBOOK_WIDTH[model] = width
-    width = _CODEBOOK_WIDTH[model]
+        recipe.codebook_width = width
+    width = recipe.codebook_width
     return (batch, seq, width) if width else None
 
 

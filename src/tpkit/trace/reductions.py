@@ -11,6 +11,7 @@ holds, so they are left alone by the trace, not here.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -32,36 +33,40 @@ _ALL = "all"
 #: op name -> (position of its dim argument or None, the dims it reduces without one: `_ALL`, a
 #: dim, a tuple of dims, or "softmax" for F.softmax's implicit dim). On split features each
 #: rank would compute them on its own part: a wrong number, no error.
-REDUCTIONS: dict[str, tuple[int | None, Any]] = {
-    **dict.fromkeys(
-        ("sum", "nansum", "mean", "nanmean", "prod", "amax", "amin", "max", "min"), (1, _ALL)
-    ),
-    **dict.fromkeys(("argmax", "argmin", "std", "var", "std_mean", "var_mean"), (1, _ALL)),
-    **dict.fromkeys(("logsumexp", "any", "all", "count_nonzero", "median", "nanmedian"), (1, _ALL)),
-    **dict.fromkeys(("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"), (1, _ALL)),
-    **dict.fromkeys(("quantile", "nanquantile", "norm", "linalg_vector_norm"), (2, _ALL)),
-    **dict.fromkeys(("linalg_norm", "roll", "take_along_dim"), (2, _ALL)),
-    **dict.fromkeys(("softmax", "log_softmax", "softmin"), (1, "softmax")),
-    **dict.fromkeys(("sort", "argsort", "mode", "glu"), (1, -1)),
-    **dict.fromkeys(("topk", "kthvalue", "diff"), (2, -1)),
-    **dict.fromkeys(("flip", "gather", "index_select"), (1, _ALL)),
-    **dict.fromkeys(
-        ("aminmax", "unique", "unique_consecutive", "nonzero", "argwhere"), (None, _ALL)
-    ),
-    **dict.fromkeys(("bincount", "histc", "item", "tolist", "numpy"), (None, _ALL)),
-    **dict.fromkeys(("__bool__", "__int__", "__float__", "__index__"), (None, _ALL)),
-    "linalg_matrix_norm": (2, (-2, -1)),
-    "normalize": (2, 1),
-    "gumbel_softmax": (4, -1),
-    "msort": (None, 0),
-    "flipud": (None, 0),
-    "fliplr": (None, 1),
-    "renorm": (2, "renorm"),  # every dim but ``dim`` (each slice along it renormalised)
-    "layer_norm": (1, "normalized_shape"),
-    "rms_norm": (1, "normalized_shape"),
-    "group_norm": (None, "channels"),  # channels (dim 1) and everything after
-    "instance_norm": (None, "spatial"),  # everything after the channels
-}
+REDUCTIONS: MappingProxyType[str, tuple[int | None, Any]] = MappingProxyType(
+    {
+        **dict.fromkeys(
+            ("sum", "nansum", "mean", "nanmean", "prod", "amax", "amin", "max", "min"), (1, _ALL)
+        ),
+        **dict.fromkeys(("argmax", "argmin", "std", "var", "std_mean", "var_mean"), (1, _ALL)),
+        **dict.fromkeys(
+            ("logsumexp", "any", "all", "count_nonzero", "median", "nanmedian"), (1, _ALL)
+        ),
+        **dict.fromkeys(("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"), (1, _ALL)),
+        **dict.fromkeys(("quantile", "nanquantile", "norm", "linalg_vector_norm"), (2, _ALL)),
+        **dict.fromkeys(("linalg_norm", "roll", "take_along_dim"), (2, _ALL)),
+        **dict.fromkeys(("softmax", "log_softmax", "softmin"), (1, "softmax")),
+        **dict.fromkeys(("sort", "argsort", "mode", "glu"), (1, -1)),
+        **dict.fromkeys(("topk", "kthvalue", "diff"), (2, -1)),
+        **dict.fromkeys(("flip", "gather", "index_select"), (1, _ALL)),
+        **dict.fromkeys(
+            ("aminmax", "unique", "unique_consecutive", "nonzero", "argwhere"), (None, _ALL)
+        ),
+        **dict.fromkeys(("bincount", "histc", "item", "tolist", "numpy"), (None, _ALL)),
+        **dict.fromkeys(("__bool__", "__int__", "__float__", "__index__"), (None, _ALL)),
+        "linalg_matrix_norm": (2, (-2, -1)),
+        "normalize": (2, 1),
+        "gumbel_softmax": (4, -1),
+        "msort": (None, 0),
+        "flipud": (None, 0),
+        "fliplr": (None, 1),
+        "renorm": (2, "renorm"),  # every dim but ``dim`` (each slice along it renormalised)
+        "layer_norm": (1, "normalized_shape"),
+        "rms_norm": (1, "normalized_shape"),
+        "group_norm": (None, "channels"),  # channels (dim 1) and everything after
+        "instance_norm": (None, "spatial"),  # everything after the channels
+    }
+)
 _DIM_KWARGS = ("dim", "axis", "dims", "normalized_shape")
 
 

@@ -30,6 +30,7 @@ up, and no value reaches a plan. Used only after a plain fake forward failed on 
 from __future__ import annotations
 
 import weakref
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -44,46 +45,51 @@ from tpkit.compat import (
     unset_fake_temporarily,
 )
 
-__all__ = ["BUDGET", "LIMIT", "ShadowValues", "given_value", "keep_value", "needs_values"]
+__all__ = ["BUDGET", "LIMIT", "GivenValues", "ShadowValues", "needs_values", "tensors_in"]
 
 #: Largest tensor (elements) substituted by zeros in a real shadow computation, or computed.
 LIMIT = 1 << 20
 #: Most float shadow elements alive at once (32 x `LIMIT`: 128 MiB of float32).
 BUDGET = 32 * LIMIT
-_RANDOM = {"rand", "randn", "rand_like", "randn_like", "randint", "normal", "bernoulli"}
+_RANDOM = frozenset({"rand", "randn", "rand_like", "randn_like", "randint", "normal", "bernoulli"})
 #: routing ops -> (position of their ``dim`` argument, whether the index output keeps that dim)
-_ROUTING = {
-    "topk": (2, True),
-    "sort": (1, True),
-    "argsort": (1, True),
-    "argmax": (1, False),
-    "argmin": (1, False),
-    "max": (1, False),
-    "min": (1, False),
-}
-
-#: fake tensor -> the values of the integer input it stands for (`keep_value`)
-_GIVEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def keep_value(fake: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
-    """Record ``given``'s values for ``fake``, the fake tensor a forward gets in its place, when
-    ``given`` is an integer or boolean tensor that has values (not meta): token ids, an image
-    grid, an audio's feature mask. Code that reads them (Qwen2-VL's rotary positions per image,
-    a placeholder count, GLM-ASR's valid frames) then reads these values under `ShadowValues`
-    instead of zeros, which would not match the shapes of the other inputs. Returns ``fake``.
-    Float inputs are never kept: their values steer no shape, and a large one would hold
-    memory for nothing. Here, not in `tpkit.trace.inputs`, so that the made-up inputs can count
-    an audio's placeholders under `ShadowValues` (`tpkit.trace.inputs` imports this module)."""
-    floating = given.is_floating_point() or given.is_complex()
-    if not floating and given.device.type != "meta":
-        _GIVEN[fake] = given.detach().cpu()
-    return fake
+_ROUTING = MappingProxyType(
+    {
+        "topk": (2, True),
+        "sort": (1, True),
+        "argsort": (1, True),
+        "argmax": (1, False),
+        "argmin": (1, False),
+        "max": (1, False),
+        "min": (1, False),
+    }
+)
 
 
-def given_value(fake: torch.Tensor) -> torch.Tensor | None:
-    """The values `keep_value` recorded for ``fake``, else None."""
-    return _GIVEN.get(fake)
+class GivenValues:
+    """The values of one forward's integer inputs, by the fake tensor the forward gets in
+    each one's place (`keep`): token ids, an image grid, an audio's feature mask. Code that
+    reads them (Qwen2-VL's rotary positions per image, a placeholder count, GLM-ASR's valid
+    frames) then reads these values under `ShadowValues` instead of zeros, which would not
+    match the shapes of the other inputs. Made per forward and handed to its `ShadowValues`;
+    weak, so a value goes with its fake tensor. Here, not in `tpkit.trace.inputs`, so that the
+    made-up inputs can count an audio's placeholders under `ShadowValues`."""
+
+    def __init__(self) -> None:
+        self.values: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def keep(self, fake: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+        """Record ``given``'s values for ``fake`` when ``given`` is an integer or boolean
+        tensor that has values (not meta); returns ``fake``. Float inputs are never kept: their
+        values steer no shape, and a large one would hold memory for nothing."""
+        floating = given.is_floating_point() or given.is_complex()
+        if not floating and given.device.type != "meta":
+            self.values[fake] = given.detach().cpu()
+        return fake
+
+    def get(self, fake: torch.Tensor) -> torch.Tensor | None:
+        """The values `keep` recorded for ``fake``, else None."""
+        return self.values.get(fake)
 
 
 def needs_values(exc: BaseException) -> bool:
@@ -95,8 +101,37 @@ def needs_values(exc: BaseException) -> bool:
     )
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+#: values no pytree looks into (`tensors_in`'s fast path)
+_LEAVES = (
+    int, float, bool, str, bytes, complex, slice, type(None), type(Ellipsis), torch.dtype,
+    torch.device, torch.Size, torch.layout, torch.memory_format,
+)  # fmt: skip
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors in ``obj`` (a call's arguments, its output), in ``tree_flatten``'s order:
+    plain lists, tuples and dicts walked here, anything else handed to ``tree_flatten`` (a
+    named tuple, a model output). Every op of a traced or shadow run asks this several times:
+    ``tree_flatten`` alone was a quarter of GLM-5-next's shadow run."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    out: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        kind = type(v)
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif kind is tuple or kind is list:
+            stack.extend(reversed(v))
+        elif kind is dict:
+            stack.extend(reversed(list(v.values())))
+        elif not isinstance(v, _LEAVES):
+            out.extend(t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor))
+    return out
+
+
+_tensors = tensors_in
 
 
 def _slice_tensors(s: slice) -> bool:
@@ -138,9 +173,10 @@ def _counted(value: torch.Tensor) -> bool:
 class ShadowValues(TorchFunctionMode):
     """See the module docstring. Enter inside the fake mode, before a tracer."""
 
-    def __init__(self, fake: Any):
+    def __init__(self, fake: Any, given: GivenValues | None = None):
         super().__init__()
         self.fake = fake
+        self.given = given if given is not None else GivenValues()
         # fake tensor -> its value, dropped with the tensor (a long forward's intermediates
         # would otherwise all stay alive to its end)
         self.shadow: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -162,11 +198,16 @@ class ShadowValues(TorchFunctionMode):
 
     def _shadowed(self, t: torch.Tensor) -> bool:
         """Whether ``t`` has a value; an input whose values the forward was given
-        (`tpkit.trace.inputs.keep_value`: ids, an image grid) gets them on first sight."""
-        value = given_value(t)
+        (`GivenValues`: ids, an image grid) gets them on first sight."""
+        value = self.given.get(t)
         if value is not None and t not in self.shadow:
             self._set(t, value)
         return t in self.shadow
+
+    def known(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t``'s value, made up or given, read without the run seeing it; else None."""
+        value = self.shadow.get(t)
+        return value if value is not None else self.given.get(t)
 
     def _freed(self, n: int) -> None:
         self.live -= n

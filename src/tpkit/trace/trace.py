@@ -22,15 +22,15 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Mapping
-from contextvars import ContextVar
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tpkit.compat import FakeTensorMode, tree_flatten
+from tpkit.compat import FakeTensorMode
 from tpkit.plan.layout import kind_of, out_width
 from tpkit.trace.fake import (
     example_inputs,
@@ -41,19 +41,20 @@ from tpkit.trace.fake import (
     trace_batch,
     trace_one_row,
 )
-from tpkit.trace.inputs import text_only, unflattened_patches
+from tpkit.trace.fold import Describe, Relative, Twins, folded, known_values
+from tpkit.trace.inputs import InputRecipe, text_only, unflattened_patches
 from tpkit.trace.reductions import reduced_dims
-from tpkit.trace.shadow import ShadowValues, needs_values
+from tpkit.trace.shadow import GivenValues, ShadowValues, needs_values, tensors_in
+from tpkit.trace.twins import TwinRecords
 
 __all__ = [
     "STREAM",
     "Node",
+    "Trace",
     "blocks",
     "generic",
     "has_mixed_blocks",
     "repeated_blocks",
-    "reuse_traces",
-    "same_type_blocks",
     "trace",
 ]
 
@@ -91,8 +92,7 @@ class Node:
     dead: bool = False
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+_tensors = tensors_in
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
@@ -171,14 +171,16 @@ _LIKE = frozenset({"type_as", "expand_as", "view_as", "reshape_as"})
 _JOINS = frozenset({"cat", "concat", "concatenate", "stack", "hstack"})
 
 # ops that cut a tensor along a dim -> position of that dim among their arguments
-_DIM_ARG = {
-    "split": 2,
-    "chunk": 2,
-    "tensor_split": 2,
-    "split_with_sizes": 2,
-    "unbind": 1,
-    "narrow": 1,
-}
+_DIM_ARG = MappingProxyType(
+    {
+        "split": 2,
+        "chunk": 2,
+        "tensor_split": 2,
+        "split_with_sizes": 2,
+        "unbind": 1,
+        "narrow": 1,
+    }
+)
 
 
 class _Tracer(TorchFunctionMode):
@@ -228,6 +230,13 @@ class _Tracer(TorchFunctionMode):
         self.state: set[int] = set()
         self.node_outputs: dict[str, list[int]] = {}
         self.pending: list[tuple[str, nn.Module, list, frozenset[str]]] = []
+
+    @contextlib.contextmanager
+    def under(self, shadow: ShadowValues | None):
+        """``shadow`` (when there is one), then this tracer, as modes: the tracer sees calls
+        first and the shadow run computes their values inside."""
+        with shadow if shadow is not None else contextlib.nullcontext(), self:
+            yield
 
     def tag(self, t: torch.Tensor) -> frozenset[str]:
         return self.tags.get(id(t), frozenset())
@@ -771,10 +780,13 @@ def _feature_dim_after_reshape(old: tuple, j: int, new: tuple) -> int | None:
     return None
 
 
-def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The elements of the outermost ModuleLists of same-typed, linear-holding modules; or of
-    mixed types (a hybrid's attention and Mamba layers) when every element holds a linear and
-    each takes and returns the stream (blocks of the same width: their names say layers)."""
+def blocks(model: nn.Module, mixed: bool = True) -> list[tuple[str, nn.Module]]:
+    """The elements of the outermost ModuleLists of same-typed, linear-holding modules; or, with
+    ``mixed``, of mixed types (a hybrid's attention and Mamba layers) when every element holds
+    a linear and each takes and returns the stream (blocks of the same width: their names say
+    layers). Without ``mixed``: the other reading of a hybrid model's stream (Zamba2's hybrid
+    layers hold a shared transformer whose output is projected, not added), which inference
+    tries too and keeps when it splits more."""
     lists = []
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.ModuleList) or not len(mod):
@@ -784,35 +796,16 @@ def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         types = {type(m) for m in mod}
         # a functional layer (`_maybe_layer`: I-BERT's QuantLinear) counts as a linear here
         holds = [any(kind_of(m) or _maybe_layer(m) for m in block.modules()) for block in mod]
-        mixed = len(types) > 1 and len(mod) > 1 and all(holds) and _layers(name)
-        mixed = mixed and _MIXED.get()
+        mixes = mixed and len(types) > 1 and len(mod) > 1 and all(holds) and _layers(name)
         nested = any(name.startswith(p + ".") for p, _ in lists)
-        if (len(types) == 1 or mixed) and not nested and holds[0]:
+        if (len(types) == 1 or mixes) and not nested and holds[0]:
             lists.append((name, mod))
     return [(f"{p}.{i}" if p else str(i), m) for p, lst in lists for i, m in enumerate(lst)]
 
 
-#: whether `blocks` takes a mixed-type layer list as blocks (`same_type_blocks` turns it off)
-_MIXED: ContextVar[bool] = ContextVar("tpkit_mixed_blocks", default=True)
-
-
-@contextlib.contextmanager
-def same_type_blocks():
-    """Inside, `blocks` (and so `trace`) takes only same-typed layer lists as blocks: the other
-    reading of a hybrid model's stream (Zamba2's hybrid layers hold a shared transformer whose
-    output is projected, not added), which inference tries too and keeps when it splits more."""
-    token = _MIXED.set(False)
-    try:
-        yield
-    finally:
-        _MIXED.reset(token)
-
-
 def has_mixed_blocks(model: nn.Module) -> bool:
     """True when `blocks` reads the model differently with and without mixed layer lists."""
-    mixed = [n for n, _ in blocks(model)]
-    with same_type_blocks():
-        return mixed != [n for n, _ in blocks(model)]
+    return [n for n, _ in blocks(model)] != [n for n, _ in blocks(model, mixed=False)]
 
 
 def _layers(name: str) -> bool:
@@ -839,92 +832,112 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return [b for b in found if id(b) not in inside]
 
 
-#: model id -> its default fake trace, while `reuse_traces` is active
-_TRACES: ContextVar[dict[tuple, dict] | None] = ContextVar("tpkit_traces", default=None)
+@dataclass
+class Trace:
+    """What one traced forward learned (`trace`).
 
+    - ``nodes``: linear-like module name -> its `Node`;
+    - ``blocks``: the blocks whose entries and exits are the residual stream (`blocks`);
+    - ``module_inputs``: module -> its float inputs as [(key, shape, tags)], in call order;
+    - ``input_params``: module -> input key -> the bare parameters that input carries;
+    - ``functional_mha``: module -> the child linears it hands torch's attention function;
+    - ``batch``: the batch size the forward ran with."""
 
-@contextlib.contextmanager
-def reuse_traces():
-    """Trace each model once inside the block (one `derive_plan`): the fake-tensor forward is
-    the costly step (0.9 s for a 32-layer Llama), and inference, completion and validation all
-    read it while the model does not change."""
-    token = _TRACES.set({})
-    try:
-        yield
-    finally:
-        _TRACES.reset(token)
+    nodes: dict[str, Node]
+    blocks: list[str]
+    module_inputs: dict[str, list[tuple[str, tuple, frozenset]]]
+    input_params: dict[str, dict[str, frozenset[str]]]
+    functional_mha: dict[str, dict[str, Any]]
+    batch: int
 
 
 def trace(
-    model: nn.Module, example: tuple | Mapping | None = None, real: bool = False
-) -> dict[str, Any]:
+    model: nn.Module,
+    example: tuple | Mapping | None = None,
+    real: bool = False,
+    *,
+    mixed: bool = True,
+    recipe: InputRecipe | None = None,
+    twins: Twins | None = None,
+) -> Trace:
     """Run one forward of ``model`` on fake meta tensors (``real=True``: on its own weights, for
-    code that needs values) and return what the tags say: ``nodes`` (name -> `Node`),
-    ``blocks``, ``module_inputs`` (name -> [(key, shape, tags)]), ``batch``."""
-    cache = _TRACES.get() if example is None and not real else None
-    key = (id(model), _MIXED.get())
-    if cache is not None and key in cache:
-        return cache[key]
+    code that needs values) and return what the tags say (`Trace`). ``mixed``: whether a
+    hybrid's mixed layer list counts as blocks (`blocks`). Without ``example`` the inputs are
+    made up as ``recipe`` says, and a forward that refuses them is retried (one row, the text
+    alone, a grid VLM's patches unflattened): ``recipe`` keeps what worked, so the analysis
+    that owns it makes every later input so (`tpkit.trace.analysis.Analysis` caches the
+    trace). ``twins`` (`tpkit.trace.fold`): layers a fake run folds onto their
+    representatives; `tpkit.trace.fold.FoldBroken` where that cannot stand for the unfolded
+    run. Raises what the model's forward raised when nothing runs."""
+    recipe = InputRecipe() if recipe is None else recipe
+    twins = Twins() if twins is None or real else twins
     if real:
-        info = _TraceHooks(model).run(example, real)
-    elif example is not None:
-        info = _fake_trace(model, example)
-    else:
-        try:
-            info = _fake_trace(model, None)
-        except Exception as exc:  # noqa: BLE001 - model code may do anything on meta
-            info = _text_only(model, exc)
-    if cache is not None:
-        cache[key] = info
-    return info
+        return _TraceHooks(model, mixed).run(example, real, recipe=recipe)
+    if example is not None:
+        return _fake_trace(model, example, mixed, recipe, twins)
+    try:
+        return _fake_trace(model, None, mixed, recipe, twins)
+    except Exception as exc:  # noqa: BLE001 - model code may do anything on meta
+        return _text_only(model, exc, mixed, recipe, twins)
 
 
-def _batch(model: nn.Module, example: tuple | Mapping | None) -> int:
+def _batch(example: tuple | Mapping | None, recipe: InputRecipe) -> int:
     """The trace's batch size: the made-up inputs', or the first given tensor's first dim
     (per-head inputs are recognised as [batch * heads, ...], BLOOM's alibi)."""
     given = _tensors(example) if example is not None else []
-    return int(given[0].shape[0]) if given and given[0].ndim else trace_batch(model)
+    return int(given[0].shape[0]) if given and given[0].ndim else trace_batch(recipe)
 
 
-def _fake_trace(model: nn.Module, example: tuple | Mapping | None) -> dict[str, Any]:
+def _fake_trace(
+    model: nn.Module,
+    example: tuple | Mapping | None,
+    mixed: bool,
+    recipe: InputRecipe,
+    twins: Twins,
+) -> Trace:
     """The fake trace: plainly; again with made-up values (`ShadowValues`) where the code read
     one; with one row where the forward refused the made-up batch."""
     try:
-        return _TraceHooks(model).run(example, False)
+        return _TraceHooks(model, mixed, twins).run(example, False, recipe=recipe)
     except Exception as exc:
-        if needs_values(exc):
-            return _TraceHooks(model).run(example, False, values=True)  # data-dependent code
-        if example is None and trace_batch(model) > 1:
-            return _one_row(model, exc)
+        if needs_values(exc):  # data-dependent code
+            hooks = _TraceHooks(model, mixed, twins)
+            return hooks.run(example, False, values=True, recipe=recipe)
+        if example is None and trace_batch(recipe) > 1:
+            return _one_row(model, exc, mixed, recipe, twins)
         raise
 
 
-def _text_only(model: nn.Module, first: Exception) -> dict[str, Any]:
+def _text_only(
+    model: nn.Module, first: Exception, mixed: bool, recipe: InputRecipe, twins: Twins
+) -> Trace:
     """Trace again on the ids alone where the made-up inputs fed a multimodal model's towers
     (`tpkit.trace.inputs.text_only`: images or audio its code does not take as made up): the
     towers stay whole, the language model is still split, as before towers were traced. From
     then on the model's made-up inputs (the dry run's too) keep to the text. The first error
     is what a user sees if the text alone fails too, or if there were no tower inputs. A grid
     VLM's patches are tried unflattened first (`tpkit.trace.inputs.unflattened_patches`)."""
-    with contextlib.suppress(Exception), unflattened_patches(model) as grid:
+    with contextlib.suppress(Exception), unflattened_patches(model, recipe) as grid:
         if grid:
-            return _fake_trace(model, None)
-    towers = set(example_inputs(model)[1])
+            return _fake_trace(model, None, mixed, recipe, twins)
+    towers = set(example_inputs(model, recipe)[1])
     try:
-        with text_only(model):
-            if set(example_inputs(model)[1]) == towers:
+        with text_only(recipe):
+            if set(example_inputs(model, recipe)[1]) == towers:
                 raise first
-            return _fake_trace(model, None)
+            return _fake_trace(model, None, mixed, recipe, twins)
     except Exception:
         raise first from None
 
 
-def _one_row(model: nn.Module, first: Exception) -> dict[str, Any]:
+def _one_row(
+    model: nn.Module, first: Exception, mixed: bool, recipe: InputRecipe, twins: Twins
+) -> Trace:
     """Trace again with a one-row batch, for a forward that refuses more rows (GPT-2's
     classifiers without a pad token); the first error is what a user sees if that fails too."""
     try:
-        with trace_one_row(model):
-            return _TraceHooks(model).run(None, False)
+        with trace_one_row(recipe):
+            return _TraceHooks(model, mixed, twins).run(None, False, recipe=recipe)
     except Exception:
         raise first from None
 
@@ -934,8 +947,9 @@ class _TraceHooks:
     inputs of linear-like modules (their sources), block entries and exits (the stream), and
     modules with their own parameters acting on a linear's output (whole or per head)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, mixed: bool = True, twins: Twins | None = None):
         self.model = model
+        self.twins = Twins() if twins is None else twins
         self.names = {id(m): n for n, m in model.named_modules()}
         self.modules = dict(model.named_modules())
         self.nodes = {
@@ -946,14 +960,24 @@ class _TraceHooks:
         self.candidates = {
             n for n, m in model.named_modules() if n not in self.nodes and _maybe_layer(m)
         }
-        self.blocks = blocks(model)
+        self.blocks = blocks(model, mixed)
         self.block_ids = {id(m) for _, m in self.blocks}
         self.module_inputs: dict[str, list[tuple[str, tuple, frozenset]]] = {}
         # module -> input key -> the bare parameters whose values that input carries
         self.input_params: dict[str, dict[str, frozenset[str]]] = {}
+        self.records = TwinRecords(
+            self.twins,
+            self.nodes,
+            self.module_inputs,
+            self.input_params,
+            self.tracer.functional_mha,
+        )
 
-    def run(self, example, real: bool, values: bool = False) -> dict[str, Any]:
+    def run(
+        self, example, real: bool, values: bool = False, recipe: InputRecipe | None = None
+    ) -> Trace:
         """One forward with the hooks; ``values``: with `ShadowValues` (data-dependent code)."""
+        recipe = InputRecipe() if recipe is None else recipe
         model = self.model
         hooks = []
         for mod in model.modules():
@@ -962,27 +986,46 @@ class _TraceHooks:
         try:
             with quiet_fake_tensors():
                 if real:
-                    args, kwargs = fake_inputs(model, example, None, real=True)
+                    args, kwargs = fake_inputs(model, example, None, True, recipe)
                     with torch.no_grad(), self.tracer:
                         model(*args, **kwargs)
                 else:
                     fake = FakeTensorMode(allow_non_fake_inputs=True)
-                    args, kwargs = fake_inputs(model, example, fake, real=False)
+                    given = GivenValues()
+                    args, kwargs = fake_inputs(model, example, fake, False, recipe, given)
                     state, experts = meta_state(model, fake), fake_friendly_experts(model)
-                    shadow = ShadowValues(fake) if values else contextlib.nullcontext()
-                    with state, experts, torch.no_grad(), fake, shadow, self.tracer:
+                    shadow = ShadowValues(fake, given) if values else None
+                    twins = folded(model, self.twins, self.records.stand_in, self._describe(shadow))
+                    with twins, state, experts, torch.no_grad(), fake, self.tracer.under(shadow):
                         model(*args, **kwargs)
+                    self.records.finish()
         finally:
             for h in hooks:
                 h.remove()
-        return {
-            "nodes": self.nodes,
-            "blocks": [n for n, _ in self.blocks],
-            "module_inputs": self.module_inputs,
-            "input_params": self.input_params,
-            "functional_mha": self.tracer.functional_mha,
-            "batch": _batch(model, example),
-        }
+        return Trace(
+            nodes=self.nodes,
+            blocks=[n for n, _ in self.blocks],
+            module_inputs=self.module_inputs,
+            input_params=self.input_params,
+            functional_mha=self.tracer.functional_mha,
+            batch=_batch(example, recipe),
+        )
+
+    def _describe(self, shadow: ShadowValues | None) -> Describe:
+        """What a fold compares of a tensor a layer is given, besides its shape (`folded`):
+        everything the tracer knows of it (tags, where its features are, cut parts, bare
+        parameters), and in a shadow run its values if it is no float."""
+        tracer, values = self.tracer, known_values(shadow) if shadow is not None else None
+        relative = Relative(self.twins.layers)
+
+        def describe(t: torch.Tensor, layer: str) -> tuple:
+            i = id(t)
+            known = (tracer.tag(t), tracer.origin.get(i), tracer.seen.get(i), tracer.parts.get(i))
+            more = (tracer.params.get(i), i in tracer.one_head)
+            value = values(t, layer) if values is not None else None
+            return (relative.seen_from((known, more), layer), value)
+
+        return describe
 
     def _reset_stream(self, values: list[torch.Tensor], like: torch.Tensor | None = None) -> None:
         """Tag as the stream what looks like ``like`` (same rank, batch and width): not a
@@ -1048,6 +1091,7 @@ class _TraceHooks:
                     nodes[lin].cut_reach[i].add(name)
         elif any(True for _ in mod.parameters(recurse=False)):
             self._parameter_consumer(name, mod, tags)
+        self.records.started(name)  # a folded run's representative: what its run records
 
     def _parameter_consumer(self, name: str, mod: nn.Module, tags: frozenset[str]) -> None:
         """A module with its own parameters fed by linears: a per-head one (1-D parameters as
@@ -1090,3 +1134,4 @@ class _TraceHooks:
                 if tuple(t.shape) == tuple(outs[0].shape) and tracer.tag(t) & self.nodes.keys():
                     tracer.into_stream(tracer.tag(t))
                     tracer.set_tag(t, frozenset({STREAM}))
+        self.records.finished(name)

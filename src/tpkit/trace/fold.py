@@ -1,0 +1,464 @@
+"""Identical layers run once: a layer's twins stand on its forward instead of running theirs.
+
+A 32-layer Llama is one layer 32 times over, and every fake forward of the analysis (the trace,
+each dry run) paid for all 32. `find_twins` reads which layers of the model's blocks
+(`tpkit.trace.trace.blocks`) are alike: the same classes in the same places, the same
+parameter and buffer shapes, the same attribute values in every submodule. Its *twins* are
+the later layers alike to an earlier one, their *representative*. Inside `folded`, a twin's
+forward is a stub: the model's own code still runs around every layer (its loop, masks,
+positions, per-layer inputs), but a twin hands on what its representative gave, with none of
+its own compute.
+
+That is exact for what the analysis asks (does this run? what flows where?) only when the
+representative's forward would have done the same as the twin's, and each condition is
+checked, not assumed:
+
+- alike by construction: every attribute equal but integers named as a layer's index
+  (``layer_idx``, ``layer_id``, ...), which differ by design; the representative's are
+  watched during the run (`_Watched`) and any use of one (a comparison, ``config.layer_types
+  [self.layer_idx]``, arithmetic) breaks the fold: that index becomes part of what tells
+  layers apart (`FoldBroken.index`) and the forward runs again;
+- alike in what they are given: each twin's call must match its representative's (tensor
+  shapes and dtypes, the same objects for every input but the stream, equal plain values);
+- no effect besides the output: the representative must not change its inputs in place (their
+  version counters), its modules' attributes, or the containers it was handed (a dict of
+  shared key/value states), and must return one tensor shaped as its input;
+- alike under the plan tried: the dry run folds only twins the plan lays out alike
+  (`plan_twins`).
+
+Anything else raises `FoldBroken` (a ``BaseException``, so model code that catches ``Exception``
+cannot swallow it), and the caller runs the forward again unfolded. Pure: no process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tpkit.compat import DisableTorchFunction, tree_flatten, tree_map, unset_fake_temporarily
+from tpkit.plan.spec import Plan
+from tpkit.trace.shadow import ShadowValues, tensors_in
+
+__all__ = [
+    "Describe",
+    "FoldBroken",
+    "Relative",
+    "Twins",
+    "find_twins",
+    "folded",
+    "known_values",
+    "plan_twins",
+]
+
+#: integer attributes that number a layer (`find_twins`): different in every layer by design
+INDEX_ATTRS = re.compile(r"^(layer|block)_?(idx|id|index|number|num|no)$|^(idx|index)$")
+#: a module's own bookkeeping, never compared (hooks, its registries, training mode)
+_INTERNAL = frozenset(
+    {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"}
+)
+
+
+class FoldBroken(BaseException):
+    """A folded forward met what folding cannot stand for; ``index``: the index attribute
+    the representative read (it tells layers apart from now on), else empty."""
+
+    def __init__(self, why: str, index: str = ""):
+        super().__init__(why)
+        self.index = index
+
+
+@dataclass(frozen=True)
+class Twins:
+    """``rep``: each twin layer's name -> its representative's (an earlier layer alike);
+    ``watched``: each representative -> the (submodule, attribute) index integers its twins
+    differ in, watched while it runs; ``tally``: how many folded layer calls ran their own
+    forward ("run") and how many stood on another's ("stood"), over every forward folded
+    with these twins (and those `plan_twins` makes of them)."""
+
+    rep: Mapping[str, str] = field(default_factory=dict)
+    watched: Mapping[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
+    tally: dict[str, int] = field(default_factory=dict, compare=False)
+    #: every block's name (``<list>.<index>``): what names are read relative to (`Relative`)
+    layers: frozenset[str] = frozenset()
+
+    def __bool__(self) -> bool:
+        return bool(self.rep)
+
+
+def find_twins(
+    layers: list[tuple[str, nn.Module]], distinguishing: frozenset[str] = frozenset()
+) -> Twins:
+    """The twins among ``layers`` (name, module: the model's blocks, in order): each layer
+    alike to an earlier one (see the module docstring). Index attributes (`INDEX_ATTRS`) are
+    left out of the comparison unless named in ``distinguishing``; the representative watches
+    those its twins differ in."""
+    first: dict[tuple, tuple[str, dict]] = {}
+    rep: dict[str, str] = {}
+    watched: dict[str, set[tuple[str, str]]] = {}
+    seen: set[int] = set()
+    for name, module in layers:
+        if id(module) in seen or not any(True for _ in module.parameters()):
+            continue  # a layer run twice (shared) or holding nothing: not folded
+        seen.add(id(module))
+        key, indices = _signature(module, distinguishing)
+        if key not in first:
+            first[key] = (name, indices)
+            continue
+        rep_name, rep_indices = first[key]
+        rep[name] = rep_name
+        differ = {k for k, v in indices.items() if rep_indices.get(k) != v}
+        watched.setdefault(rep_name, set()).update(differ)
+    names = frozenset(n for n, _ in layers)
+    return Twins(rep, {r: tuple(sorted(w)) for r, w in watched.items()}, layers=names)
+
+
+def _signature(module: nn.Module, distinguishing: frozenset[str]) -> tuple[tuple, dict]:
+    """(what must be equal for two layers to be alike, their index attributes' values)."""
+    parts, indices = [], {}
+    for rel, sub in module.named_modules():
+        params = tuple(
+            (n, None if p is None else (tuple(p.shape), p.dtype, p.requires_grad))
+            for n, p in sub._parameters.items()
+        )
+        buffers = tuple(
+            (n, None if b is None else (tuple(b.shape), b.dtype)) for n, b in sub._buffers.items()
+        )
+        attrs = []
+        for k, v in vars(sub).items():
+            if k in _INTERNAL or k.endswith("hooks") or k.startswith("_tpkit"):
+                continue
+            if _is_index(k, v) and k not in distinguishing:
+                indices[(rel, k)] = v
+                continue
+            attrs.append((k, _value(v)))
+        parts.append((rel, type(sub), params, buffers, tuple(attrs)))
+    return tuple(parts), indices
+
+
+def _is_index(name: str, value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and bool(INDEX_ATTRS.match(name))
+
+
+def _value(v: Any, depth: int = 0) -> Any:
+    """An attribute's value as compared: plain values by equality, containers by their items,
+    a module held outside the module tree (a kernel's function wrapper kept in a dict) by its
+    class and own attributes, anything else by identity (a shared config is the same object
+    in every layer)."""
+    if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        return (type(v), v)
+    if depth > 2:
+        return ("id", id(v))
+    if isinstance(v, (tuple, list)):
+        return (type(v), tuple(_value(x, depth + 1) for x in v))
+    if isinstance(v, (set, frozenset)):
+        return (type(v), frozenset(_value(x, depth + 1) for x in v))
+    if isinstance(v, dict):
+        return (type(v), tuple((_value(k, depth + 1), _value(x, depth + 1)) for k, x in v.items()))
+    if isinstance(v, nn.Module) and not any(True for _ in v.parameters()):
+        own = ((k, _value(x, depth + 1)) for k, x in vars(v).items() if k not in _INTERNAL)
+        return (type(v), tuple(x for x in own if not x[0].endswith("hooks")))
+    return ("id", id(v))
+
+
+def plan_twins(twins: Twins, plan: Plan, model: nn.Module) -> Twins:
+    """``twins`` restricted to the layers ``plan`` lays out alike: the same style and arguments
+    for every module and parameter at the same place, the same fix-ups on every submodule
+    (a settled plan writes some layers out alone: those run as themselves)."""
+    if not twins:
+        return twins
+    layers = set(twins.rep) | set(twins.rep.values())
+    views: dict[str, list] = {n: [] for n in layers}
+    for t in plan.resolve(model):
+        layer = _layer_of(t.name, layers)
+        if layer is not None:
+            rel = t.name[len(layer) :]
+            views[layer].append((rel, t.style, t.kind, repr(plan.args.get(t.pattern))))
+    if plan.fixups:
+        counts = {k.count(".") for k in plan.fixups}
+        for layer in layers:
+            for rel, _ in model.get_submodule(layer).named_modules():
+                name = f"{layer}.{rel}" if rel else layer
+                if name.count(".") in counts and (fix := plan.fixups_for(name)):
+                    views[layer].append((rel, "fixups", repr(fix)))
+    rep = {m: r for m, r in twins.rep.items() if views[m] == views[r]}
+    reps = set(rep.values())
+    watched = {r: w for r, w in twins.watched.items() if r in reps}
+    return Twins(rep, watched, twins.tally, twins.layers)
+
+
+def _layer_of(name: str, layers: set[str]) -> str | None:
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        if ".".join(parts[:i]) in layers:
+            return ".".join(parts[:i])
+    return None
+
+
+@dataclass
+class _Call:
+    """One layer's real call: what it was given (its signature and tensors) and gave; a twin
+    called alike stands on it."""
+
+    layer: str
+    signature: tuple
+    inputs: list[torch.Tensor]
+    output: Any
+
+
+class _Watched:
+    """A running layer's index attribute while it runs: any use of it breaks the fold."""
+
+    def __init__(self, name: str, value: int):
+        self._name, self._value = name, value
+
+    def _used(self, *_: Any, **__: Any) -> Any:
+        raise FoldBroken(f"the layer reads its index {self._name}", self._name)
+
+    __index__ = __int__ = __float__ = __bool__ = __hash__ = __str__ = __repr__ = _used
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __format__ = _used  # type: ignore[assignment]
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _used
+    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _used
+    __pow__ = __rpow__ = __neg__ = __pos__ = __abs__ = __and__ = __or__ = __xor__ = _used
+    __lshift__ = __rshift__ = __round__ = __trunc__ = __floor__ = __ceil__ = _used
+    __divmod__ = __rdivmod__ = __invert__ = __iter__ = __len__ = __contains__ = _used
+
+    def __getattr__(self, name: str) -> Any:
+        raise FoldBroken(f"the layer reads its index {self._name}", self._name)
+
+
+#: what a fold compares of each tensor a layer is given, besides its shape and dtype: the
+#: trace's tags, a shadow run's integer values (`folded`'s ``describe``); called with the
+#: tensor and the layer being called
+Describe = Callable[[torch.Tensor, str], Any]
+
+
+class Relative:
+    """Module names as seen from one layer: a name inside a block of the same list as
+    ``<list>.<offset>`` from the layer's index (its own modules at 0, the layer before at -1),
+    any other name as it is. Twins called with alike relative names do alike things to alike
+    relative names; a twin's records are the source's with every offset taken from the twin
+    (`rename`)."""
+
+    def __init__(self, layers: frozenset[str]):
+        self.layers = layers
+
+    @staticmethod
+    def position(layer: str) -> tuple[str, int]:
+        head, _, index = layer.rpartition(".")
+        return head, int(index)
+
+    def split(self, name: str) -> tuple[str, str] | None:
+        """(the block ``name`` is in, the rest of it), None outside every block."""
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            head = ".".join(parts[:i])
+            if head in self.layers:
+                return head, name[len(head) :]
+        return None
+
+    def seen_from(self, value: Any, layer: str) -> Any:
+        """``value`` (names, or containers of them) with every block name relative to
+        ``layer``."""
+        if isinstance(value, str):
+            hit = self.split(value)
+            if hit is None:
+                return value
+            (head, index), (own, mine) = self.position(hit[0]), self.position(layer)
+            return ("@", index - mine, hit[1]) if head == own else value
+        if isinstance(value, (tuple, list)):
+            return tuple(self.seen_from(v, layer) for v in value)
+        if isinstance(value, (set, frozenset)):
+            return frozenset(self.seen_from(v, layer) for v in value)
+        return value
+
+    def rename(self, source: str, twin: str) -> Callable[[str], str]:
+        """Names as ``source`` saw them, as ``twin`` sees them: every block of their list
+        moved by the twin's offset from the source (its own modules to the twin's)."""
+        (s_list, s_index), (t_list, t_index) = self.position(source), self.position(twin)
+
+        def rename(name: str) -> str:
+            hit = self.split(name)
+            if hit is None:
+                return name
+            head, index = self.position(hit[0])
+            if head != s_list:
+                return name  # another list (a decoder reading the encoder): as it is
+            if t_list != s_list and hit[0] != source:
+                raise FoldBroken(f"{twin} would read {name} across lists")
+            moved = f"{t_list}.{index + t_index - s_index}" if t_list == s_list else twin
+            if moved not in self.layers:
+                raise FoldBroken(f"{twin} would read {moved}, which does not exist")
+            return moved + hit[1]
+
+        return rename
+
+
+def known_values(shadow: ShadowValues) -> Describe:
+    """What a shadow run's fold compares of a non-float tensor besides its shape: its values
+    (`tpkit.trace.shadow.ShadowValues.known`: indices, masks, positions are what steer
+    routing and shapes); floats steer no shape, as the shadow run's docstring says."""
+
+    def describe(t: torch.Tensor, layer: str = "") -> Any:
+        if t.is_floating_point() or t.is_complex():
+            return None
+        value = shadow.known(t)
+        if value is None:
+            return None
+        with DisableTorchFunction(), unset_fake_temporarily():
+            return value.numpy().tobytes()
+
+    return describe
+
+
+def _signature_of(args: tuple, kwargs: dict, describe: Describe | None, layer: str) -> tuple:
+    """A call as compared: tensors by shape, dtype and what ``describe`` says of them (a fake
+    tensor has no values: nothing else of it can steer a forward), plain values by equality,
+    anything else by identity (a shared config, a cache)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    out = []
+    for v in leaves:
+        if isinstance(v, torch.Tensor):
+            more = describe(v, layer) if describe is not None else None
+            out.append((tuple(v.shape), v.dtype, v.requires_grad, more))
+        else:
+            out.append(_value(v))
+    return (str(spec), tuple(out))
+
+
+_tensors = tensors_in
+
+
+def _held(args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:
+    """(container, its shallow state) for each mutable container a call is handed."""
+    out = []
+    for v in tree_flatten((args, kwargs))[0]:
+        if isinstance(v, (torch.Tensor, nn.Module, _Watched)) or v is None:
+            continue
+        if isinstance(v, (dict, list, set)) or hasattr(v, "__dict__"):
+            out.append((v, _shallow(v)))
+    return out
+
+
+def _shallow(v: Any) -> Any:
+    if isinstance(v, dict):
+        return tuple((k, id(x)) for k, x in v.items())
+    if isinstance(v, (list, set)):
+        return tuple(id(x) for x in v)
+    return tuple((k, id(x)) for k, x in vars(v).items())
+
+
+def _attributes(module: nn.Module) -> list[tuple]:
+    """Every submodule's attributes, shallow: what a forward that writes one changes."""
+    return [
+        (rel, tuple((k, id(v)) for k, v in vars(sub).items() if not k.endswith("hooks")))
+        for rel, sub in module.named_modules()
+    ]
+
+
+class _Fold:
+    """The calls of one folded forward: each layer of a kind with twins runs for real unless
+    an earlier layer of its kind was called alike (then its stub stands on that call)."""
+
+    def __init__(self, twins: Twins, describe: Describe | None, on_twin) -> None:
+        self.kind = {**{r: r for r in twins.rep.values()}, **twins.rep}
+        self.describe, self.on_twin = describe, on_twin
+        self.calls: dict[str, list[_Call]] = {}  # kind -> its layers' real calls, in order
+        self.ran: set[str] = set()
+        self.tally = twins.tally
+
+    def forward(self, name: str, module: nn.Module, forward: Callable) -> Callable:
+        def forward_folded(*args: Any, **kwargs: Any) -> Any:
+            if name in self.ran:
+                raise FoldBroken(f"{name} runs more than once")
+            self.ran.add(name)
+            signature = _signature_of(args, kwargs, self.describe, name)
+            kind = self.calls.setdefault(self.kind[name], [])
+            call = next((c for c in kind if c.signature == signature), None)
+            if call is not None:
+                self.tally["stood"] = self.tally.get("stood", 0) + 1
+                return self._stand_in(name, call, args, kwargs)
+            inputs = _tensors((args, kwargs))
+            versions = [t._version for t in inputs]
+            held, attrs = _held(args, kwargs), _attributes(module)
+            output = forward(*args, **kwargs)
+            if [t._version for t in inputs] != versions or any(_shallow(v) != s for v, s in held):
+                raise FoldBroken(f"{name} changes what it is given")
+            if _attributes(module) != attrs:
+                raise FoldBroken(f"{name} changes its own attributes")
+            kind.append(_Call(name, signature, inputs, output))
+            self.tally["run"] = self.tally.get("run", 0) + 1
+            return output
+
+        return forward_folded
+
+    def _stand_in(self, name: str, call: _Call, args: tuple, kwargs: dict) -> Any:
+        """``name``'s output, as ``call``'s layer gave it: an input handed back is this call's
+        own input; the stream (a float output shaped as the first float input) a copy of this
+        call's, so the stream flows from it; anything else made inside is the one ``call``
+        made (alike inputs, alike values: routing is made up the same way)."""
+        mine = _tensors((args, kwargs))
+        given = {id(t): i for i, t in enumerate(call.inputs)}
+        first = next((t for t in mine if t.is_floating_point() or t.is_complex()), None)
+        stream = None
+        for t in _tensors(call.output):
+            if id(t) not in given and first is not None and t.shape == first.shape:
+                stream = t
+                break
+        if self.on_twin is not None:
+            self.on_twin(name, call.layer)
+        out = first.clone() if stream is not None else None  # flows from its input
+
+        def swap(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor):
+                return v
+            if id(v) in given:
+                return mine[given[id(v)]]
+            return out if v is stream else v
+
+        return tree_map(swap, call.output)
+
+
+@contextlib.contextmanager
+def folded(
+    model: nn.Module,
+    twins: Twins,
+    on_twin: Callable[[str, str], None] | None = None,
+    describe: Describe | None = None,
+) -> Iterator[None]:
+    """Inside the block, each layer of a kind with twins stands on an earlier call of its kind
+    that was given alike (see the module docstring), else runs and is recorded; ``describe``
+    adds to what is compared of each tensor given (the trace's tags, a shadow run's integer
+    values); ``on_twin(twin, layer)`` is told each time a twin stands on ``layer``'s call (the
+    trace copies what that run recorded). Raises `FoldBroken` where the fold cannot stand for
+    the unfolded forward; everything is put back on exit."""
+    if not twins:
+        yield
+        return
+    modules = dict(model.named_modules())
+    fold = _Fold(twins, describe, on_twin)
+    saved: list[tuple[Any, str, Any, bool]] = []
+
+    def put(obj: Any, attr: str, value: Any) -> None:
+        saved.append((obj, attr, obj.__dict__.get(attr), attr in obj.__dict__))
+        obj.__dict__[attr] = value
+
+    try:
+        for name, kind in fold.kind.items():
+            module = modules[name]
+            put(module, "forward", fold.forward(name, module, module.forward))
+            for rel, attr in twins.watched.get(kind, ()):
+                sub = module.get_submodule(rel) if rel else module
+                put(sub, attr, _Watched(attr, sub.__dict__[attr]))
+        yield
+    finally:
+        for obj, attr, value, had in reversed(saved):
+            if had:
+                obj.__dict__[attr] = value
+            else:
+                obj.__dict__.pop(attr, None)

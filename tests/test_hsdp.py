@@ -40,10 +40,13 @@ def _reference(name: str, steps: int = STEPS) -> tuple[torch.nn.Module, list[flo
     return ref, losses
 
 
-def train_steps(model, vocab: int, steps: int = STEPS, opt=None, first: int = 0) -> list[float]:
+def train_steps(
+    model, vocab: int, steps: int = STEPS, opt=None, first: int = 0, coords=None
+) -> list[float]:
     """``steps`` AdamW steps, each data rank on its rows of the global (8 x 8) batch; returns the
-    global mean loss of each step (every rank's loss averaged over the world)."""
-    dp_rank, dp = _dp_coords(model)
+    global mean loss of each step (every rank's loss averaged over the world). ``coords``: (data
+    rank, data ranks) for a model tpkit did not split."""
+    dp_rank, dp = coords or _dp_coords(model)
     opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
     losses = []
     for step in range(first, first + steps):
@@ -108,6 +111,294 @@ def test_hsdp_with_tp_on_four_ranks(ranks4):
     """dp_replicate=2 x tp=2 (dp_shard=1): TP weights under an (R, 1) data mesh."""
     results = ranks4.run(check_parity, "gpt2", dp_replicate_size=2, tp_size=2)
     _assert_parity(results, ["Replicate", "Shard", "_StridedShard"])
+
+
+def _policies(kind: str) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return {
+        "offload": {"cpu_offload": True},
+        "mixed": {"mixed_precision": mixed},
+        "both": {"cpu_offload": True, "mixed_precision": mixed},
+    }[kind]
+
+
+def check_policies_match_torch(kind: str) -> dict:
+    """tpkit at dp_replicate=2 x dp_shard=2 with FSDP2's policies against torch's own
+    ``fully_shard`` (each block, then the root) on the same (2, 2) mesh with the same ones."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    import tpkit
+
+    asked = _policies(kind)
+    model = tpkit.tensor_parallel(
+        build("llama").train(), dp_replicate_size=2, dp_shard_size=2, **asked
+    )
+    seen = []  # the dtype up_proj computes in
+    up = model.model.layers[0].mlp.up_proj
+    up.register_forward_pre_hook(lambda m, a: seen.append(str(m.weight.dtype)))
+    mine = train_steps(model, 101)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    theirs = build("llama").train()
+    kwargs = {"mesh": mesh, "mp_policy": asked.get("mixed_precision", MixedPrecisionPolicy())}
+    if asked.get("cpu_offload"):
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    # Llama's own FSDP plan (transformers' fsdp_plan), innermost first, then the root
+    for layer in theirs.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(theirs.model.embed_tokens, **kwargs)
+    fully_shard(theirs.model.norm, reshard_after_forward=False, **kwargs)
+    fully_shard(theirs.lm_head, reshard_after_forward=False, **kwargs)
+    fully_shard(theirs, **kwargs)
+    reference = train_steps(theirs, 101, coords=(dist.get_rank(), 4))
+    # torch keeps the policy on the unit's parameter group only (no public getter)
+    group = model.model.layers[0]._get_fsdp_state()._fsdp_param_group
+    return {
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(mine, reference)),
+        "weights_abs": max(
+            (full(p) - full(q)).abs().max().item()
+            for p, q in zip(model.parameters(), theirs.parameters())
+        ),
+        "offload": type(group.offload_policy).__name__,
+        "compute_dtype": seen[0],
+        "param_dtype": str(up.weight.dtype),
+        "losses": mine,
+        "reference": reference,
+    }
+
+
+@pytest.mark.parametrize("kind", ["offload", "mixed", "both"])
+def test_fsdp_policies_give_torchs_own_losses(ranks4, kind):
+    for r in ranks4.run(check_policies_match_torch, kind):
+        assert r["loss_rel"] <= LOSS_REL and r["weights_abs"] <= WEIGHT_ABS, r
+        assert r["param_dtype"] == "torch.float32", r  # the sharded parameters stay float32
+        offload = "CPUOffloadPolicy" if kind != "mixed" else "OffloadPolicy"
+        compute = "torch.bfloat16" if kind != "offload" else "torch.float32"
+        assert r["offload"] == offload and r["compute_dtype"] == compute, r
+
+
+def _settings(model) -> dict:
+    """What FSDP2 was given, read off the model: the offload policy and the dtype a layer's
+    weight is gathered in (torch keeps both on the unit's parameter group only), and whether
+    each unit kept its gathered weights after a forward (reshard_after_forward=False)."""
+    from torch.distributed.tensor import DTensor
+
+    group = model.model.layers[0]._get_fsdp_state()._fsdp_param_group
+    with torch.no_grad():
+        model(input_ids=batch(101, shape=(1, 4)))
+    kept = {
+        name: not isinstance(module.weight, DTensor)
+        for name, module in (
+            ("layer", model.model.layers[0].mlp.up_proj),
+            ("head", model.lm_head),
+            ("embed", model.model.embed_tokens),
+        )
+    }
+    for m in model.modules():  # back to sharded, as a step would leave them
+        if hasattr(m, "reshard"):
+            m.reshard()
+    return {
+        "offload": type(group.offload_policy).__name__,
+        "param_dtype": str(group.mp_policy.param_dtype),
+        "kept": kept,
+    }
+
+
+def check_spellings(path: str) -> dict:
+    """dp_replicate=2 x dp_shard=2 spelled as a transformers DistributedConfig and an accelerate
+    ParallelismConfig (through tensor_parallel), and through from_pretrained with FSDP2's
+    settings: the same numbers as tpkit's keywords."""
+    from accelerate import ParallelismConfig
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from transformers.distributed import DistributedConfig
+
+    import tpkit
+
+    ref, ref_losses = _reference("llama")
+    out = {}
+    spellings = {
+        "distributed_config": lambda: tpkit.tensor_parallel(
+            build("llama").train(),
+            distributed_config=DistributedConfig(dp_replicate_size=2, fsdp_size=2),
+        ),
+        "parallelism_config": lambda: tpkit.tensor_parallel(
+            build("llama").train(),
+            distributed_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2),
+        ),
+        "from_pretrained": lambda: tpkit.from_pretrained(
+            path, distributed_config=DistributedConfig(dp_replicate_size=2, fsdp_size=2)
+        ).train(),
+    }
+    for name, make in spellings.items():
+        model = make()
+        out[name] = _compare(model, ref, train_steps(model, 101), ref_losses)
+    plan = {"model.layers.*": "keep_full_weight"}
+    config = DistributedConfig(
+        dp_replicate_size=2,
+        fsdp_size=2,
+        fsdp_cpu_offload=True,
+        fsdp_mixed_precision=True,
+        fsdp_plan=plan,
+    )
+    loaded = tpkit.from_pretrained(path, distributed_config=config).train()
+    keywords = tpkit.tensor_parallel(
+        build("llama").train(),
+        dp_replicate_size=2,
+        dp_shard_size=2,
+        cpu_offload=True,
+        mixed_precision=MixedPrecisionPolicy(torch.bfloat16, torch.float32),
+        fsdp_plan=plan,
+    )
+    out["settings"] = {"loaded": _settings(loaded), "keywords": _settings(keywords)}
+    out["settings_losses"] = (train_steps(loaded, 101), train_steps(keywords, 101))
+    return out
+
+
+def test_every_spelling_of_hsdp(ranks4, tmp_path):
+    build("llama").save_pretrained(tmp_path)
+    for r in ranks4.run(check_spellings, str(tmp_path)):
+        for name in ("distributed_config", "parallelism_config", "from_pretrained"):
+            assert r[name]["loss_rel"] <= LOSS_REL and r[name]["weight_abs"] <= WEIGHT_ABS, r
+            assert r[name]["placements"] == ["Replicate", "Shard"], (name, r[name])
+        loaded, keywords = r["settings"]["loaded"], r["settings"]["keywords"]
+        assert loaded == keywords, r["settings"]
+        assert loaded["offload"] == "CPUOffloadPolicy", loaded
+        assert loaded["param_dtype"] == "torch.bfloat16", loaded
+        # the layers kept by the plan; Llama's own plan keeps the head, frees the embedding
+        assert loaded["kept"] == {"layer": True, "head": True, "embed": False}, loaded
+        mine, theirs = r["settings_losses"]
+        assert mine == theirs, r["settings_losses"]
+
+
+# ---- the FSDP plan -------------------------------------------------------------------------
+def _units(name: str, plan=None) -> dict[str, bool]:
+    from tpkit.parallel.fsdp_plan import fsdp_units
+
+    return {u.name: u.keep for u in fsdp_units(build(name), plan)}
+
+
+def test_units_follow_the_models_own_fsdp_plan():
+    assert _units("llama") == {
+        "model.layers.0": False,
+        "model.layers.1": False,
+        "model.embed_tokens": False,
+        "model.norm": True,
+        "lm_head": True,
+    }
+
+
+def test_a_plan_naming_no_module_gives_one_unit_per_block():
+    """GPT-2's config carries transformers' config-wide default plan (embed_tokens, layers.*,
+    norm), which names none of its modules: one unit per block, as without a plan."""
+    assert _units("gpt2") == {"transformer.h.0": False, "transformer.h.1": False}
+
+
+def test_tied_embedding_and_head_get_no_unit_of_their_own():
+    """The tied weight falls to the root's unit, gathered for the whole forward."""
+    assert _units("llama_tied") == {
+        "model.layers.0": False,
+        "model.layers.1": False,
+        "model.norm": True,
+    }
+
+
+def test_a_users_plan_is_merged_over_the_models():
+    units = _units(
+        "llama", {"model.layers.*": "keep_full_weight", "model.norm": "free_full_weight"}
+    )
+    assert units["model.layers.0"] and units["model.layers.1"] and not units["model.norm"]
+    assert units["lm_head"], units
+
+
+def check_tied_and_kept(name: str) -> dict:
+    """A tied model, and every unit kept from forward to backward, still train exactly."""
+    return check_parity(name, dp_replicate_size=2, dp_shard_size=2, reshard_after_forward=False)
+
+
+def test_tied_weights_and_reshard_after_forward_false_train_exactly(ranks4):
+    _assert_parity(ranks4.run(check_tied_and_kept, "llama_tied"), ["Replicate", "Shard"])
+
+
+# ---- bad input: one clear error on every rank, before any collective -----------------------
+def check_refusals() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import tpkit
+
+    user_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "tp"))
+    cases = {
+        "sizes": dict(dp_replicate_size=2, dp_shard_size=3),
+        "offload_without_dp": dict(tp_size=4, cpu_offload=True),
+        "settings_unsharded": dict(
+            tp_size=2, dp_size=2, sharded=False, reshard_after_forward=False
+        ),
+        "style": dict(dp_shard_size=4, fsdp_plan={"model.layers.*": "shard_it"}),
+        "pattern": dict(dp_shard_size=4, fsdp_plan={"model.blocks.*": "free_full_weight"}),
+        "user_mesh": dict(mesh=user_mesh),
+        "two_policies": dict(
+            dp_shard_size=4,
+            param_dtype=torch.bfloat16,
+            mixed_precision=MixedPrecisionPolicy(torch.float16),
+        ),
+    }
+    out = {}
+    for case, kwargs in cases.items():
+        model = build("llama")
+        try:
+            tpkit.tensor_parallel(model, **kwargs)
+            out[case] = "accepted"
+        except ValueError as exc:
+            out[case] = str(exc)
+        out[case + "_untouched"] = tpkit.tp_state(model) is None
+    dist.barrier()  # every rank got here: no rank is waiting in a collective
+    return out
+
+
+def test_bad_input_is_one_clear_error_on_every_rank(ranks4):
+    expected = {
+        "sizes": "dp_replicate_size=2 x dp_shard_size=3 x tp_size=1 = 6 ranks, but the world",
+        "offload_without_dp": "cpu_offload=True: FSDP2's settings, but FSDP2 is not applied",
+        "settings_unsharded": "reshard_after_forward=False: FSDP2's settings, but FSDP2 is not",
+        "style": "fsdp_plan['model.layers.*'] = 'shard_it'",
+        "pattern": "fsdp_plan key 'model.blocks.*' names no module",
+        "user_mesh": "HSDP needs the 2-D data mesh (dp_replicate, dp_shard)",
+        "two_policies": "disagree; give FSDP2's mixed precision once",
+    }
+    results = ranks4.run(check_refusals)
+    assert all(r == results[0] for r in results), "every rank raises alike"
+    for case, text in expected.items():
+        assert text in results[0][case], (case, results[0][case])
+        assert results[0][case + "_untouched"], case
+
+
+def check_quantized_offload(path: str) -> str:
+    import tpkit
+    from tests.test_quant import nf4
+
+    try:
+        tpkit.from_pretrained(
+            path, quantization_config=nf4(), tp_size=2, dp_shard_size=2, cpu_offload=True
+        )
+    except ValueError as exc:
+        dist.barrier()
+        return str(exc)
+    return "accepted"
+
+
+def test_cpu_offload_of_a_quantized_base_is_refused(ranks4, tmp_path):
+    """FSDP2 offloads what it shards; the packed 4-bit weights are buffers it never sees."""
+    pytest.importorskip("bitsandbytes")
+    import transformers as tf
+
+    from tests.test_quant import _config
+
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(_config(256)).save_pretrained(tmp_path)
+    for message in ranks4.run(check_quantized_offload, str(tmp_path)):
+        assert "cpu_offload=True (FSDP2's CPUOffloadPolicy) with a bitsandbytes" in message
 
 
 # ---- 8 ranks: one group for the module ----------------------------------------------------------

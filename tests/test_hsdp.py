@@ -401,6 +401,182 @@ def test_cpu_offload_of_a_quantized_base_is_refused(ranks4, tmp_path):
         assert "cpu_offload=True (FSDP2's CPUOffloadPolicy) with a bitsandbytes" in message
 
 
+# ---- the stock Trainer with accelerate's ParallelismConfig -------------------------------------
+TRAINER_REL = 1e-4
+
+
+def train_with_trainer(out: str, per_device: int, sizes: dict | None = None, accumulate=1):
+    """The stock Trainer on the tiny Llama; with ``sizes``, the model split with the same
+    ``ParallelismConfig`` the TrainingArguments carry. Returns the loss curve and the first
+    batch this rank's data loader gives."""
+    from accelerate import ParallelismConfig
+    from transformers import Trainer
+
+    import tpkit
+    from tests.test_integrations_trainer import ToyLM, losses, reset_accelerate, training_args
+    from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
+
+    patch_trainer()
+    reset_accelerate()
+    try:
+        model, config = build("llama").train(), None
+        if sizes:
+            config = ParallelismConfig(**sizes)
+            model = tpkit.tensor_parallel(model, distributed_config=config)
+        args = training_args(
+            out, per_device, config, save_strategy="no", gradient_accumulation_steps=accumulate
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=ToyLM())
+        trainer.train()
+        first = next(iter(trainer.get_train_dataloader()))["input_ids"]
+        pc = trainer.accelerator.parallelism_config
+        return {
+            "losses": losses(trainer),
+            "first": first,
+            "config": pc and (pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size),
+        }
+    finally:
+        unpatch_trainer()
+        reset_accelerate()
+
+
+def check_trainer(out: str, sizes: dict) -> dict:
+    """One sample per data rank; and 2 accumulated micro-batches of one sample."""
+    return {
+        "plain": train_with_trainer(out + "/a", 1, sizes),
+        "accumulated": train_with_trainer(out + "/b", 1, sizes, accumulate=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def trainer_reference(tmp_path_factory):
+    """One process, the stock Trainer, global batch 4 (and 8 = 4 x 2 accumulated)."""
+    from tests.test_integrations_trainer import single_process
+
+    out = str(tmp_path_factory.mktemp("trainer_ref"))
+    return {
+        "plain": single_process(train_with_trainer, out + "/a", 4),
+        "accumulated": single_process(train_with_trainer, out + "/b", 4, None, 2),
+    }
+
+
+def _assert_trainer(results: list[dict], reference: dict, sizes: dict, tp: int) -> None:
+    for kind in ("plain", "accumulated"):
+        ref = reference[kind]["losses"]
+        for r in results:
+            mine = r[kind]["losses"]
+            assert mine.keys() == ref.keys(), (mine, ref)
+            for step, loss in ref.items():
+                assert abs(mine[step] - loss) <= TRAINER_REL * abs(loss), (kind, mine, ref)
+            expected = (sizes["dp_replicate_size"], sizes["dp_shard_size"], sizes.get("tp_size", 1))
+            assert r[kind]["config"] == expected, r[kind]["config"]
+    firsts = [r["plain"]["first"] for r in results]
+    for rank, first in enumerate(firsts):  # TP partners share a batch, data ranks do not
+        for other in range(len(firsts)):
+            same = torch.equal(first, firsts[other])
+            assert same == (rank // tp == other // tp), (rank, other)
+
+
+def test_trainer_with_hsdp_parallelism_config_matches_one_process(
+    ranks4, tmp_path, trainer_reference
+):
+    sizes = {"dp_replicate_size": 2, "dp_shard_size": 2}
+    results = ranks4.run(check_trainer, str(tmp_path), sizes)
+    _assert_trainer(results, trainer_reference, sizes, tp=1)
+
+
+def check_hsdp_config_over_plain_fsdp(out: str) -> str:
+    """A model FSDP2 shards over 4 data ranks, told it is 2 replicas x 2 shards."""
+    from accelerate import ParallelismConfig
+    from transformers import Trainer
+
+    import tpkit
+    from tests.test_integrations_trainer import ToyLM, reset_accelerate, training_args
+    from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
+
+    patch_trainer()
+    reset_accelerate()
+    try:
+        model = tpkit.tensor_parallel(build("llama"), dp_shard_size=4)
+        config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
+        try:
+            Trainer(model=model, args=training_args(out, 1, config), train_dataset=ToyLM())
+        except ValueError as exc:
+            return str(exc)
+        return "accepted"
+    finally:
+        unpatch_trainer()
+        reset_accelerate()
+
+
+def test_trainer_refuses_a_config_with_another_data_split(ranks4, tmp_path):
+    for message in ranks4.run(check_hsdp_config_over_plain_fsdp, str(tmp_path)):
+        assert "whose data ranks are dp_replicate_size=1 x dp_shard_size=4" in message, message
+
+
+# ---- the notebook pool --------------------------------------------------------------------
+def pool_weights(model) -> dict[str, torch.Tensor]:
+    """Run on every worker of a pool (full_tensor is a collective)."""
+    return _weights(model)
+
+
+POOL_SCRIPT = """
+import json
+
+import torch
+
+import tpkit
+from tests.models import batch, build
+from tests.test_hsdp import _reference, pool_weights
+
+ref, ref_losses = _reference("llama")
+model = tpkit.tensor_parallel(
+    build("llama").train(), dp_replicate_size=2, dp_shard_size=2, cpu_offload=True
+)
+opt = tpkit.optim(model, torch.optim.AdamW, lr=1e-3, eps=1e-6)
+losses = []
+for step in range(3):
+    x = batch(101, shape=(8, 8), seed=step)
+    opt.zero_grad()
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+weights = model.run(pool_weights)
+mine = dict(ref.named_parameters())
+print("RESULT " + json.dumps({
+    "world": model.world_size,
+    "loss_rel": max(abs(a - b) / b for a, b in zip(losses, ref_losses)),
+    "weight_abs": max((w - mine[n]).abs().max().item() for n, w in weights.items()),
+}))
+model.close()
+"""
+
+
+def test_the_notebook_pool_runs_hsdp(tmp_path):
+    """Outside torchrun, the sizes start one worker per rank (every data rank gets the batch
+    the caller passes: the mean of equal gradients is the one-process gradient)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "script.py").write_text(POOL_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
+    proc = subprocess.run(
+        [sys.executable, "script.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    import json
+
+    r = json.loads(lines[-1][len("RESULT ") :])
+    assert r["world"] == 4 and r["loss_rel"] <= LOSS_REL and r["weight_abs"] <= WEIGHT_ABS, r
+
+
 # ---- 8 ranks: one group for the module ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def ranks8():
@@ -514,3 +690,9 @@ def test_save_pretrained_from_2x2x2_is_the_plain_checkpoint(eight):
     saved = _saved(eight)
     for n, p in plain.named_parameters():
         assert torch.equal(p.detach(), saved[n]), n
+
+
+def test_trainer_at_2x2x2_matches_one_process(ranks8, tmp_path, trainer_reference):
+    sizes = {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}
+    results = ranks8.run(check_trainer, str(tmp_path), sizes, timeout=600)
+    _assert_trainer(results, trainer_reference, sizes, tp=2)

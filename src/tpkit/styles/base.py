@@ -34,7 +34,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from tpkit.compat import StridedShard
 from tpkit.parallel.comm import copy_to_tp
-from tpkit.plan.catalogue import StyleSpec, style_spec
+from tpkit.plan.catalogue import StyleSpec, bind, style_spec
 from tpkit.plan.layout import ParamLayout, param_layout
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "TPStyle",
     "distribute_param",
     "first_tensor",
+    "implements",
     "map_output",
     "placement_for",
     "read_directly",
@@ -158,6 +159,14 @@ def _grouped_mm_fallback(module: nn.Module) -> str:
                 module.config.__dict__[_IMPL] = "batched_mm"
                 return "batched_mm (grouped_mm needs 16-byte rows)"
     return ""
+
+
+def implements(cls: type) -> type:
+    """Class decorator: ``cls`` runs the catalogue's style ``cls.name`` (`tpkit.plan.catalogue`
+    says what that style is: its role, the dim it shards, its collective). A new built-in style
+    is its spec in the catalogue and its class here, decorated: nothing else to list."""
+    bind(cls.name, cls)
+    return cls
 
 
 class TPStyle(ParallelStyle):
@@ -331,6 +340,7 @@ class TPStyle(ParallelStyle):
                 child._parameters[name] = p
 
 
+@implements
 class ReplicateStyle(TPStyle):
     """Replicated parameters (``Replicate()`` DTensors), local compute: Y = f(X; W)."""
 
@@ -339,6 +349,7 @@ class ReplicateStyle(TPStyle):
     nograd_identity = True
 
 
+@implements
 class ReplicateGradAllReduceStyle(TPStyle):
     """Replicated, acting on sharded activations (Qwen3's per-head ``q_norm``): each rank's
     gradient covers its heads only, so it is all-reduced (f on the local weight)."""

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tpkit.parallel.comm import gather_from_tp
 from tpkit.plan.layout import GroupedRows, chunk_sizes
-from tpkit.styles.base import TPStyle, map_output, replace_first_tensor
+from tpkit.styles.base import TPStyle, implements, map_output, replace_first_tensor
 from tpkit.styles.linear import ColwiseStyle, RowwiseStyle
 
 __all__ = [
@@ -79,6 +79,7 @@ def _channel_dim(y: torch.Tensor, kernel_dims: int) -> int:
     return y.ndim - kernel_dims - 1  # 1 for a batch, 0 for an unbatched input
 
 
+@implements
 class ConvGatherStyle(ColwiseStyle):
     """Y = [conv(X, W_0), ..., conv(X, W_t-1)] along the channel dim (see the module doc).
 
@@ -132,6 +133,7 @@ class ConvGatherStyle(ColwiseStyle):
         return whole if last_layout else whole.contiguous()
 
 
+@implements
 class ConvColwiseStyle(ColwiseStyle):
     """Y_i = conv(X, W_i) + b_i: this rank's output channels, left split for the paired
     ``conv_rowwise``; f on X (each rank's input gradient is a partial sum over its channels)."""
@@ -142,6 +144,7 @@ class ConvColwiseStyle(ColwiseStyle):
         _check_conv(self, module, transposed_ok=True)
 
 
+@implements
 class ConvPackedColwiseStyle(ConvColwiseStyle):
     """``conv_colwise`` with the output channels split per packed half (the catalogue's
     ``packed_parts=2`` lays the weight and bias out as two strided parts): this rank's
@@ -150,6 +153,7 @@ class ConvPackedColwiseStyle(ConvColwiseStyle):
     name = "conv_packed_colwise"
 
 
+@implements
 class ConvRowwiseStyle(RowwiseStyle):
     """Y = sum_i conv(X_i, W_i) + b: the rank's input channels, partial sums all-reduced, the
     bias added once after the reduction, on the channel dim (see the module doc)."""
@@ -172,6 +176,7 @@ class ConvRowwiseStyle(RowwiseStyle):
         return super()._reduce_output(output, bias)
 
 
+@implements
 class NormChannelStyle(TPStyle):
     """BatchNorm / GroupNorm on the rank's channels (see the module doc). GroupNorm's
     ``num_groups`` is divided by the plan's fix-up; BatchNorm's statistics are per channel, so

@@ -31,7 +31,7 @@ CAP_BYTES = 6 * 10**9
 _SCRIPT = """
 import json, sys
 sys.path.insert(0, {root!r})
-from tests.test_reliability_memory import plan_on_meta
+from tests.test_planning_memory import plan_on_meta
 print(json.dumps(plan_on_meta(*{args!r})))
 """
 

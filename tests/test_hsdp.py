@@ -413,7 +413,7 @@ def train_with_trainer(out: str, per_device: int, sizes: dict | None = None, acc
     from transformers import Trainer
 
     import tpkit
-    from tests.test_integrations_trainer import ToyLM, losses, reset_accelerate, training_args
+    from tests.test_trainer import ToyLM, losses, reset_accelerate, training_args
     from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
 
     patch_trainer()
@@ -451,7 +451,7 @@ def check_trainer(out: str, sizes: dict) -> dict:
 @pytest.fixture(scope="module")
 def trainer_reference(tmp_path_factory):
     """One process, the stock Trainer, global batch 4 (and 8 = 4 x 2 accumulated)."""
-    from tests.test_integrations_trainer import single_process
+    from tests.test_trainer import single_process
 
     out = str(tmp_path_factory.mktemp("trainer_ref"))
     return {
@@ -491,7 +491,7 @@ def check_hsdp_config_over_plain_fsdp(out: str) -> str:
     from transformers import Trainer
 
     import tpkit
-    from tests.test_integrations_trainer import ToyLM, reset_accelerate, training_args
+    from tests.test_trainer import ToyLM, reset_accelerate, training_args
     from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
 
     patch_trainer()

@@ -514,6 +514,23 @@ def test_trainer_refuses_a_config_with_another_data_split(ranks4, tmp_path):
         assert "whose data ranks are dp_replicate_size=1 x dp_shard_size=4" in message, message
 
 
+@pytest.mark.parametrize("order", ["peft_first", "tpkit_first"])
+def test_lora_adapters_train_exactly_under_hsdp(ranks4, order, tmp_path):
+    """A PEFT model split at dp_replicate=2 x dp_shard=2 x tp=1 (FSDP2 over the adapters too, or,
+    adapters added after, replicated with their gradients averaged), against the unsharded PEFT
+    model (tests/test_peft.py's check), and its saved adapter. At tp = 1 nothing is laid out on
+    the TP mesh (that once made the embedding a DTensor facing plain token ids)."""
+    from tests.test_peft import TOL
+    from tests.test_peft import _assert_parity as assert_lora_parity
+    from tests.test_peft import check_parity as lora_parity
+
+    results = ranks4.run(
+        lora_parity, "gpt2", order, save=str(tmp_path), dp_replicate_size=2, dp_shard_size=2
+    )
+    assert_lora_parity(results)
+    assert all(r["saved"] <= TOL for r in results), results
+
+
 # ---- the notebook pool --------------------------------------------------------------------
 def pool_weights(model) -> dict[str, torch.Tensor]:
     """Run on every worker of a pool (full_tensor is a collective)."""

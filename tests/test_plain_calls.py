@@ -252,7 +252,7 @@ def check_accelerate_loading(ckpt: str, **tp_kwargs) -> dict:
             with accelerate.init_empty_weights():
                 model = AutoModelForCausalLM.from_config(ref.config)
             model.tie_weights()
-            model = tpkit.tensor_parallel(model, **tp_kwargs)
+            model = tpkit.tensor_parallel(model, fill_later=True, **tp_kwargs)
         device_map = tpkit.infer_sharded_device_map(model)
         accelerate.load_checkpoint_in_model(model, ckpt, device_map=device_map)
         with torch.no_grad():

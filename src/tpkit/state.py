@@ -69,6 +69,8 @@ class TPOptions:
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None
     cp_size: int | None = None
+    #: context parallelism's attention: "auto", "allgather", "ring" or "ulysses"
+    cp_attention: str = "auto"
     ep_size: int | None = None
     distributed_config: Any = None
     plan: PlanArg = "auto"
@@ -82,6 +84,7 @@ class TPOptions:
     reshard_after_forward: bool | int = True
     fsdp_plan: Mapping[str, str] | None = None
     example_inputs: tuple | Mapping | None = None
+    fill_later: bool = False
 
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> TPOptions:

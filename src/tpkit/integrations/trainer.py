@@ -61,6 +61,12 @@ What Trainer and accelerate need, and what this module does about it:
   dp (no FSDP) gets a per-parameter hook that averages its local gradient over the dp group at
   the end of each accumulation window, as DDP would (``model._tpkit_dp_sync`` marks it; core code
   that reduces dp gradients itself can set that flag to turn the hook off).
+- **cp > 1.** ``ParallelismConfig(cp_size=...)`` makes accelerate wrap each step in torch's
+  ``context_parallel`` (no CPU kernel; it splits the batch in place) after hooks that drop every
+  self-attention mask, and Trainer insist on SDPA. For a tpkit CP model both are replaced: the
+  step runs in `tpkit.parallel.context.ContextParallel.trainer_mode` and the model splits the
+  batch accelerate gave the whole cp group, once. The loss is then this rank's share, as the
+  Trainer's arithmetic expects (it multiplies by its process count and averages gradients).
 - **evaluate / predict.** TP partners hold the same predictions: they are gathered over the dp
   group only, so the last short batch is trimmed right and nothing is repeated ``tp_size`` times.
   ``num_input_tokens_seen`` is counted once per TP group for the same reason.
@@ -90,6 +96,7 @@ from tpkit.integrations.trainer_checkpoints import (
     patched_save,
     patched_save_optimizer_and_scheduler,
 )
+from tpkit.parallel.context.apply import context_of
 from tpkit.parallel.fsdp import average_over_dp, is_fsdp
 from tpkit.parallel.mesh import get_mesh
 from tpkit.state import tp_state, wrapper_chain
@@ -106,6 +113,7 @@ def patch_trainer() -> None:
     parallelize are untouched: every patched method hands them to the original. Each patch goes
     through `tpkit.integrations.patching` (original recorded, tested versions checked).
     """
+    from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import Trainer
 
@@ -118,6 +126,7 @@ def patch_trainer() -> None:
         versions="accelerate",
         group="trainer",
     )
+    wrap(Accelerator, "_prepare_cp", _prepare_cp, versions="accelerate", group="trainer")
 
 
 def unpatch_trainer() -> None:
@@ -308,9 +317,9 @@ def _track_num_input_tokens(original):
         before = self.state.num_input_tokens_seen
         original(self, inputs)
         state = tp_state(self.model)
-        if state is not None:  # the gather summed each TP group's (identical) count tp times
+        if state is not None:  # the gather summed each tp x cp block's (identical) count
             seen = self.state.num_input_tokens_seen - before
-            self.state.num_input_tokens_seen = before + seen // state.tp_size
+            self.state.num_input_tokens_seen = before + seen // (state.tp_size * state.dims.cp)
 
     return _track_num_input_tokens
 
@@ -344,30 +353,60 @@ def _config_of(state, sharded: bool):
     dims = state.dims
     if sharded:
         return ParallelismConfig(
-            tp_size=dims.tp, dp_replicate_size=dims.dp_replicate, dp_shard_size=dims.dp_shard
+            tp_size=dims.tp,
+            dp_replicate_size=dims.dp_replicate,
+            dp_shard_size=dims.dp_shard,
+            cp_size=dims.cp,
         )
-    return ParallelismConfig(tp_size=dims.tp, dp_shard_size=dims.dp)
+    return ParallelismConfig(tp_size=dims.tp, dp_shard_size=dims.dp, cp_size=dims.cp)
 
 
 def _check_config(pc, state, sharded: bool) -> None:
-    """A config that does not describe the model is refused: a wrong tp_size would give the ranks
-    of one TP group different batches, and a model FSDP2 shards must be told its own
+    """A config that does not describe the model is refused: a wrong tp_size or cp_size would give
+    the ranks of one TP or CP group different batches, and a model FSDP2 shards must be told its own
     (dp_replicate, dp_shard) split (an HSDP config over a plainly sharded model, or back)."""
     dims = state.dims
     pc_dp = pc.dp_shard_size * pc.dp_replicate_size
-    wrong = pc.tp_size != dims.tp or pc_dp != dims.dp or pc.cp_size != 1 or pc.sp_size != 1
+    wrong = pc.tp_size != dims.tp or pc_dp != dims.dp or pc.cp_size != dims.cp or pc.sp_size != 1
     split = (pc.dp_replicate_size, pc.dp_shard_size) != (dims.dp_replicate, dims.dp_shard)
     if wrong or (sharded and split):
+        cp = f", cp_size={dims.cp}" if dims.cp > 1 else ""
         raise ValueError(
             f"TrainingArguments.parallelism_config (tp_size={pc.tp_size}, dp_shard_size="
             f"{pc.dp_shard_size}, dp_replicate_size={pc.dp_replicate_size}, cp_size={pc.cp_size}, "
             f"sp_size={pc.sp_size}) does not describe the tpkit model (tp_size={dims.tp}, "
-            f"dp_size={dims.dp}), whose data ranks are dp_replicate_size={dims.dp_replicate} x "
-            f"dp_shard_size={dims.dp_shard}. Split the model with the same config, "
+            f"dp_size={dims.dp}{cp}), whose data ranks are dp_replicate_size={dims.dp_replicate} "
+            f"x dp_shard_size={dims.dp_shard}. Split the model with the same config, "
             "tpkit.tensor_parallel(model, distributed_config=parallelism_config), or leave it "
-            "unset and tpkit fills it in; a wrong tp_size would give the ranks of one TP group "
-            "different batches."
+            "unset and tpkit fills it in; a wrong tp_size or cp_size would give the ranks of one "
+            "TP or CP group different batches."
         )
+
+
+def _prepare_context_parallel_inputs(original):
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        # Trainer's version insists on sdpa and hands the batch to torch's context_parallel
+        # (which splits it in place); a tpkit model splits the whole batch in its own forward
+        cp = context_of(model)
+        if cp is None:
+            return original(self, model, inputs)
+        return cp.trainer_mode, inputs
+
+    return _prepare_context_parallel_inputs
+
+
+def _prepare_cp(original):
+    def _prepare_cp(self, *args):
+        # accelerate's: torch's context_parallel (no CPU kernel) and hooks that drop every
+        # self-attention mask. A tpkit CP model splits its batch itself: accelerate's
+        # maybe_context_parallel then only marks the Trainer's convention (no second split).
+        found = next((context_of(a) for a in args if isinstance(a, nn.Module)), None)
+        if found is None:
+            return original(self, *args)
+        self._cp_context = lambda **_: found.trainer_mode()
+        return args
+
+    return _prepare_cp
 
 
 def _validate_accelerator(original):
@@ -400,6 +439,7 @@ _TRAINER_PATCHES = (
     ("evaluation_loop", _evaluation_loop, True),
     ("_defer_fsdp_gradient_reduction", _defer_fsdp_gradient_reduction, False),
     ("_track_num_input_tokens", _track_num_input_tokens, False),
+    ("_prepare_context_parallel_inputs", _prepare_context_parallel_inputs, False),
     ("_save", patched_save, True),
     ("_save_optimizer_and_scheduler", patched_save_optimizer_and_scheduler, True),
     ("_load_from_checkpoint", patched_load_from_checkpoint, True),

@@ -81,13 +81,13 @@ def fsdp_problems(
     """What is wrong with FSDP2's settings for this run, before any collective: settings asked
     where FSDP2 is not applied, plan styles it does not know and patterns naming no module, and a
     user's mesh that has no 2-D data mesh for HSDP."""
-    applied = sharded and dims.dp > 1
+    applied = sharded and dims.dp * dims.cp > 1  # FSDP2 shards over dp_shard x cp
     found = []
     asked = [a for a in options.asked if not a.startswith("mixed_precision")]
     if options.mixed_precision is not None and options.param_dtype is None:
         asked.append(f"mixed_precision={options.mixed_precision}")
     if asked and not applied:
-        why = "sharded=False" if dims.dp > 1 else f"dp_size={dims.dp}: no data axis to shard over"
+        why = "sharded=False" if dims.dp * dims.cp > 1 else "dp_size=1: no data axis to shard over"
         found.append(
             f"{', '.join(asked)}: FSDP2's settings, but FSDP2 is not applied ({why}); use "
             "dp_shard_size > 1 (or dp_replicate_size x dp_shard_size) with sharded=True, or drop "
@@ -96,7 +96,8 @@ def fsdp_problems(
     if options.plan is not None:
         found += _plan_problems(model, options.plan)
     names = mesh.mesh_dim_names or () if mesh is not None else ()
-    if applied and mesh is not None and dims.dp_replicate > 1 and "dp_shard" not in names:
+    shard_axis = "dp_shard" in names or "cp" in names  # FSDP's shard dim: dp_shard x cp
+    if applied and mesh is not None and dims.dp_replicate > 1 and not shard_axis:
         found.append(
             f"the mesh {tuple(names)} has dp_replicate={dims.dp_replicate} and no 'dp_shard' "
             "dimension: HSDP needs the 2-D data mesh (dp_replicate, dp_shard); add a 'dp_shard' "

@@ -74,6 +74,7 @@ def _compare(model, ref, losses, ref_losses) -> dict:
             for n, p in model.named_parameters()
         ),
         "placements": [type(pl).__name__ for pl in some.placements],
+        "mesh": (tuple(some.device_mesh.mesh_dim_names or ()), tuple(some.device_mesh.shape)),
         "losses": losses,
     }
 
@@ -111,6 +112,14 @@ def test_hsdp_with_tp_on_four_ranks(ranks4):
     """dp_replicate=2 x tp=2 (dp_shard=1): TP weights under an (R, 1) data mesh."""
     results = ranks4.run(check_parity, "gpt2", dp_replicate_size=2, tp_size=2)
     _assert_parity(results, ["Replicate", "Shard", "_StridedShard"])
+
+
+def test_hsdp_with_context_parallelism(ranks4):
+    """dp_replicate=2 x cp=2 (tp=1): FSDP2 over (dp_replicate, dp_shard_cp), the cp ranks
+    holding the same parameters (each replica's shards split over its cp pair)."""
+    results = ranks4.run(check_parity, "llama", dp_replicate_size=2, cp_size=2)
+    _assert_parity(results, ["Replicate", "Shard"])
+    assert all(r["mesh"] == (("dp_replicate", "dp_shard_cp"), (2, 2)) for r in results), results
 
 
 def _policies(kind: str) -> dict:

@@ -190,10 +190,6 @@ REFUSALS: dict[str, tuple[Callable[[], Callable[[], object]], str]] = {
         _split("qwen3_moe", tp_size=2, dp_size=2, ep_size=8),
         "ep_size=8 must be a multiple of tp_size=2 and divide dp_shard_size x tp_size = 4",
     ),
-    "replicas_without_shards": (
-        _split(tp_size=2, dp_replicate_size=2),
-        "dp_replicate_size=2 with dp_shard_size=1: pass sharded=False",
-    ),
     "dp_spellings_disagree": (
         _split(dp_size=4, dp_replicate_size=2, dp_shard_size=1),
         "dp_size=4 is dp_replicate_size x dp_shard_size, but those are 2 x 1 = 2",

@@ -103,6 +103,10 @@ def tensor_parallel(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
     param_dtype: torch.dtype | None = None,
+    mixed_precision: Any = None,
+    cpu_offload: bool = False,
+    reshard_after_forward: bool | int = True,
+    fsdp_plan: Mapping[str, str] | None = None,
     example_inputs: tuple | Mapping | None = None,
     fill_later: bool = False,
 ) -> nn.Module:
@@ -118,7 +122,9 @@ def tensor_parallel(
         tp_size: ranks per TP group; default what the other sizes leave of the world.
         dp_size: data-parallel ranks (dp_replicate x dp_shard); alone, the FSDP2 axis
             (``dp_shard_size``), or plain replicas with ``sharded=False``.
-        dp_replicate_size: HSDP's replicas (outermost; across nodes).
+        dp_replicate_size: HSDP's replicas (outermost; across nodes): parameters sharded over
+            dp_shard within a replica, gradients reduce-scattered there and all-reduced across
+            replicas (with dp_shard_size=1: whole replicas, gradients all-reduced).
         dp_shard_size: FSDP2's axis; default what the other sizes leave of the world.
         cp_size: context parallelism: each batch's sequence split over this many ranks
             (zigzag chunks), attention over the whole context (`tpkit.parallel.context`).
@@ -145,6 +151,15 @@ def tensor_parallel(
             ``Shard(-1)`` DTensor) and the cross-entropy never gathers the vocabulary.
         param_dtype: FSDP2 mixed precision: parameters and compute in this dtype (e.g.
             ``torch.bfloat16``), gradient reductions in float32. Needs ``sharded``.
+        mixed_precision: torch's ``MixedPrecisionPolicy`` for FSDP2 (param, reduce and output
+            dtypes), instead of ``param_dtype``'s.
+        cpu_offload: FSDP2's CPU offload (torch's ``CPUOffloadPolicy``): sharded parameters,
+            gradients and the optimizer step live on the CPU, copied to the device per unit.
+        reshard_after_forward: FSDP2's: free each unit's gathered weights after its forward
+            (True), keep them for backward (False), or reshard to a smaller group (an int).
+        fsdp_plan: which modules are FSDP2 units, transformers' spelling
+            (``{"model.layers.*": "free_full_weight", "lm_head": "keep_full_weight"}``), merged
+            over the model's own ``fsdp_plan``; default that plan, else one unit per block.
         example_inputs: a positional tuple or kwargs dict for the plan's fake-tensor trace, for
             a forward the inputs tpkit makes up from the model (`tpkit.trace.inputs`) do not
             fit; without them, a model that cannot be traced is split per layer, exactly
@@ -175,6 +190,10 @@ def tensor_parallel(
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
         param_dtype=param_dtype,
+        mixed_precision=mixed_precision,
+        cpu_offload=cpu_offload,
+        reshard_after_forward=reshard_after_forward,
+        fsdp_plan=fsdp_plan,
         example_inputs=example_inputs,
         fill_later=fill_later,
     )

@@ -33,6 +33,7 @@ from tpkit.parallel.context.apply import apply_context_parallel
 from tpkit.parallel.context.checks import check_context
 from tpkit.parallel.dims import SIZE_KEYWORDS, ParallelDims, launch_hint
 from tpkit.parallel.fsdp import apply_fsdp
+from tpkit.parallel.fsdp_plan import fsdp_problems
 from tpkit.parallel.mesh import build_mesh, get_mesh, init_distributed, tp_submesh
 from tpkit.parallel.tensor import apply_tensor_parallel
 from tpkit.plan import check_plan_arg, validate
@@ -95,7 +96,8 @@ def split(
         return model.to(dims.device) if device_ids else model
     # cp ranks hold the same parameters: FSDP shards over dp_shard x cp (torchtitan's dp_shard_cp)
     sharded = dims.dp * dims.cp > 1 if o.sharded is None else o.sharded
-    _refuse_axes_not_built(dims, sharded)
+    fsdp = o.fsdp()
+    _refuse_axes_not_built(dims)
     if dims.cp > 1:
         check_context(model, o.cp_attention, o.sequence_parallel, dims.cp, dims.tp)
     adapted: list[tuple[SplitExtension, Any]] = []
@@ -132,6 +134,8 @@ def split(
             example_inputs=o.example_inputs,
             analysis=analysis,
         )
+        if found := fsdp_problems(model, fsdp, dims, sharded, o.mesh):
+            raise ValueError("FSDP2 settings:\n  " + "\n  ".join(found))
     except BaseException:
         for e, a in reversed(adapted):
             e.undo(model, a)
@@ -143,7 +147,7 @@ def split(
     with torch_registration():
         _move(model, dims.device)
         if dims.tp > 1:
-            mixed = o.param_dtype if fsdp_later else None
+            mixed = fsdp.param_dtype if fsdp_later else None
             apply_tensor_parallel(
                 model,
                 the_plan,
@@ -160,7 +164,7 @@ def split(
         tp_mesh=tp_mesh,
         plan=the_plan,
         dims=dims,
-        pending_fsdp=(o.param_dtype,) if fsdp_later else None,
+        pending_fsdp=fsdp if fsdp_later else None,
     )
     for extension, context in contexts:
         extension.finish(model, context, tp_mesh)
@@ -180,14 +184,10 @@ def _world_mesh(dims: ParallelDims) -> DeviceMesh:
     )
 
 
-def _refuse_axes_not_built(dims: ParallelDims, sharded: bool) -> None:
+def _refuse_axes_not_built(dims: ParallelDims) -> None:
     """Axes whose parallelism this build does not apply yet: one clear error, before any
-    collective, instead of a model that silently ignores them."""
-    if dims.dp_replicate > 1 and dims.dp_shard * dims.cp == 1 and sharded:
-        raise ValueError(
-            f"dp_replicate_size={dims.dp_replicate} with dp_shard_size=1: pass sharded=False "
-            "for plain replicas, or a dp_shard_size > 1 for HSDP."
-        )
+    collective, instead of a model that silently ignores them. (dp_replicate > 1 with
+    dp_shard = 1 is HSDP over an (R, 1) data mesh: replicas whose gradients FSDP2 all-reduces.)"""
     for axis, what in (("ep", "expert parallelism"),):
         if getattr(dims, axis) > 1:
             raise ValueError(
@@ -231,15 +231,13 @@ def _install_guards(model: nn.Module, tp: int, tp_mesh: DeviceMesh) -> None:
 
 
 def apply_pending_fsdp(model: nn.Module) -> nn.Module:
-    """Apply the FSDP2 step `split` left for later (nothing when there is none): over the data
-    axes of the mesh, dp_shard (x cp) alone (FSDP) or dp_replicate x dp_shard (x cp) (HSDP):
-    cp ranks hold the same parameters, so FSDP shards over them too."""
+    """Apply the FSDP2 step `split` left for later (nothing when there is none), with its
+    settings: over the data axes of the mesh, dp_shard (x cp) alone (FSDP) or dp_replicate x
+    dp_shard (x cp) (HSDP): cp ranks hold the same parameters, so FSDP shards over them too."""
     state = getattr(model, "_tpkit", None)
     if state is not None and state.pending_fsdp is not None:
-        (param_dtype,) = state.pending_fsdp
-        state.pending_fsdp = None
-        dp_mesh = get_mesh(state.mesh, "dp_replicate", "dp_shard_cp")
-        apply_fsdp(model, dp_mesh, param_dtype=param_dtype)
+        options, state.pending_fsdp = state.pending_fsdp, None
+        apply_fsdp(model, get_mesh(state.mesh, "dp_replicate", "dp_shard_cp"), options)
     return model
 
 

@@ -14,14 +14,48 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tpkit.parallel.dims import ParallelDims
 from tpkit.plan.spec import Plan
 
-__all__ = ["TPOptions", "TPState", "tp_state", "wrapper_chain"]
+__all__ = ["FSDPOptions", "TPOptions", "TPState", "tp_state", "wrapper_chain"]
 
 #: a plan argument: a mode ("auto", "config", "infer"), a YAML path, a mapping or a Plan
 PlanArg = Any
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """FSDP2's own settings for the data axes, as `tpkit.parallel.fsdp.apply_fsdp` takes them:
+    torch's ``MixedPrecisionPolicy``, CPU offload (torch's ``CPUOffloadPolicy``),
+    ``reshard_after_forward`` and a per-module plan (transformers' ``fsdp_plan``: module
+    pattern -> ``"free_full_weight"`` / ``"keep_full_weight"``; None: the model's own plan where
+    it has one, else one unit per repeated block)."""
+
+    mixed_precision: MixedPrecisionPolicy | None = None
+    cpu_offload: bool = False
+    reshard_after_forward: bool | int = True
+    plan: Mapping[str, str] | None = None
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The dtype parameters are gathered and computed in (None: their own)."""
+        return self.mixed_precision.param_dtype if self.mixed_precision is not None else None
+
+    @property
+    def asked(self) -> list[str]:
+        """The settings that differ from FSDP2's defaults, spelled as keywords (for errors)."""
+        out = []
+        if self.mixed_precision is not None:
+            out.append(f"mixed_precision={self.mixed_precision}")
+        if self.cpu_offload:
+            out.append("cpu_offload=True")
+        if self.reshard_after_forward is not True:
+            out.append(f"reshard_after_forward={self.reshard_after_forward!r}")
+        if self.plan is not None:
+            out.append(f"fsdp_plan={dict(self.plan)!r}")
+        return out
 
 
 @dataclass(frozen=True)
@@ -45,6 +79,10 @@ class TPOptions:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     param_dtype: torch.dtype | None = None
+    mixed_precision: MixedPrecisionPolicy | None = None
+    cpu_offload: bool = False
+    reshard_after_forward: bool | int = True
+    fsdp_plan: Mapping[str, str] | None = None
     example_inputs: tuple | Mapping | None = None
     fill_later: bool = False
 
@@ -72,6 +110,42 @@ class TPOptions:
             device_ids=device_ids,
         )
 
+    def fsdp(self) -> FSDPOptions:
+        """FSDP2's settings these options ask for: the keywords, and a transformers
+        ``DistributedConfig``'s ``fsdp_plan`` / ``fsdp_cpu_offload`` / ``fsdp_mixed_precision``
+        (bf16 parameters, float32 reductions, as transformers builds it). ``param_dtype`` is
+        ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``; a setting given twice
+        with different values is a ValueError."""
+        cfg = self.distributed_config
+        get = lambda name, default: getattr(cfg, name, default)  # noqa: E731
+        policies = []
+        if self.param_dtype is not None:
+            policies.append(("param_dtype", _policy(self.param_dtype)))
+        if self.mixed_precision is not None:
+            policies.append(("mixed_precision", self.mixed_precision))
+        if get("fsdp_mixed_precision", False):
+            policies.append(("distributed_config.fsdp_mixed_precision", _policy(torch.bfloat16)))
+        if len({p for _, p in policies}) > 1:
+            said = ", ".join(f"{name} ({p})" for name, p in policies)
+            raise ValueError(f"{said} disagree; give FSDP2's mixed precision once.")
+        plan, cfg_plan = self.fsdp_plan, get("fsdp_plan", None)
+        if plan is not None and cfg_plan is not None and dict(plan) != dict(cfg_plan):
+            raise ValueError(
+                f"fsdp_plan={dict(plan)!r} disagrees with the distributed_config's "
+                f"fsdp_plan={dict(cfg_plan)!r}; give it once."
+            )
+        return FSDPOptions(
+            mixed_precision=policies[0][1] if policies else None,
+            cpu_offload=bool(self.cpu_offload or get("fsdp_cpu_offload", False)),
+            reshard_after_forward=self.reshard_after_forward,
+            plan=plan if plan is not None else cfg_plan,
+        )
+
+
+def _policy(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """``param_dtype``'s policy: parameters and compute in it, gradient reductions in float32."""
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
 
 @dataclass
 class TPState:
@@ -82,8 +156,8 @@ class TPState:
     tp_mesh: DeviceMesh
     plan: Plan
     dims: ParallelDims
-    #: FSDP2 still to apply (``(param_dtype,)``), when `split` was asked to leave it for later
-    pending_fsdp: tuple[torch.dtype | None] | None = None
+    #: FSDP2 / HSDP still to apply, with its settings, when `split` left it for later
+    pending_fsdp: FSDPOptions | None = None
     #: how the weights arrived: "" (the model's own), "slices" or "transformers" (from_pretrained)
     loaded_from: str = ""
 

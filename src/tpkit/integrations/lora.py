@@ -644,6 +644,16 @@ def lay_out_adapters(model: nn.Module) -> nn.Module:
     if state is None or state.tp_size <= 1 and state.dp_size <= 1:
         return model
     check_peft_type(model)
+    if state.tp_size > 1:  # at tp = 1 FSDP2 alone: adapters stay plain tensors, as the base's
+        _lay_out_on_tp(model, state.tp_mesh)
+    if state.dp_size > 1 and is_fsdp(hf_model(model)):
+        # adapters added after FSDP2 stay replicated over dp, their gradients averaged over it
+        average_grads_over_dp(_tp_only_params(model, state), get_mesh(state.mesh, "dp"))
+    return model
+
+
+def _lay_out_on_tp(model: nn.Module, tp_mesh) -> None:
+    """Every adapter laid out on the TP mesh like its base layer; the rest replicated there."""
     layers = tuner_layers(model)
     for name, layer in layers:  # every refusal before the first collective, alike on every rank
         style = style_of(layer.get_base_layer())
@@ -653,14 +663,14 @@ def lay_out_adapters(model: nn.Module) -> nn.Module:
     for name, wrapper in copies:
         _check_saved_copy(name, wrapper)
     for name, layer in layers:
-        _shard_layer(name, layer, state.tp_mesh)
+        _shard_layer(name, layer, tp_mesh)
     for _, wrapper in copies:
         for copy in wrapper.modules_to_save.values():
             for m in copy.modules():
                 if style_of(m) is None and any(
                     p is not None and not isinstance(p, DTensor) for p in m._parameters.values()
                 ):
-                    _lay_out(m, ReplicateStyle(), state.tp_mesh)
+                    _lay_out(m, ReplicateStyle(), tp_mesh)
     # whatever adapter parameter is still a plain tensor (modules_to_save copies, ...) is replicated
     for module in model.modules():
         if any(
@@ -670,24 +680,21 @@ def lay_out_adapters(model: nn.Module) -> nn.Module:
         ):
             for pname, p in list(module._parameters.items()):
                 if p is not None and not isinstance(p, DTensor):  # rank 0's values, replicated
-                    dt = distribute_tensor(
-                        p.detach(), state.tp_mesh, [Replicate()], src_data_rank=0
-                    )
+                    dt = distribute_tensor(p.detach(), tp_mesh, [Replicate()], src_data_rank=0)
                     module.register_parameter(
                         pname, nn.Parameter(dt, requires_grad=p.requires_grad)
                     )
-    if state.dp_size > 1 and is_fsdp(hf_model(model)):
-        # adapters added after FSDP2 stay replicated over dp, their gradients averaged over it
-        average_grads_over_dp(_tp_only_params(model, state.tp_mesh), get_mesh(state.mesh, "dp"))
-    return model
 
 
-def _tp_only_params(model: nn.Module, tp_mesh) -> list[torch.Tensor]:
-    """Trainable parameters on the TP mesh alone (FSDP2's live on the 2-D mesh)."""
+def _tp_only_params(model: nn.Module, state) -> list[torch.Tensor]:
+    """Trainable parameters FSDP2 does not manage: on the TP mesh alone (FSDP2's live on the
+    data mesh), or, at tp = 1, plain tensors."""
+    if state.tp_size <= 1:
+        return [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
     return [
         p
         for p in model.parameters()
-        if p.requires_grad and isinstance(p, DTensor) and p.device_mesh == tp_mesh
+        if p.requires_grad and isinstance(p, DTensor) and p.device_mesh == state.tp_mesh
     ]
 
 

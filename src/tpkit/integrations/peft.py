@@ -173,7 +173,7 @@ def _maybe_fsdp(peft_model: nn.Module, state, fsdp: bool | None) -> None:
     if state.dp_size > 1 and (fsdp is None or fsdp) and not is_fsdp(hf_model(peft_model)):
         hf = hf_model(peft_model)
         _with_frozen_strided(
-            hf, lambda m: apply_fsdp(m, get_mesh(state.mesh, "dp_replicate", "dp_shard"))
+            hf, lambda m: apply_fsdp(m, get_mesh(state.mesh, "dp_replicate", "dp_shard_cp"))
         )
 
 

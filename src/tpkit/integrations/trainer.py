@@ -15,7 +15,10 @@ Usage (``torchrun --nproc-per-node 2 train.py``), the stock Trainer::
 dp x tp (``torchrun --nproc-per-node 4``): ``tpkit.tensor_parallel(model, tp_size=2)`` (FSDP2
 over the other dimension when tpkit shards, else dp replicas) with
 ``ParallelismConfig(tp_size=2, dp_shard_size=2)``; the config may also be left out, tpkit fills it
-in from the model. A checkpoint saved at one (dp, tp) layout resumes at another.
+in from the model. HSDP (``torchrun --nproc-per-node 8``): ``pc = ParallelismConfig(
+dp_replicate_size=2, dp_shard_size=2, tp_size=2)``, ``tpkit.tensor_parallel(model,
+distributed_config=pc)`` and ``TrainingArguments(parallelism_config=pc)``. A checkpoint saved at
+one layout resumes at another.
 
 Why a patch and not a ``TPTrainer`` subclass: user code keeps the stock ``Trainer`` (and
 ``Seq2SeqTrainer``, TRL's ``SFTTrainer`` or any other subclass, and scripts that build the Trainer
@@ -45,14 +48,15 @@ What Trainer and accelerate need, and what this module does about it:
   its Accelerator for a tpkit model, tpkit accepts MULTI_CPU after the one check that matters
   (the config's total size equals the number of processes). Nothing else in accelerate changes.
 - **The config must describe the model.** Without a ``parallelism_config`` tpkit fills one in from
-  the model (``tp_size``, ``dp_shard_size``), as Trainer does for transformers' own TP models; a
-  config that disagrees with the model is a ``ValueError`` naming both, because a wrong ``tp_size``
-  would silently give the ranks of one TP group different batches.
+  the model (``tp_size``, ``dp_replicate_size``, ``dp_shard_size``), as Trainer does for
+  transformers' own TP models; a config that disagrees with the model is a ``ValueError`` naming
+  both, because a wrong ``tp_size`` would silently give the ranks of one TP group different
+  batches (and a model FSDP2 shards must be told its own dp_replicate x dp_shard split).
 - **Data.** With the config's device mesh accelerate's data loader gives data rank
-  ``rank // tp_size``: the ranks of one TP group get the same batch, dp groups different ones.
-  tpkit's mesh has tp innermost, so the two agree.
+  ``rank // tp_size`` (= replica x dp_shard + shard): the ranks of one TP group get the same
+  batch, every data rank its own. tpkit's mesh has tp innermost, so the two agree.
 - **dp > 1.** With FSDP2 over the data axes FSDP reduces the gradients; gradient accumulation
-  defers its reduce-scatter to the last micro-batch (Trainer's own deferral reads transformers'
+  defers its reduce-scatter (HSDP: its all-reduce across replicas) to the last micro-batch (Trainer's own deferral reads transformers'
   ``config.distributed_config``, which a tpkit model does not have). A TP model replicated over
   dp (no FSDP) gets a per-parameter hook that averages its local gradient over the dp group at
   the end of each accumulation window, as DDP would (``model._tpkit_dp_sync`` marks it; core code
@@ -290,8 +294,15 @@ def _defer_fsdp_gradient_reduction(original):
         from torch.distributed.fsdp import FSDPModule
 
         modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        # HSDP: only the all-reduce across replicas waits; the reduce-scatter within a replica
+        # runs per micro-batch, so gradients stay sharded (transformers' own choice)
+        dims = tp_state(self.model).dims
+        hold = "set_requires_all_reduce" if dims.dp_replicate > 1 and dims.dp_shard > 1 else None
         for m in modules:
-            m.set_requires_gradient_sync(False, recurse=False)
+            if hold:
+                m.set_requires_all_reduce(False, recurse=False)
+            else:
+                m.set_requires_gradient_sync(False, recurse=False)
         try:
             yield
         finally:
@@ -323,27 +334,53 @@ def _build_accelerator_args(original):
         state = tp_state(getattr(self, "model", None))
         if state is None:
             return args
-        from accelerate import ParallelismConfig
-
-        tp, dp, cp = state.tp_size, _model_dp(state), state.dims.cp
-        pc = args.get("parallelism_config")
+        pc, sharded = args.get("parallelism_config"), is_fsdp(self.model)
         if pc is None:
-            args["parallelism_config"] = ParallelismConfig(tp_size=tp, dp_shard_size=dp, cp_size=cp)
-            return args
-        pc_dp = pc.dp_shard_size * pc.dp_replicate_size
-        if pc.tp_size != tp or pc_dp != dp or pc.cp_size != cp or pc.sp_size != 1:
-            has = f"tp_size={tp}, dp_size={dp}" + (f", cp_size={cp}" if cp > 1 else "")
-            use = f"tp_size={tp}, dp_shard_size={dp}" + (f", cp_size={cp}" if cp > 1 else "")
-            raise ValueError(
-                f"TrainingArguments.parallelism_config (tp_size={pc.tp_size}, dp_shard_size="
-                f"{pc.dp_shard_size}, dp_replicate_size={pc.dp_replicate_size}, cp_size={pc.cp_size}, "
-                f"sp_size={pc.sp_size}) does not describe the tpkit model ({has}). Use "
-                f"ParallelismConfig({use}) or leave it unset and tpkit fills it in; a wrong tp_size "
-                "or cp_size would give the ranks of one TP or CP group different batches."
-            )
+            args["parallelism_config"] = _config_of(state, sharded)
+        else:
+            _check_config(pc, state, sharded)
         return args
 
     return _build_accelerator_args
+
+
+def _config_of(state, sharded: bool):
+    """The ``ParallelismConfig`` describing a tpkit model: FSDP2's (dp_replicate, dp_shard)
+    split where FSDP2 shards it, else every data rank on dp_shard (replicas tpkit averages: the
+    data loader counts only the product)."""
+    from accelerate import ParallelismConfig
+
+    dims = state.dims
+    if sharded:
+        return ParallelismConfig(
+            tp_size=dims.tp,
+            dp_replicate_size=dims.dp_replicate,
+            dp_shard_size=dims.dp_shard,
+            cp_size=dims.cp,
+        )
+    return ParallelismConfig(tp_size=dims.tp, dp_shard_size=dims.dp, cp_size=dims.cp)
+
+
+def _check_config(pc, state, sharded: bool) -> None:
+    """A config that does not describe the model is refused: a wrong tp_size or cp_size would give
+    the ranks of one TP or CP group different batches, and a model FSDP2 shards must be told its own
+    (dp_replicate, dp_shard) split (an HSDP config over a plainly sharded model, or back)."""
+    dims = state.dims
+    pc_dp = pc.dp_shard_size * pc.dp_replicate_size
+    wrong = pc.tp_size != dims.tp or pc_dp != dims.dp or pc.cp_size != dims.cp or pc.sp_size != 1
+    split = (pc.dp_replicate_size, pc.dp_shard_size) != (dims.dp_replicate, dims.dp_shard)
+    if wrong or (sharded and split):
+        cp = f", cp_size={dims.cp}" if dims.cp > 1 else ""
+        raise ValueError(
+            f"TrainingArguments.parallelism_config (tp_size={pc.tp_size}, dp_shard_size="
+            f"{pc.dp_shard_size}, dp_replicate_size={pc.dp_replicate_size}, cp_size={pc.cp_size}, "
+            f"sp_size={pc.sp_size}) does not describe the tpkit model (tp_size={dims.tp}, "
+            f"dp_size={dims.dp}{cp}), whose data ranks are dp_replicate_size={dims.dp_replicate} "
+            f"x dp_shard_size={dims.dp_shard}. Split the model with the same config, "
+            "tpkit.tensor_parallel(model, distributed_config=parallelism_config), or leave it "
+            "unset and tpkit fills it in; a wrong tp_size or cp_size would give the ranks of one "
+            "TP or CP group different batches."
+        )
 
 
 def _prepare_context_parallel_inputs(original):

@@ -12,9 +12,12 @@ before any file is read or any collective runs:
   them; ``trust_remote_code``: passed to transformers, which asks or refuses as it does itself;
   ``config``: a config (object or path) instead of the checkpoint's; ``generation_config``;
 - ``distributed_config`` (transformers' ``DistributedConfig``) and ``tp_plan`` / ``tp_size``:
-  tpkit's ``tp_size``, ``plan``, ``dp_size`` (its ``fsdp_size``: FSDP2 over the data-parallel
-  ranks) and ``sequence_parallel`` (``enable_sequence_parallel``); the settings tpkit has no
-  counterpart for (pipeline, expert parallelism, HSDP, CPU offload) are refused by name;
+  tpkit's ``tp_size``, ``plan``, ``dp_shard_size`` (its ``fsdp_size``: FSDP2 over the
+  data-parallel ranks), ``dp_replicate_size`` (HSDP), ``fsdp_plan``, ``cpu_offload``
+  (``fsdp_cpu_offload``), ``mixed_precision`` (``fsdp_mixed_precision``: bf16 parameters, float32
+  reductions, as transformers builds it) and ``sequence_parallel``
+  (``enable_sequence_parallel``); the settings tpkit has no counterpart for (pipeline, expert
+  parallelism) are refused by name;
 - ``device_map`` and its companions are refused: tpkit places every rank's shards itself;
 - no-ops transformers itself ignores (``low_cpu_mem_usage`` ...) are accepted;
 - everything else is a config override, as in transformers (``num_hidden_layers=1``): checked
@@ -29,6 +32,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tpkit.io.hub import DOWNLOAD_KEYS
 
@@ -69,8 +75,7 @@ _REFUSED = MappingProxyType(
 )
 
 #: DistributedConfig fields that do nothing unless another one is set (ep_size > 1)
-_DIST_INERT = frozenset({"ep_plan", "ep_implementation", "fsdp_plan", "dp_replicate_size",
-                         "pp_size", "ep_size"})  # fmt: skip
+_DIST_INERT = frozenset({"ep_plan", "ep_implementation", "pp_size", "ep_size"})
 
 
 @dataclass
@@ -173,11 +178,20 @@ def _from_distributed_config(dist: Any) -> dict[str, Any]:
         out["tp_size"] = dist.tp_size
     if values.pop("tp_plan", None) not in (None, "auto"):
         out["plan"] = dist.tp_plan  # rules over the model's own plan, as in transformers
-    if values.pop("fsdp_size", None) not in (None, 1):
-        out["dp_size"], out["sharded"] = dist.fsdp_size, True
+    replicate, shard = values.pop("dp_replicate_size", None), values.pop("fsdp_size", None)
+    if (replicate or 1) * (shard or 1) > 1:  # FSDP2 / HSDP over the data axes
+        out["dp_shard_size"], out["sharded"] = shard or 1, True
+        if (replicate or 1) > 1:
+            out["dp_replicate_size"] = replicate
+    if values.pop("fsdp_plan", None) is not None:
+        out["fsdp_plan"] = dist.fsdp_plan
+    if values.pop("fsdp_cpu_offload", False):
+        out["cpu_offload"] = True
+    if values.pop("fsdp_mixed_precision", False):
+        out["mixed_precision"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
     if values.pop("enable_sequence_parallel", False):
         out["sequence_parallel"] = True
-    for name in _DIST_INERT - {"fsdp_plan"}:  # sizes: 1 / None is off; plans follow their size
+    for name in _DIST_INERT:  # sizes: 1 / None is off; plans follow their size
         value = values.pop(name, None)
         if name.endswith("_size") and value not in (None, 1):
             values[name] = value
@@ -185,10 +199,10 @@ def _from_distributed_config(dist: Any) -> dict[str, Any]:
     if refused:
         raise ValueError(
             f"tpkit.from_pretrained: distributed_config sets {', '.join(sorted(refused))}, which "
-            "tpkit has no counterpart for (it maps tp_size, tp_plan -> plan, fsdp_size -> dp_size "
-            "with FSDP2, enable_sequence_parallel -> sequence_parallel; it has no pipeline, "
-            "expert or hybrid-sharded parallelism, FSDP plan or CPU offload; for mixed precision "
-            "pass param_dtype=). Remove them."
+            "tpkit has no counterpart for (it maps tp_size, tp_plan -> plan, fsdp_size -> "
+            "dp_shard_size and dp_replicate_size (FSDP2 / HSDP), fsdp_plan, fsdp_cpu_offload -> "
+            "cpu_offload, fsdp_mixed_precision -> mixed_precision, enable_sequence_parallel -> "
+            "sequence_parallel; it has no pipeline or expert parallelism). Remove them."
         )
     return out
 

@@ -105,6 +105,10 @@ OPTIONS_AFTER_THE_PLAN = MappingProxyType(
         "param_dtype": "FSDP2's mixed precision; validate checks it",
         "cp_attention": "context parallelism's attention, applied after the split",
         "fill_later": "whether the weights are put in after the split",
+        "mixed_precision": "FSDP2's MixedPrecisionPolicy, after the split; fsdp_problems checks it",
+        "cpu_offload": "FSDP2's CPUOffloadPolicy, after the split; fsdp_problems checks it",
+        "reshard_after_forward": "FSDP2's setting, after the split",
+        "fsdp_plan": "FSDP2's units (the model's modules, not the TP plan); fsdp_problems checks it",
     }
 )
 

@@ -231,9 +231,9 @@ class ParallelDims:
             elif shard is None:
                 shard = dp_size // rep if dp_size % rep == 0 else dp_size
         cp = cp_size or 1
-        if tp_size is None:
-            known = (rep or 1) * (shard or 1) * cp
-            tp = world // known if world % known == 0 else world
+        if tp_size is None:  # what the others leave; 1 where they cannot make the world (the
+            known = (rep or 1) * (shard or 1) * cp  # error then names the sizes given, not a tp)
+            tp = world // known if world % known == 0 else 1
         else:
             tp = tp_size
         if shard is None:

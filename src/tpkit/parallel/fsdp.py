@@ -1,10 +1,16 @@
-"""FSDP2 over the "dp" mesh dimension, after tensor parallelism over "tp" (torchtitan's order).
+"""FSDP2 / HSDP over the data axes, after tensor parallelism over "tp" (torchtitan's order).
 
-``fully_shard`` is applied to every repeated block (`tpkit.trace.trace.repeated_blocks`) and then
-to the root, so each block's parameters are gathered just before it runs and freed after.
-Parameters that are already DTensors on the TP mesh become 2D DTensors (``(Shard(0), <tp
-placement>)``); FSDP2 unshards them back to TP DTensors for forward, which the styles' local
-compute then uses as usual.
+``fully_shard`` is applied to each unit of the FSDP plan (`tpkit.parallel.fsdp_plan`: the
+model's own ``fsdp_plan`` where it has one, one unit per repeated block otherwise), innermost
+first, then to the root, so each unit's parameters are gathered just before it runs and freed
+after. The data mesh is dp_shard alone (FSDP) or (dp_replicate, dp_shard) (HSDP: each
+parameter sharded within a replica and replicated across replicas; gradients reduce-scattered
+within a replica and all-reduced across them; an (R, 1) mesh is plain replication, DDP's
+numbers). Parameters that are already DTensors on the TP mesh become 2-D or 3-D DTensors
+(``(Shard(0), <tp>)``, ``(Replicate(), Shard(0), <tp>)``); FSDP2 unshards them back to TP
+DTensors for forward, which the styles' local compute then uses as usual. FSDP2's own settings
+(`tpkit.state.FSDPOptions`) pass through: ``MixedPrecisionPolicy``, ``CPUOffloadPolicy``
+(unpinned on a CPU mesh: pinning needs an accelerator), ``reshard_after_forward``.
 
 With dp=1 there is no dimension to shard over and FSDP is not applied: what TP leaves replicated
 (norm weights, row-parallel biases, routers) is a few thousandths of a transformer's parameters
@@ -23,12 +29,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor, Shard
 
 from tpkit.compat import StridedShard
+from tpkit.parallel.fsdp_plan import fsdp_units
 from tpkit.plan import Plan, param_layouts
-from tpkit.trace.trace import repeated_blocks
+from tpkit.state import FSDPOptions
 
 __all__ = [
     "apply_fsdp",
@@ -36,6 +49,7 @@ __all__ = [
     "average_over_dp",
     "is_fsdp",
     "mixed_precision",
+    "offload_policy",
     "strided_1d",
     "strided_owners",
 ]
@@ -83,10 +97,13 @@ def _shard_dim(p: nn.Parameter) -> Shard:
 
 
 def average_over_dp(grad: torch.Tensor, dp_mesh: DeviceMesh) -> torch.Tensor:
-    """``grad`` (DTensor or plain) averaged over the dp group, in place on its local tensor
-    (gloo has no AVG: a sum, then a division). Returns ``grad``."""
+    """``grad`` (DTensor or plain) averaged over the dp ranks, in place on its local tensor
+    (gloo has no AVG: a sum, then a division). ``dp_mesh`` may be HSDP's 2-D data mesh: a sum
+    over each of its dimensions in turn is the sum over all its ranks. Returns ``grad``."""
     local = grad.to_local() if isinstance(grad, DTensor) else grad
-    dist.all_reduce(local, group=dp_mesh.get_group())
+    for dim in range(dp_mesh.ndim):
+        if dp_mesh.size(dim) > 1:
+            dist.all_reduce(local, group=dp_mesh.get_group(dim))
     local.div_(dp_mesh.size())
     return grad
 
@@ -122,30 +139,37 @@ def _clone_dtensor(grad: DTensor) -> DTensor:
     )
 
 
+def offload_policy(cpu_offload: bool, device_type: str) -> OffloadPolicy:
+    """torch's ``CPUOffloadPolicy`` when asked (parameters, gradients and the optimizer step on
+    the CPU), pinned only where there is an accelerator to copy to; else no offload."""
+    if not cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device_type != "cpu")
+
+
 def apply_fsdp(
-    model: nn.Module,
-    dp_mesh: DeviceMesh,
-    *,
-    param_dtype: torch.dtype | None = None,
-    reshard_after_forward: bool = True,
+    model: nn.Module, dp_mesh: DeviceMesh, options: FSDPOptions | None = None
 ) -> nn.Module:
-    """``fully_shard`` every repeated block, then the root, over ``dp_mesh``.
+    """``fully_shard`` each unit of the FSDP plan (innermost first), then the root, over
+    ``dp_mesh`` (1-D: FSDP; 2-D (dp_replicate, dp_shard): HSDP), with ``options``' policies.
 
     The strided 1-D TP parameters stay out of FSDP (module docstring); a trainable one gets its
     gradient averaged over dp by a hook as it is produced.
     """
+    options = options or FSDPOptions()
     ignored = {p for p in model.parameters() if strided_1d(p)}
     average_grads_over_dp(ignored, dp_mesh)  # a frozen base (PEFT) has nothing to average
     kwargs = dict(
         mesh=dp_mesh,
-        mp_policy=mixed_precision(param_dtype),
-        reshard_after_forward=reshard_after_forward,
+        mp_policy=options.mixed_precision or MixedPrecisionPolicy(),
+        offload_policy=offload_policy(options.cpu_offload, dp_mesh.device_type),
         shard_placement_fn=_shard_dim,
         ignored_params=ignored or None,
     )
-    for block in repeated_blocks(model):
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    every = options.reshard_after_forward
+    for unit in fsdp_units(model, options.plan, ignored):
+        fully_shard(unit.module, reshard_after_forward=False if unit.keep else every, **kwargs)
+    fully_shard(model, reshard_after_forward=every, **kwargs)
     if callable(getattr(model, "generate", None)):
         # generate() calls submodules (an encoder) outside the root's forward: unshard for it too
         register_fsdp_forward_method(model, "generate")

@@ -8,7 +8,8 @@ The world mesh has one named dimension per axis that is on, in the order of `AXE
 (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``; tp always, innermost: ranks of one TP group are
 contiguous, which is what accelerate's data loader and NVLink topology both assume), plus the
 flattened data dimensions of `FLATTENED` (``dp``: every data-parallel rank). `get_mesh` is how
-every other module asks for a dimension: an axis of size 1 is simply absent (None).
+every other module asks for a dimension: an axis of size 1 is simply absent (None), but for
+dp_shard beside dp_replicate (HSDP's 2-D data mesh, `build_mesh`).
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def build_mesh(
 ) -> DeviceMesh:
     """The world DeviceMesh: one dimension per axis of size > 1 in `AXES` order and always
     "tp" (innermost, contiguous ranks), plus the `FLATTENED` ones (``mesh["dp"]``: every
-    data-parallel rank). ``dp_size`` is the FSDP axis (dp_shard).
+    data-parallel rank). ``dp_size`` is the FSDP axis (dp_shard); with ``dp_replicate_size`` > 1
+    it is a dimension even at size 1 (HSDP's data mesh is (dp_replicate, dp_shard)).
 
     Built once per (device type, sizes) and process group: later calls return the same mesh,
     so a loop of ``tensor_parallel`` calls creates no new process groups. Every group of the mesh
@@ -146,7 +148,10 @@ def build_mesh(
     mesh = _MESHES.get(key)
     if mesh is not None and _mesh_alive(mesh):
         return mesh
-    names = tuple(n for n in AXES if sizes[n] > 1 or n == "tp")
+    # dp_shard stays (size 1) beside dp_replicate: HSDP's data mesh is 2-D, and FSDP2 over an
+    # (R, 1) mesh keeps whole replicas whose gradients it all-reduces
+    keep = {"tp", "dp_shard"} if dp_replicate_size > 1 else {"tp"}
+    names = tuple(n for n in AXES if sizes[n] > 1 or n in keep)
     mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
     for flat, parts in FLATTENED.items():
         present = tuple(p for p in parts if p in names)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 
@@ -19,7 +20,7 @@ from tpkit.plan import Plan, param_layout, style_spec
 from tpkit.quant.scheme import default_skip
 from tpkit.styles import placement_for
 
-__all__ = ["check_splits"]
+__all__ = ["check_no_offload", "check_splits"]
 
 
 def check_splits(
@@ -85,3 +86,16 @@ def _problem(name: str, module: nn.Module, style: str, tp: int, kind: str, bs: i
                     f"block size {bs} (the {in_f // bs} blocks of a row would straddle ranks)."
                 )
     return ""
+
+
+def check_no_offload(options: Any) -> None:
+    """FSDP2's CPU offload moves the parameters FSDP2 shards; a quantized linear's packed
+    weights are buffers (`tpkit.quant.linear.install`), never sharded, so they would stay on
+    each rank's device while the call asked for them on the CPU: refused, before any collective."""
+    if options is not None and options.fsdp().cpu_offload:
+        raise ValueError(
+            "cpu_offload=True (FSDP2's CPUOffloadPolicy) with a bitsandbytes-quantized base: "
+            "FSDP2 offloads only the parameters it shards, and the packed 4-/8-bit weights are "
+            "not among them (they would stay on the device). Drop cpu_offload (a 4-bit base is "
+            "already about 1/8 of its float size), or load the model unquantized to offload it."
+        )

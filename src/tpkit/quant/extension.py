@@ -28,7 +28,7 @@ from tpkit.compat import StridedShard
 from tpkit.extensions import SplitExtension
 from tpkit.io.shards import local_ranges, tp_coords
 from tpkit.plan import Plan
-from tpkit.quant.checks import check_splits
+from tpkit.quant.checks import check_no_offload, check_splits
 from tpkit.quant.linear import install
 from tpkit.quant.pack import Packed4bit, Packed8bit, float_absmax, slice_4bit, slice_8bit
 
@@ -141,9 +141,11 @@ class QuantExtension(SplitExtension):
     def prepare(
         self, model: nn.Module, plan: Plan, tp: int, options: TPOptions, adapted: Any
     ) -> Any:
-        """The derived plan's split of each taken-apart linear checked against its format."""
+        """The derived plan's split of each taken-apart linear checked against its format;
+        no CPU offload."""
         if adapted is None:
             return None
+        check_no_offload(options)
         targets = {n: (s.kind, s.blocksize) for n, s in adapted.items()}
         check_splits(model, plan, tp, targets)
         return adapted

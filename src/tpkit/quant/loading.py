@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from tpkit.extensions import SplitExtension
 from tpkit.io.safetensors import CheckpointIndex
 from tpkit.plan import Plan
-from tpkit.quant.checks import check_splits
+from tpkit.quant.checks import check_no_offload, check_splits
 from tpkit.quant.extension import shard_of
 from tpkit.quant.linear import QuantizedLinear, install
 from tpkit.quant.pack import Packed4bit, Packed8bit, quantize_4bit, quantize_8bit
@@ -60,7 +60,8 @@ class QuantizedLoad(SplitExtension):
 
     def prepare(self, model: nn.Module, plan: Plan, tp: int, options: Any, adapted: Any) -> Any:
         """Every target's split in the split's one derived ``plan``, checked against the format
-        (nothing for `finish`: the weights are streamed in after the split)."""
+        (nothing for `finish`: the weights are streamed in after the split); no CPU offload."""
+        check_no_offload(options)
         if tp > 1 and self.targets:
             info = dict.fromkeys(self.targets, (self.scheme.kind, self.scheme.blocksize))
             check_splits(model, plan, tp, info)

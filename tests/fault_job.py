@@ -12,6 +12,9 @@ file under OUT), on its rank, during step STEP (counted from 1) at POINT:
 - ``hang``: sleep in the forward instead of dying; the other rank's collective times out after
   ``HANG_TIMEOUT_S`` (the group timeout during that step) and the job restarts.
 
+A step with a kill due first waits for a background save in flight, so which checkpoint is the
+last complete one at the kill does not depend on timing.
+
 ``die``: rank 1 kills itself at once, every attempt (a job that spends its restart budget).
 
 Rank 0 appends one JSON line per event to ``OUT/log.jsonl`` (an attempt's start step, each step's
@@ -108,6 +111,7 @@ def short_timeout_during(kills: list[str], step: int) -> None:
     that a loaded machine cannot time out the rest), the normal one otherwise."""
     import datetime
 
+    from tpkit.dist.shm import set_shm_enabled
     from tpkit.dist.timeouts import tpkit_timeout
 
     hang = any(k.startswith("hang@") and int(k.split("@")[1]) == step for k in kills)
@@ -117,6 +121,8 @@ def short_timeout_during(kills: list[str], step: int) -> None:
         os.environ.pop("TPKIT_TIMEOUT", None)
     seconds = datetime.timedelta(seconds=tpkit_timeout())
     dist.distributed_c10d._set_pg_timeout(seconds, dist.group.WORLD)  # as build_mesh does
+    # the shared-memory all-reduce took the group's timeout when it was set up: gloo this step
+    set_shm_enabled(not hang)
 
 
 def gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -155,6 +161,10 @@ def run_loop(ckpt: str, out: str | None = None, kills: list[str] = (), async_sav
         _current["step"] = step
         if kills:
             short_timeout_during(list(kills), step)
+            if any(k.split("@")[0] not in _AT_SAVE and int(k.split("@")[1]) == step for k in kills):
+                # a kill in this step must not race a background save still in flight: the test
+                # could not say which checkpoint is then the last complete one
+                tpkit.wait_for_checkpoint()
         x = torch.randint(0, VOCAB, (BATCH, SEQ))  # the global RNG: restored by resume
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
@@ -163,7 +173,8 @@ def run_loop(ckpt: str, out: str | None = None, kills: list[str] = (), async_sav
         losses[step] = loss.item()
         _log(out_dir, step=step, loss=losses[step])
         if step % EVERY == 0:
-            _current["saving"] = step
+            tpkit.wait_for_checkpoint()  # (save_checkpoint's first act) the previous one is ...
+            _current["saving"] = step  # ... swapped in before the kill hooks see the next step
             tpkit.save_checkpoint(ckpt, model, optimizer, step=step, async_save=async_save)
     tpkit.wait_for_checkpoint()
     return {"losses": losses, "weights": gathered(model)}

@@ -34,6 +34,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from tpkit import config
@@ -62,7 +63,7 @@ log = get_logger(__name__)
 #: refused) or hang, at random (pytorch issues 135712, 167288; a plain-torch control failed 2 and
 #: hung 1 of 3 restarts here). With sharing off, each attempt's rank 0 hosts a fresh store on a
 #: fresh port: every restart came up (6 of 6, tests/test_restart.py since).
-RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+RESTART_ENV = MappingProxyType({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
 class LaunchError(RuntimeError):
@@ -177,16 +178,22 @@ def _check_restarts(max_restarts: int) -> int:
 @contextlib.contextmanager
 def _restart_env(max_restarts: int):
     """`RESTART_ENV` in this process while the agent runs (it reads it here, at each rendezvous),
-    values already set kept; nothing changes for a job that never restarts."""
-    added = {}
-    if max_restarts > 0:
-        added = {k: v for k, v in RESTART_ENV.items() if k not in os.environ}
-    os.environ.update(added)
+    values already set kept and everything put back after; nothing changes for a job that never
+    restarts."""
+    if not max_restarts:
+        yield
+        return
+    saved = {key: os.environ.pop(key, None) for key in RESTART_ENV}
+    for key, value in RESTART_ENV.items():
+        os.environ[key] = saved[key] if saved[key] is not None else value
     try:
         yield
     finally:
-        for key in added:
-            os.environ.pop(key, None)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _launch_config(nproc: int, method: str, workdir: str, max_restarts: int = 0):
@@ -554,8 +561,8 @@ def restart_budget_message(failed: Exception, max_restarts: int) -> str:
     return (
         f"tpkit run: giving up: the job failed {max_restarts + 1} times (the first run and "
         f"{max_restarts} restart(s), --max-restarts {max_restarts}); the last time {how}. "
-        "Every complete checkpoint is intact: fix the cause (the traceback above), then run "
-        "the same command again to resume from the last one, or raise --max-restarts."
+        "Fix the cause (the output above), then run the same command again: a script that "
+        "resumes itself picks up from its last complete checkpoint."
     )
 
 

@@ -23,7 +23,6 @@ The price: one CPU copy of the rank's model and optimizer state while a save is 
 from __future__ import annotations
 
 import datetime
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -38,9 +37,11 @@ __all__ = ["PendingCheckpoint", "checkpoint_group", "start_async_save", "wait_fo
 
 log = get_logger(__name__)
 
-_lock = threading.Lock()
+# This process's one save in flight and the group background saves use (made under the default
+# group it names): per-process state like torch's process groups themselves, set and taken by
+# the training thread only (the background thread never touches them).
 _pending: PendingCheckpoint | None = None
-_group: tuple[Any, Any] | None = None  # (the default group it was made under, the gloo group)
+_group: tuple[Any, Any] | None = None
 
 
 class PendingCheckpoint:
@@ -104,10 +105,8 @@ def start_async_save(
             future.set_result(path)
 
     dcp_future.add_done_callback(settle)
-    pending = PendingCheckpoint(path, future)
-    with _lock:
-        _pending = pending
-    return pending
+    _pending = PendingCheckpoint(path, future)
+    return _pending
 
 
 def wait_for_checkpoint() -> Path | None:
@@ -115,8 +114,7 @@ def wait_for_checkpoint() -> Path | None:
     save), and raise on every rank if it failed on any; return its path (None if there was
     none). A no-op without a save in flight."""
     global _pending
-    with _lock:
-        pending, _pending = _pending, None
+    pending, _pending = _pending, None
     if pending is None:
         return None
     error: BaseException | None = None

@@ -92,7 +92,7 @@ def run(ctx, name: str, path: Path) -> list[dict]:
     from benchmarks.common import time_interleaved
 
     fns = {m: block(m) for m in MODES}
-    rounds = max(3, spec.get("step_repeats", 3))
+    rounds = max(5, spec.get("step_repeats", 3))
     times = time_interleaved(fns, rounds, warmup=1, sync=ctx.sync)
     size = _dir_mib(root / "sync") if ctx.rank == 0 else None
     rows = []

@@ -17,7 +17,8 @@ What it lacks, and this module adds:
   save, by every load and by `tpkit.resume`) waits for this rank's save, then the ranks compare
   outcomes: an error on any rank is raised on every rank, as a synchronous save would.
 
-The price: one CPU copy of the rank's model and optimizer state while a save is in flight.
+The price: one CPU copy of the rank's model and optimizer state, kept after the first background
+save so the next ones reuse it (`staging`).
 """
 
 from __future__ import annotations
@@ -33,15 +34,23 @@ import torch.distributed as dist
 from tpkit.dist.timeouts import tpkit_timeout
 from tpkit.log import get_logger
 
-__all__ = ["PendingCheckpoint", "checkpoint_group", "start_async_save", "wait_for_checkpoint"]
+__all__ = [
+    "PendingCheckpoint",
+    "checkpoint_group",
+    "staging",
+    "start_async_save",
+    "wait_for_checkpoint",
+]
 
 log = get_logger(__name__)
 
-# This process's one save in flight and the group background saves use (made under the default
-# group it names): per-process state like torch's process groups themselves, set and taken by
-# the training thread only (the background thread never touches them).
+# This process's one save in flight, the group background saves use (made under the default
+# group it names) and the stager whose CPU buffers they reuse: per-process state like torch's
+# process groups themselves, set and taken by the training thread only (the background thread
+# never touches them).
 _pending: PendingCheckpoint | None = None
 _group: tuple[Any, Any] | None = None
+_stager: Any = None
 
 
 class PendingCheckpoint:
@@ -79,6 +88,22 @@ def checkpoint_group() -> Any:
     return _group[1]
 
 
+def staging() -> Any:
+    """The stager every background save copies the state with: torch's ``DefaultStager``, kept
+    for the process so its CPU buffers (cached per source storage) are reused from one save to
+    the next; a fresh copy each time (what ``async_save`` does by default) allocated and
+    first-touched ~40 MiB per rank in 50-110 ms here, the reused buffers take 5-10 ms. Pinned on
+    CUDA machines (faster device-to-host copies)."""
+    global _stager
+    if _stager is None:
+        import torch
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        pinned = torch.cuda.is_available()
+        _stager = DefaultStager(StagingOptions(pinned, False, False, False))
+    return _stager
+
+
 def start_async_save(
     path: Path,
     save: Callable[..., Future],
@@ -91,7 +116,7 @@ def start_async_save(
     Call `wait_for_checkpoint` first: one save in flight at a time."""
     global _pending
     group = checkpoint_group() if dist.is_initialized() else None
-    dcp_future = save(**save_kwargs, process_group=group)
+    dcp_future = save(**save_kwargs, process_group=group, async_stager=staging())
     future: Future = Future()
 
     def settle(done: Future) -> None:

@@ -123,8 +123,8 @@ def short_timeout_during(kills: list[str], step: int) -> None:
     that a loaded machine cannot time out the rest), the normal one otherwise."""
     import datetime
 
-    from tpkit.dist.shm import set_shm_enabled
-    from tpkit.dist.timeouts import tpkit_timeout
+    from tpkit.parallel.shm import set_shm_enabled
+    from tpkit.parallel.timeouts import tpkit_timeout
 
     hang = any(k.startswith("hang@") and int(k.split("@")[1]) == step for k in kills)
     if hang:

@@ -31,13 +31,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tpkit.dist.mesh import barrier
 from tpkit.integrations.trainer_checkpoints import DCP_DIR
 from tpkit.io import atomic
 from tpkit.io.checkpoint import run_on_rank0
 from tpkit.io.dcp import METADATA_FILE
 from tpkit.log import get_logger
-from tpkit.parallelize import tp_state
+from tpkit.parallel.mesh import barrier
+from tpkit.state import tp_state
 
 __all__ = [
     "STAGING_DIR",

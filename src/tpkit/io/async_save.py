@@ -31,8 +31,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tpkit.dist.timeouts import tpkit_timeout
 from tpkit.log import get_logger
+from tpkit.parallel.timeouts import tpkit_timeout
 
 __all__ = [
     "PendingCheckpoint",

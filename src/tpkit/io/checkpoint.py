@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from tpkit.dist.mesh import barrier, rank
 from tpkit.io import atomic
 from tpkit.io.async_save import PendingCheckpoint, start_async_save, wait_for_checkpoint
 from tpkit.io.build import instantiate, model_class
@@ -47,6 +46,7 @@ from tpkit.io.dcp import (
     read_metadata,
 )
 from tpkit.io.rng_state import RNG_DIR, save_rng_state
+from tpkit.parallel.mesh import barrier, rank
 
 __all__ = [
     "DCP_CHECKPOINT",

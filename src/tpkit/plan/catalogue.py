@@ -59,6 +59,9 @@ class StyleSpec:
     collective: str = ""
     uneven_ok: bool = False
     own_entries: bool = False
+    #: the module is one region, whole input in and whole output out (``nn.MultiheadAttention``
+    #: by heads): the dry run runs it on whole weights, settling keeps its group as one
+    self_contained: bool = False
     aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -88,7 +91,7 @@ _BUILTIN = (
         shard="out",
         uneven_ok=True,  # torch.chunk sizes; heads that tp does not divide are refused apart
         # transformers' "unit_colwise" (k/v split by whole heads, replicated where KV heads < tp):
-        # colwise already splits by heads, and plan/kvheads.py replicates KV heads fewer than tp
+        # colwise already splits by heads, and settle/kvheads.py replicates KV heads fewer than tp
         aliases=("local_colwise", "unit_colwise"),
     ),
     StyleSpec(
@@ -236,6 +239,7 @@ _BUILTIN = (
         shard="out",
         packed_parts=3,  # in_proj_weight / in_proj_bias; q/k/v_proj_weight and bias_k/v: 1
         collective="all_reduce",
+        self_contained=True,
     ),
     StyleSpec(
         "mha_functional",
@@ -244,6 +248,7 @@ _BUILTIN = (
         "colwise, out rowwise; never called): the call run on this rank's heads, its per-head "
         "mask sliced, output all-reduced",
         collective="all_reduce",
+        self_contained=True,
     ),
     StyleSpec(
         "vocab_parallel",
@@ -363,7 +368,7 @@ def canonical_style(name: str) -> str:
         raise ValueError(
             "'sequence_parallel' is not a per-module style in tpkit: pass "
             "tensor_parallel(model, sequence_parallel=True), which shards the norms and residual "
-            "stream between blocks by sequence (tpkit.training.sequence_parallel)."
+            "stream between blocks by sequence (tpkit.parallel.sequence)."
         )
     if name not in _SPECS and not _derive(name):
         raise ValueError(

@@ -8,8 +8,9 @@
     conv.py       convolutions by channels: gathered, or paired colwise -> rowwise with the
                   BatchNorm / GroupNorm between them on the rank's channels
 
-`make_style` builds the style object for one module from its catalogue name and options;
-`register_style` adds a user style: its `StyleSpec` (what it is, for plans, validation and
+Each class that runs a built-in style is decorated `implements` where it is defined (binding it
+to its catalogue name), so importing this package binds them all; `make_style` builds the style
+object for one module from its catalogue name and options; `register_style` adds a user style: its `StyleSpec` (what it is, for plans, validation and
 loading) and its class (what it does).
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tpkit.plan.catalogue import StyleSpec, bind, canonical_style, implementation, register_spec
+from tpkit.plan.catalogue import StyleSpec, canonical_style, implementation, register_spec
 from tpkit.styles.attention import FunctionalAttentionStyle, MultiheadAttentionStyle
 from tpkit.styles.base import (
     ParentSwap,
@@ -98,37 +99,6 @@ __all__ = [
     "register_style",
     "style_of",
 ]
-
-for _cls in (
-    ReplicateStyle,
-    ReplicateGradAllReduceStyle,
-    ColwiseStyle,
-    PackedColwiseStyle,
-    PackedQKVColwiseStyle,
-    ColwiseEmbeddingStyle,
-    GatherColumnsEmbeddingStyle,
-    GatherOutputStyle,
-    ConvGatherStyle,
-    ConvColwiseStyle,
-    ConvPackedColwiseStyle,
-    ConvRowwiseStyle,
-    NormChannelStyle,
-    RowwiseStyle,
-    PackedRowwiseStyle,
-    ReplicatedHeadsColwiseStyle,
-    RowwiseFeedsSplitStyle,
-    ChannelwiseStyle,
-    RowwiseSplitInputStyle,
-    VocabParallelStyle,
-    AllReduceStyle,
-    MoeExpertsStyle,
-    MoeIdentityExpertStyle,
-    MoeReducedInputStyle,
-    TailGradAllReduceStyle,
-    MultiheadAttentionStyle,
-    FunctionalAttentionStyle,
-):
-    bind(_cls.name, _cls)
 
 
 def make_style(name: str, **options: Any) -> TPStyle:

@@ -14,7 +14,9 @@ optimizer (its own directory per mode, replaced atomically each time):
 The modes run interleaved (a round runs each once, the order rotating), each time the slowest
 rank's; ``step ms`` is the block time ÷ ``SAVE_EVERY``, ratios are medians of per-round ratios
 with their IQR. ``blocked ms / save`` is the time the training loop spent inside the save calls
-(and, async, the final wait): what a save costs the loop.
+(and, async, the final wait): what a save costs the loop. On a host whose cores all train, the
+background write takes CPU time from the steps, so the step time with async saves need not
+drop below sync's; the blocked time does (the goal).
 """
 
 from __future__ import annotations
@@ -120,19 +122,22 @@ def run(ctx, name: str, path: Path) -> list[dict]:
 
 
 def goals(rows):
-    out = []
-    for r in rows:
-        if r.get("status") == "ok" and r["layout"] == MODES["async"] and r.get("vs_sync"):
-            out.append(
-                goal_row(
-                    f"checkpoint every {SAVE_EVERY} steps: step time, async / sync saves",
-                    r["dtype"],
-                    r["vs_sync"],
-                    1.0,
-                    spread=r.get("vs_sync_iqr"),
-                )
-            )
-    return out
+    """What background saves are for: the training loop blocked for less of each save. The step
+    time ÷ sync saves is in the table with its verdict: on a host whose cores all train (2 ranks
+    on 2 cores here) the write competes with training for the same cores, so it need not drop;
+    where the CPU is free while accelerators train, it drops with the blocked time."""
+    by = {r["layout"]: r for r in rows if r.get("status") == "ok"}
+    sync, bg = by.get(MODES["sync"]), by.get(MODES["async"])
+    if not (sync and bg and sync.get("blocked_ms") and bg.get("blocked_ms") is not None):
+        return []
+    return [
+        goal_row(
+            f"checkpoint every {SAVE_EVERY} steps: loop blocked per save, async / sync",
+            bg["dtype"],
+            bg["blocked_ms"] / sync["blocked_ms"],
+            0.5,
+        )
+    ]
 
 
 SUITE = Suite(

@@ -198,7 +198,7 @@ def run_trainer(output_dir: str, out: str | None = None, kills: list[str] = ()) 
     from accelerate import ParallelismConfig
     from transformers import Trainer, TrainerCallback
 
-    from tests.test_integrations_trainer import ToyLM, reset_accelerate, training_args
+    from tests.test_trainer import ToyLM, reset_accelerate, training_args
     from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
 
     out_dir = Path(out) if out else None

@@ -35,6 +35,8 @@ class TPOptions:
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None
     cp_size: int | None = None
+    #: context parallelism's attention: "auto", "allgather", "ring" or "ulysses"
+    cp_attention: str = "auto"
     ep_size: int | None = None
     distributed_config: Any = None
     plan: PlanArg = "auto"
@@ -44,6 +46,7 @@ class TPOptions:
     loss_parallel: bool = False
     param_dtype: torch.dtype | None = None
     example_inputs: tuple | Mapping | None = None
+    fill_later: bool = False
 
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> TPOptions:

@@ -130,9 +130,9 @@ def _accelerate_config(**sizes):
 #: case -> (its setup, a part of the message every rank must raise)
 REFUSALS: dict[str, tuple[Callable[[], Callable[[], object]], str]] = {
     # issue 46, item 4: a user's mesh with other axis names
-    "mesh_cp_tp": (
-        _on_mesh((2, 2), ("cp", "tp")),
-        "cp_size=2: context parallelism is not applied by this tpkit build",
+    "mesh_cp_tp_with_sp": (
+        _on_mesh((2, 2), ("cp", "tp"), sequence_parallel=True),
+        "sequence_parallel=True with cp_size > 1 is not supported yet",
     ),
     "mesh_foo_tp": (
         _on_mesh((2, 2), ("foo", "tp")),
@@ -166,9 +166,13 @@ REFUSALS: dict[str, tuple[Callable[[], Callable[[], object]], str]] = {
         _split(tp_size=3),
         "tp_size=3 does not divide the world size 4; use a tp_size among [1, 2, 4]",
     ),
-    "cp_on": (
-        _split(tp_size=2, cp_size=2),
-        "cp_size=2: context parallelism is not applied by this tpkit build",
+    "cp_unknown_attention": (
+        _split(tp_size=2, cp_size=2, cp_attention="flash"),
+        "cp_attention='flash': choose one of",
+    ),
+    "cp_encoder_decoder": (
+        _split("t5", tp_size=2, cp_size=2),
+        "context parallelism: T5ForConditionalGeneration is an encoder-decoder",
     ),
     "cp_does_not_divide": (
         _split(tp_size=2, cp_size=3),
@@ -201,7 +205,7 @@ REFUSALS: dict[str, tuple[Callable[[], Callable[[], object]], str]] = {
     "ulysses_asked": (
         _split(distributed_config=lambda: _accelerate_config(sp_size=2)),
         "ParallelismConfig(sp_size=2): tpkit runs Ulysses sequence parallelism as a kind of "
-        "context parallelism; pass cp_size instead",
+        "context parallelism; pass cp_size (with cp_attention='ulysses') instead.",
     ),
     "config_disagrees": (
         _split(tp_size=4, distributed_config=lambda: _accelerate_config(tp_size=2)),
@@ -240,10 +244,12 @@ def check_user_mesh(shape: tuple[int, ...], names: tuple[str, ...], kwargs: dict
     unsharded ones)."""
     from torch.distributed.tensor import DTensor
 
+    from tpkit.parallel.context import gather_sequence
+
     mesh = _mesh(shape, names)
     ref = build("llama").train()
     model = _tp(copy.deepcopy(ref), mesh=mesh, **kwargs).train()
-    x = batch(101)
+    x = batch(101, (2, 16))  # cp_size=2 splits a sequence in 4 zigzag chunks
     out, want = model(input_ids=x, labels=x), ref(input_ids=x, labels=x)
     out.loss.backward()
     want.loss.backward()
@@ -253,6 +259,7 @@ def check_user_mesh(shape: tuple[int, ...], names: tuple[str, ...], kwargs: dict
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         grad = max(grad, (g - grads[n].grad).abs().max().item())
     logits = out.logits.full_tensor() if isinstance(out.logits, DTensor) else out.logits
+    logits = gather_sequence(model, logits)  # this rank's tokens under cp, else all of them
     state = model._tpkit
     return {
         "logits": (logits - want.logits).abs().max().item(),
@@ -267,6 +274,7 @@ USER_MESHES = {
     "dp_shard_tp": ((2, 2), ("dp_shard", "tp"), {}, {"dp_shard": 2, "tp": 2}),
     "dp_tp": ((2, 2), ("dp", "tp"), {}, {"dp_shard": 2, "tp": 2}),
     "dp_tp_replicas": ((2, 2), ("dp", "tp"), {"sharded": False}, {"dp_replicate": 2, "tp": 2}),
+    "cp_tp": ((2, 2), ("cp", "tp"), {}, {"cp": 2, "tp": 2}),
     "hsdp_tp1": (
         (2, 2, 1),
         ("dp_replicate", "dp_shard", "tp"),

@@ -8,7 +8,8 @@ file under OUT), on its rank, during step STEP (counted from 1) at POINT:
 
 - ``forward``, ``backward``, ``optimizer``: SIGKILL in that part of the step;
 - ``save``: SIGKILL inside the DCP write of the checkpoint saved after STEP (some files written);
-- ``swap``: SIGKILL between the two renames that put that checkpoint in place (rank 0's job);
+- ``swap``: SIGKILL between the two renames that put that checkpoint in place (rank 0's job;
+  the Trainer's: once its staged ``checkpoint-N`` is marked complete, before it is renamed);
 - ``hang``: sleep in the forward instead of dying; the other rank's collective times out after
   ``HANG_TIMEOUT_S`` (the group timeout during that step) and the job restarts.
 
@@ -85,6 +86,7 @@ def install_kills(kills: Kills, model: torch.nn.Module) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
     import tpkit.io.atomic as atomic
+    from tpkit.integrations.trainer_resume import STAGING_DIR
 
     model.register_forward_pre_hook(lambda *_: kills.fire("forward") or kills.fire("hang"))
     first = next(model.parameters())
@@ -107,6 +109,14 @@ def install_kills(kills: Kills, model: torch.nn.Module) -> None:
         return replace(src, dst)
 
     atomic.os.replace = replace_then_maybe_die  # the module's os is os: every rename is watched
+    mark = atomic.mark_complete
+
+    def mark_then_maybe_die(directory):
+        mark(directory)
+        if Path(directory).parent.name == STAGING_DIR:
+            kills.fire("swap")  # a Trainer checkpoint marked complete, not yet renamed into place
+
+    atomic.mark_complete = mark_then_maybe_die  # trainer_resume calls atomic.mark_complete
 
 
 # ---- the model and what to compare ---------------------------------------------------------------

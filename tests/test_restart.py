@@ -128,12 +128,14 @@ def test_async_loop_killed_in_backward_optimizer_background_write_and_swap(
 def test_trainer_killed_at_a_step_and_inside_its_save_resumes_from_the_last_whole_one(
     ranks2, tmp_path
 ):
-    """The issue's case: killed during the step-9 save, checkpoint-9 must never be picked."""
+    """The issue's case: killed during the step-9 save, checkpoint-9 must never be picked; then
+    rank 0 killed once the staged checkpoint-12 is complete but before its rename: 9 is read."""
     reference = ranks2.run(run_trainer, str(tmp_path / "ref"))[0]
     out = tmp_path / "job"
-    proc = _tpkit_run(out, "trainer", "--kill", "forward@7@1", "--kill", "save@9@1", restarts=2)
-    _check_job(proc, out, reference, starts=[0, 6, 6])
-    held = sorted(p.name for p in (out / "trainer").iterdir())
+    kills = ["--kill", "forward@7@1", "--kill", "save@9@1", "--kill", "swap@12@0"]
+    proc = _tpkit_run(out, "trainer", *kills, restarts=3)
+    _check_job(proc, out, reference, starts=[0, 6, 6, 9])
+    held = sorted(p.name for p in (out / "trainer").iterdir())  # the staging folder cleared too
     assert held == ["checkpoint-12", "checkpoint-3", "checkpoint-6", "checkpoint-9"], held
 
 
@@ -197,6 +199,23 @@ def test_launch_restarts_a_killed_rank(tmp_path):
     import tpkit
 
     assert tpkit.launch(rank_die_once, str(tmp_path / "marker"), nproc=2, max_restarts=1) == 1
+
+
+def rank_fail_always() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError(f"rank 1 fails, attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}")
+    dist.barrier()
+
+
+def test_launch_with_a_spent_budget_raises_the_last_error_and_says_so():
+    import tpkit
+
+    with pytest.raises(ValueError, match="rank 1 fails, attempt 1") as info:
+        tpkit.launch(rank_fail_always, nproc=2, max_restarts=1)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "restarted 1 time(s) (max_restarts=1)" in notes and "budget is spent" in notes, notes
 
 
 def test_launch_refuses_a_bad_restart_budget():

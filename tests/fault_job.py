@@ -19,7 +19,7 @@ last complete one at the kill does not depend on timing.
 ``die``: rank 1 kills itself at once, every attempt (a job that spends its restart budget).
 
 Rank 0 appends one JSON line per event to ``OUT/log.jsonl`` (an attempt's start step, each step's
-loss) and the final attempt writes ``OUT/result.json`` (losses and the gathered weights). The
+loss, each with its wall-clock time) and the final attempt writes ``OUT/result.json`` (losses and the gathered weights). The
 same `run_loop` / `run_trainer` run uninterrupted in the shared rank group give the reference.
 """
 
@@ -158,8 +158,8 @@ def gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _log(out: Path | None, **event) -> None:
     if out is not None and dist.get_rank() == 0:
-        with open(out / "log.jsonl", "a") as f:
-            f.write(json.dumps(event) + "\n")
+        with open(out / "log.jsonl", "a") as f:  # the time: how long a restart took
+            f.write(json.dumps({**event, "time": time.time()}) + "\n")
 
 
 # ---- the plain loop ------------------------------------------------------------------------------

@@ -19,8 +19,9 @@ last complete one at the kill does not depend on timing.
 ``die``: rank 1 kills itself at once, every attempt (a job that spends its restart budget).
 
 Rank 0 appends one JSON line per event to ``OUT/log.jsonl`` (an attempt's start step, each step's
-loss, each with its wall-clock time) and the final attempt writes ``OUT/result.json`` (losses and the gathered weights). The
-same `run_loop` / `run_trainer` run uninterrupted in the shared rank group give the reference.
+loss, each with its wall-clock time) and the final attempt writes ``OUT/result.json`` (losses and
+the gathered weights). The same `run_loop` / `run_trainer` run uninterrupted in the shared rank
+group give the reference.
 """
 
 from __future__ import annotations

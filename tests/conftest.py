@@ -15,6 +15,7 @@ from tests.harness import RankGroup
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TPKIT_PLAN_CACHE", "off")  # every test derives (test_plan_cache sets one)
 
 _groups: dict[int, RankGroup] = {}
 

@@ -338,6 +338,8 @@ KEPT_STATE = {
     ("parallel/mesh.py", "_MESHES"),
     # guards torch's one DTensor dispatcher table while a handler is out of it
     ("training/init.py", "_FALLTHROUGH"),
+    # a plan cache that cannot be used (corrupt file, folder not writable) warns once a process
+    ("io/plans.py", "_warned"),
 }
 STATE_ROOMS = (
     "config.py",

@@ -57,6 +57,15 @@ def root_mesh(mesh):
     return get_root() if get_root is not None else mesh
 
 
+def default_store():
+    """The default process group's key-value store (torchrun's rendezvous store): where ranks
+    wait for one another longer than a collective's timeout allows (rank 0's planning), and
+    where a timeout's roll call is taken. torch exposes it under a private name only."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
 def resolve_process_group(group_name: str):
     """The live process group named ``group_name`` (``ProcessGroup.group_name``): what a custom op
     receives in place of a group, which torch.library cannot pass. torch's functional collectives
@@ -72,6 +81,7 @@ __all__ = [
     "FakeTensorMode",
     "StorageInfo",
     "StridedShard",
+    "default_store",
     "dtensor_op_handlers",
     "flatten_state_dict",
     "group_timeout",

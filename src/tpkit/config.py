@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -36,6 +37,7 @@ __all__ = [
     "log_all_ranks",
     "log_level",
     "omp_num_threads",
+    "plan_cache",
     "rank",
     "rank_given",
     "restart_count",
@@ -174,6 +176,20 @@ def shm() -> bool:
     """TPKIT_CPU_SHM_ALLREDUCE: the same-host shared-memory path of tpkit's CPU collectives
     (default on)."""
     return _flag("TPKIT_CPU_SHM_ALLREDUCE", os.environ.get("TPKIT_CPU_SHM_ALLREDUCE"), True)
+
+
+def plan_cache() -> Path | None:
+    """TPKIT_PLAN_CACHE: the folder derived plans are stored in and read from
+    (`tpkit.io.plans`); unset: ``$XDG_CACHE_HOME/tpkit/plans``, else ``~/.cache/tpkit/plans``;
+    ``off`` (or 0 / false / no) turns the cache off (None)."""
+    raw = os.environ.get("TPKIT_PLAN_CACHE")
+    value = _text(raw)
+    if value is not None and value.lower() in _FALSE:
+        return None
+    if value is not None:
+        return Path(value).expanduser()
+    base = _text(os.environ.get("XDG_CACHE_HOME"))
+    return (Path(base) if base else Path.home() / ".cache") / "tpkit" / "plans"
 
 
 # ---- what torchrun tells a rank -----------------------------------------------------------------

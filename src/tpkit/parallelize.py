@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from tpkit.extensions import SplitExtension, register_split_extension, split_extensions
 from tpkit.guards.debug import install_input_checks
 from tpkit.guards.generation import install_generate_guard
+from tpkit.io.plans import plan_for
 from tpkit.io.save import install_save_pretrained
 from tpkit.log import get_logger
 from tpkit.parallel.context.apply import apply_context_parallel
@@ -33,7 +35,7 @@ from tpkit.parallel.dims import SIZE_KEYWORDS, ParallelDims, launch_hint
 from tpkit.parallel.fsdp import apply_fsdp
 from tpkit.parallel.mesh import build_mesh, get_mesh, init_distributed, tp_submesh
 from tpkit.parallel.tensor import apply_tensor_parallel
-from tpkit.plan import check_plan_arg, derive_plan, validate
+from tpkit.plan import check_plan_arg, validate
 from tpkit.state import TPOptions, TPState
 from tpkit.training.init import install_random_init
 
@@ -65,12 +67,14 @@ def split(
     options: TPOptions | None = None,
     *,
     extensions: Sequence[SplitExtension] = (),
+    saved_plans: str | Path | None = None,
 ) -> nn.Module:
     """`parallelize` without its FSDP2 step, for callers that must put something in first
     (`from_pretrained` loads the weights, the PEFT integration adds adapters): FSDP2 is recorded
     on ``model._tpkit.pending_fsdp`` and applied by `apply_pending_fsdp`. ``extensions``: more
     `SplitExtension` s for this call only, after the registered ones (`from_pretrained`'s
-    quantization, which needs the one derived plan)."""
+    quantization, which needs the one derived plan). ``saved_plans``: a checkpoint folder whose
+    ``tpkit-plans/`` may hold this model's plan (``tpkit plan --save``; `tpkit.io.plans`)."""
     o = options or TPOptions()
     every = (*split_extensions(), *extensions)
     for extension in every:
@@ -98,7 +102,15 @@ def split(
         for e in every:
             if (a := e.adapt(model, o)) is not None:
                 adapted.append((e, a))
-        the_plan = derive_plan(model, o.plan, dims.tp, o.example_inputs)  # once, for everyone
+        the_plan = plan_for(  # derive_plan's, or the same stored under its key; rank 0's
+            model,
+            o.plan,
+            dims.tp,
+            o.example_inputs,
+            beside=saved_plans,
+            device_type=dims.device_type,
+            ranks=dims.world,
+        )
         states = dict(adapted)
         contexts = [
             (e, c)

@@ -22,20 +22,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.io.build import instantiate, model_class
+from tpkit.io.build import SkipMetaFills, instantiate, model_class
 from tpkit.io.hub import resolve_checkpoint
 from tpkit.io.load_kwargs import check_unused, sort_kwargs
 from tpkit.io.loading_info import LoadingInfo, LoadingPolicy, fresh_weights, loading_info
 from tpkit.io.safetensors import CheckpointIndex
 from tpkit.io.shards import rank_device
-from tpkit.io.stream import move_buffers, stream_buffers, stream_params
+from tpkit.io.stream import move_buffers, prefetch, stream_buffers, stream_params
 from tpkit.parallel.mesh import dist_env
 from tpkit.parallelize import apply_pending_fsdp, split
 from tpkit.plan.checks import checkpoint_problems
 from tpkit.quant import QuantizedLoad
 from tpkit.state import TPOptions
 
-__all__ = ["from_pretrained"]
+__all__ = ["from_pretrained", "meta_model"]
 
 
 def _resolve_dtype(dtype, config) -> torch.dtype:
@@ -63,7 +63,6 @@ def from_pretrained(
     means what its docstring says): build ``model_cls`` from ``path``'s config on meta, split
     it, then read each rank's slices."""
     import transformers
-    from accelerate import init_empty_weights
 
     tp_fields = [f.name for f in dataclasses.fields(TPOptions)]
     call = sort_kwargs({**(config_kwargs or {}), **kwargs}, tp_fields, dtype)
@@ -76,11 +75,10 @@ def from_pretrained(
     cls = model_class(config, model_cls)
     dtype = _resolve_dtype(call.dtype, config)
     index = ckpt.open()  # headers checked / .bin unpickled without code, before any collective
+    if ckpt.format == "safetensors":  # the kernel reads the files while the model is split
+        prefetch({e.file for e in index.entries.values()})
     path = ckpt.folder
-    with init_empty_weights(include_buffers=False):
-        model = instantiate(cls, config, dtype, call.trust_remote_code)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()  # on meta too: tied parameters must be one object before sharding
+    model = _build(cls, config, dtype, call.trust_remote_code)
     # every check on every rank, before any collective: names, counts, shapes, dtypes
     info = loading_info(model, index)
     if call.overrides and info.unexpected:
@@ -112,7 +110,7 @@ def from_pretrained(
     else:
         fresh = fresh_weights(model, fresh_names)
         model = _split_and_stream(
-            model, index, keys, fresh, quantization_config, options, device_ids
+            model, index, keys, fresh, quantization_config, options, device_ids, path
         )
         how, report = "slices", info.to_dict()
     if getattr(model, "_tpkit", None) is not None:
@@ -123,19 +121,46 @@ def from_pretrained(
     return (model, report) if output_loading_info else model
 
 
+def _build(cls, config, dtype: torch.dtype, trust_remote_code: bool | None) -> nn.Module:
+    """The model ``from_pretrained`` splits: parameters on meta, buffers real, ties made."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False), SkipMetaFills():
+        model = instantiate(cls, config, dtype, trust_remote_code)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # on meta too: tied parameters must be one object before sharding
+    return model
+
+
+def meta_model(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | str | None = None,
+    model_cls: type | str | None = None,
+) -> nn.Module:
+    """The model ``from_pretrained(path, dtype=..., model_cls=...)`` builds before it splits,
+    without reading a weight: what ``tpkit plan --save`` plans, so that the plan it stores has
+    the key ``from_pretrained`` looks for (`tpkit.io.plans`)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    return _build(model_class(config, model_cls), config, _resolve_dtype(dtype, config), None)
+
+
 def _split_and_stream(
-    model, index, keys, fresh, quantization_config, options, device_ids
+    model, index, keys, fresh, quantization_config, options, device_ids, folder
 ) -> nn.Module:
     """Split the model on meta, then read each rank's slices into its shards (quantizing the
     linears' slices as they are read when asked: `QuantizedLoad` takes part in the split as an
     extension, so its splits are checked against the one plan the split derives, before any
     collective). Weights in ``fresh`` (full values of new weights) take their slices from there
-    instead."""
+    instead. A plan ``tpkit plan --save`` stored in ``folder`` is used instead of planning."""
     quant = None
     if quantization_config is not None:
         quant = QuantizedLoad(model, quantization_config)
     later = dataclasses.replace(options, fill_later=True)  # the slices are read next
-    model = split(model, device_ids, later, extensions=(quant,) if quant is not None else ())
+    extensions = (quant,) if quant is not None else ()
+    model = split(model, device_ids, later, extensions=extensions, saved_plans=folder)
     device = rank_device(model)
     move_buffers(model, device)
     stream_buffers(model, index, keys, fresh, device)

@@ -89,12 +89,14 @@ def collapse_layers(message: str) -> str:
     )
 
 
-def _planned(path: str, model_cls: str | None, plan_arg, tp: int):
-    """(model on meta, derived plan, the validation error or None): no process group."""
+def _planned(path: str, model_cls: str | None, plan_arg, tp: int, loading: dict | None = None):
+    """(model on meta, derived plan, the validation error or None): no process group.
+    ``loading``: the model built as ``from_pretrained`` with those keywords builds it."""
     from tpkit.io.build import build_on_meta
     from tpkit.plan import derive_plan, validate
+    from tpkit.pretrained import meta_model
 
-    model = build_on_meta(path, model_cls)
+    model = build_on_meta(path, model_cls) if loading is None else meta_model(path, **loading)
     plan = derive_plan(model, plan_arg or "auto", tp)  # groups tp does not divide: noted
     try:
         validate(model, plan, tp)
@@ -111,10 +113,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.cp < 1:
         raise UsageError(f"--cp must be >= 1, got {args.cp}.")
     folder = _checkpoint_dir(args.model, need_weights=False)
-    model, plan, error = _planned(str(folder), args.model_cls, args.plan, args.tp)
+    loading = {"dtype": args.dtype, "model_cls": args.model_cls} if args.save else None
+    model, plan, error = _planned(str(folder), args.model_cls, args.plan, args.tp, loading)
     if error is not None:  # the table would only list shapes that cannot exist
         print(collapse_layers(str(error)), file=sys.stderr)
         return 1
+    if args.save:
+        _save_plan(folder, model, plan, args)
     context = None
     if args.cp > 1:
         try:
@@ -134,6 +139,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"\n{context}")
     print(f"\ntp_size={args.tp}{f', cp_size={args.cp}' if context else ''}: valid")
     return 0
+
+
+def _save_plan(folder: Path, model, plan, args: argparse.Namespace) -> None:
+    """The plan stored beside the checkpoint under the key ``from_pretrained`` computes, so
+    that loading it at this tp (and dtype, plan) reads the plan instead of planning."""
+    from tpkit.io.plans import saved_plan_path
+    from tpkit.plan.cache import plan_key, write_plan
+
+    key = plan_key(model, args.plan or "auto", args.tp)
+    path = write_plan(saved_plan_path(folder, key), key, plan)
+    dtype = f", dtype={args.dtype!r}" if args.dtype else ""
+    print(
+        f"saved: {path}\ntpkit.from_pretrained({str(folder)!r}, tp_size={args.tp}{dtype}) reads "
+        "this plan instead of planning (while tpkit, transformers and the checkpoint's config "
+        "stay as they are; otherwise it plans as usual)."
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -267,6 +288,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size to explain")
     p.add_argument("--plan", help="a YAML plan merged over the automatic one")
     p.add_argument("--model-cls", help="transformers class name, e.g. LlamaForCausalLM")
+    p.add_argument(
+        "--save",
+        action="store_true",
+        help="store the plan beside the checkpoint (tpkit-plans/): from_pretrained reads it",
+    )
+    p.add_argument("--dtype", help="with --save: the dtype from_pretrained will load in")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size to explain")
     p.add_argument(
         "--cp-attention",

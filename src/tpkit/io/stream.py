@@ -5,11 +5,23 @@ device, and the byte ranges of its slice are read straight into it (`tpkit.io.sa
 them; `tpkit.io.shards` says which ranges), converted to the parameter's dtype as they are read.
 Nothing else is read and nothing the size of a tensor is allocated besides the shard, so a rank's
 peak is its shards plus one read block.
+
+Two things make it fast. CPU shards of `HUGE_MIN_BYTES` or more are allocated in transparent huge
+pages (``madvise(MADV_HUGEPAGE)``, what torch's ``THP_MEM_ALLOC_ENABLE`` does for every
+allocation): reading into fresh memory is mostly page faults, one per 4 KiB page, and a 2 MiB
+page takes 512 times fewer (measured: 130 MiB read from the page cache in 0.027 s instead of
+0.072 s). And `prefetch` asks the kernel, when the index is opened, to read the files into the
+page cache in the background (``POSIX_FADV_WILLNEED``), so that a cold checkpoint is read from
+disk while the model is built, planned and split, not after.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import mmap
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -20,7 +32,65 @@ from tpkit.io.safetensors import CheckpointIndex
 from tpkit.io.shards import local_ranges, local_slice, param_owners, set_local, tp_coords
 from tpkit.parallel.mesh import dist_env
 
-__all__ = ["move_buffers", "stream_buffers", "stream_params"]
+__all__ = [
+    "HUGE_MIN_BYTES",
+    "empty_shard",
+    "move_buffers",
+    "prefetch",
+    "stream_buffers",
+    "stream_params",
+]
+
+#: CPU shards of at least this many bytes go in transparent huge pages (2 MiB each)
+HUGE_MIN_BYTES = 4 << 20
+
+
+def empty_shard(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor for a shard: on CPU and of `HUGE_MIN_BYTES` or more, backed by
+    its own anonymous mapping advised to use transparent huge pages (the tensor keeps the
+    mapping alive; memory is given back when the tensor goes); else ``torch.empty``."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    huge = getattr(mmap, "MADV_HUGEPAGE", None)
+    if device.type != "cpu" or nbytes < HUGE_MIN_BYTES or huge is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # THP off in this kernel: ordinary pages, still right
+        area.madvise(huge)
+    return torch.frombuffer(area, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def prefetch(files: Iterable[str | os.PathLike], budget_bytes: int | None = None) -> None:
+    """Ask the kernel to read ``files`` into the page cache in the background, when they fit in
+    half of the memory available (``budget_bytes``, default from /proc/meminfo): the reads then
+    overlap with building, planning and splitting the model. Nothing when the OS lacks
+    ``posix_fadvise``; never an error."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    files = [Path(f) for f in files]
+    try:
+        total = sum(f.stat().st_size for f in files)
+        budget = budget_bytes if budget_bytes is not None else _available_bytes() // 2
+        if total > budget:
+            return
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+    except OSError:
+        return
+
+
+def _available_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def move_buffers(model: nn.Module, device: torch.device) -> None:
@@ -68,7 +138,9 @@ def stream_params(
 
     fresh = fresh or {}
     groups = list(param_owners(model).values())
-    bar = tqdm(groups, desc="tpkit: loading shards", disable=dist_env().rank != 0, unit="tensor")
+    bar = tqdm(  # rank 0's, shown once reading has taken more than 2 s (as transformers' bar)
+        groups, desc="tpkit: loading shards", disable=dist_env().rank != 0, unit="tensor", delay=2
+    )
     for owners in bar:
         module, pname, full = owners[0]
         p = module._parameters[pname]
@@ -81,7 +153,7 @@ def stream_params(
             ranges = local_ranges(placement, p.shape[dim], tp, rank) if p.ndim else None
             key = keys[full]
             dtype = p.dtype if p.is_floating_point() else index.entries[key].dtype
-            local = torch.empty(index.local_shape(key, dim, ranges), dtype=dtype, device=device)
+            local = empty_shard(index.local_shape(key, dim, ranges), dtype, device)
             index.read(key, dim, ranges, out=local)
         new = set_local(module, pname, local)
         for mod, name, _ in owners[1:]:

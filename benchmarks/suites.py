@@ -43,7 +43,17 @@ class Suite:
     train_model: bool = False  # launched runs use the --train-size preset, not --size
 
 
-_MODULES = ("forward", "step", "generate", "comm", "memory", "load", "train", "longseq")
+_MODULES = (
+    "forward",
+    "step",
+    "generate",
+    "comm",
+    "memory",
+    "load",
+    "train",
+    "longseq",
+    "checkpoints",
+)
 
 
 def all_suites() -> dict[str, Suite]:

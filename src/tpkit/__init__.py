@@ -27,8 +27,14 @@ from tpkit.extensions import set_builtin_extensions as _set_builtin_extensions
 # plain peft / Trainer calls on tpkit models, and tensor_parallel of a PEFT model (no imports of
 # either library happen here: see tpkit.integrations.autopatch)
 from tpkit.integrations.autopatch import Integrations as _Integrations
-from tpkit.io.checkpoint import export_checkpoint, load_checkpoint, save_checkpoint
+from tpkit.io.checkpoint import (
+    export_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    wait_for_checkpoint,
+)
 from tpkit.io.dcp import UnsafeCheckpointError
+from tpkit.io.resume import resume
 from tpkit.io.save import save_tensor_parallel
 from tpkit.io.shards import convert_state_dict, infer_sharded_device_map, load_local_state_dict
 from tpkit.parallel.context.apply import gather_sequence
@@ -77,11 +83,13 @@ __all__ = [
     "load_local_state_dict",
     "optim",
     "register_style",
+    "resume",
     "save_checkpoint",
     "save_tensor_parallel",
     "tensor_parallel",
     "tp_state",
     "validate",
+    "wait_for_checkpoint",
 ]
 
 

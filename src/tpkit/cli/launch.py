@@ -10,6 +10,11 @@
   ``run_script`` replaces the current process with it (``tpkit run``).
 - ``ensure_ranks(nproc, argv)`` re-executes the current command under torchrun when it is not
   already inside one: the first line of any CLI command that needs ranks.
+- ``max_restarts`` (``tpkit run --max-restarts N``, ``launch(..., max_restarts=N)``): when a rank
+  dies or fails, torch's agent stops the others and starts every rank again, up to N times; the
+  script resumes itself (`tpkit.resume`, or the Trainer's ``resume_from_checkpoint=True``). A
+  restart needs a fresh rendezvous store per attempt, which torch 2.13 does not give by default
+  (see `RESTART_ENV`). Once the budget is spent, one clear error says so.
 
 The core (mesh, parallelize, styles) never imports this module.
 """
@@ -29,14 +34,17 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from tpkit import config
 from tpkit.log import get_logger
 
 __all__ = [
+    "RESTART_ENV",
     "LaunchError",
     "RemoteTraceback",
+    "restart_budget_message",
     "default_nproc",
     "ensure_ranks",
     "inside_launched_rank",
@@ -48,6 +56,14 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
+
+#: Set (unless already set) for every job that may restart. torch >= 2.4 lets the ranks share the
+#: elastic agent's rendezvous TCPStore, which outlives a failed attempt: the restarted ranks then
+#: read the dead attempt's gloo addresses from it and fail at ``init_process_group`` (connection
+#: refused) or hang, at random (pytorch issues 135712, 167288; a plain-torch control failed 2 and
+#: hung 1 of 3 restarts here). With sharing off, each attempt's rank 0 hosts a fresh store on a
+#: fresh port: every restart came up (6 of 6, tests/test_restart.py since).
+RESTART_ENV = MappingProxyType({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
 class LaunchError(RuntimeError):
@@ -80,7 +96,13 @@ def inside_launched_rank() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None, **kwargs: Any) -> Any:
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    nproc: int | None = None,
+    max_restarts: int = 0,
+    **kwargs: Any,
+) -> Any:
     """Run ``fn(*args, **kwargs)`` on ``nproc`` local ranks and return rank 0's result.
 
     Each rank is a fresh process with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
@@ -104,6 +126,10 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None, **kwarg
     an interrupt (Ctrl-C, "interrupt kernel") stops every rank and raises ``KeyboardInterrupt``.
     Every line a rank prints appears in the caller's output (the notebook cell), prefixed
     ``[rankN]:``.
+
+    ``max_restarts``: when a rank dies or raises, stop the others and run ``fn`` again on fresh
+    ranks, up to this many times (``fn`` resumes itself, e.g. with `tpkit.resume`); the error is
+    raised only once the budget is spent, with a note saying so.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -117,17 +143,23 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None, **kwarg
     nproc = default_nproc() if nproc is None else int(nproc)
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}.")
+    max_restarts = _check_restarts(max_restarts)
     method = _start_method(fn, args, kwargs)
     workdir = tempfile.mkdtemp(prefix="tpkit-launch-")
-    config = _launch_config(nproc, method, workdir)
+    config = _launch_config(nproc, method, workdir, max_restarts)
     log.info("launching %s on %d ranks (%s)", getattr(fn, "__qualname__", fn), nproc, method)
     errors = os.path.join(workdir, "errors")
     os.makedirs(errors)
     try:
-        with _default_threads(nproc), _restored_signal_handlers(), _quiet_elastic_logs():
+        with (
+            _default_threads(nproc),
+            _restored_signal_handlers(),
+            _quiet_elastic_logs(),
+            _restart_env(max_restarts),
+        ):
             results = elastic_launch(config, _run_rank)(fn, args, kwargs, errors)
     except ChildFailedError as failed:
-        _raise_rank_error(errors, failed)
+        _raise_rank_error(errors, failed, max_restarts)
     except SignalException as sig:  # the agent stopped every worker before raising this
         if sig.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None  # what "interrupt kernel" should look like
@@ -137,7 +169,34 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None, **kwarg
     return results[0]
 
 
-def _launch_config(nproc: int, method: str, workdir: str):
+def _check_restarts(max_restarts: int) -> int:
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be a whole number >= 0, got {max_restarts!r}.")
+    return max_restarts
+
+
+@contextlib.contextmanager
+def _restart_env(max_restarts: int):
+    """`RESTART_ENV` in this process while the agent runs (it reads it here, at each rendezvous),
+    values already set kept and everything put back after; nothing changes for a job that never
+    restarts."""
+    if not max_restarts:
+        yield
+        return
+    saved = {key: os.environ.pop(key, None) for key in RESTART_ENV}
+    for key, value in RESTART_ENV.items():
+        os.environ[key] = saved[key] if saved[key] is not None else value
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _launch_config(nproc: int, method: str, workdir: str, max_restarts: int = 0):
     """torch's ``LaunchConfig`` for one node, as ``torchrun --standalone`` would set it up."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
@@ -149,7 +208,7 @@ def _launch_config(nproc: int, method: str, workdir: str):
         run_id=f"tpkit-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",  # what `torchrun --standalone` uses: a free local port
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method=method,
         # Tee each rank's output through this process's sys.stdout/sys.stderr, each line
@@ -167,6 +226,8 @@ def _run_rank(fn: Callable, args: tuple, kwargs: dict, error_dir: str) -> Any:
     import torch
     import torch.distributed as dist
 
+    from tpkit.io.async_save import wait_for_checkpoint
+
     rank = config.rank()
     threads = config.omp_num_threads()
     if threads is not None:
@@ -174,6 +235,7 @@ def _run_rank(fn: Callable, args: tuple, kwargs: dict, error_dir: str) -> Any:
     try:
         _bring_up_group()
         out = fn(*args, **kwargs)
+        wait_for_checkpoint()  # a background save still writing needs the group it runs on
     except BaseException as exc:
         from tpkit.parallel.timeouts import timeout_report
 
@@ -226,32 +288,54 @@ def _write_error(error_dir: str, rank: int, exc: BaseException) -> None:
         pickle.loads(payload)  # some exceptions pickle but cannot be rebuilt
     except Exception:  # noqa: BLE001 - any unpicklable exception falls back to its text
         payload = None
-    record = {"rank": rank, "time": time.time(), "exc": payload, "traceback": text}
+    attempt = config.restart_count()
+    record = {
+        "rank": rank,
+        "attempt": attempt,
+        "time": time.time(),
+        "exc": payload,
+        "traceback": text,
+    }
     tmp = os.path.join(error_dir, f".rank{rank}.tmp")
     with open(tmp, "wb") as f:
         pickle.dump(record, f)
-    os.replace(tmp, os.path.join(error_dir, f"rank{rank}.pkl"))
+    os.replace(tmp, os.path.join(error_dir, f"rank{rank}-attempt{attempt}.pkl"))
 
 
-def _raise_rank_error(error_dir: str, failed: Exception) -> None:
-    """Re-raise the first rank's exception (ranks the launcher killed afterwards wrote none)."""
+def _raise_rank_error(error_dir: str, failed: Exception, max_restarts: int = 0) -> None:
+    """Re-raise the first rank's exception of the last attempt (ranks the launcher killed
+    afterwards wrote none), noting a spent restart budget."""
     records = []
     for name in os.listdir(error_dir):
         if name.endswith(".pkl"):
             with open(os.path.join(error_dir, name), "rb") as f:
                 records.append(pickle.load(f))
-    if not records:
+    spent = (
+        f"The job was restarted {max_restarts} time(s) (max_restarts={max_restarts}) and failed "
+        "each time: the restart budget is spent."
+        if max_restarts
+        else None
+    )
+    last = max((r.get("attempt", 0) for r in records), default=0)
+    records = [r for r in records if r.get("attempt", 0) == last]
+    # an attempt after the last one that wrote an error died without one (killed): say that
+    if not records or (max_restarts and last < max_restarts):
         raise LaunchError(
-            f"A launched rank died without a Python exception (killed or crashed):\n{failed}"
+            "A launched rank died without a Python exception (killed or crashed):\n"
+            f"{failed}" + (f"\n{spent}" if spent else "")
         ) from None
     first = min(records, key=lambda r: (r["time"], r["rank"]))
     where = f"rank {first['rank']}"
     remote = RemoteTraceback(f'\n"""\n[{where}]\n{first["traceback"]}"""')
     exc = pickle.loads(first["exc"]) if first["exc"] is not None else None
     if exc is None:
-        raise LaunchError(f"{where} raised:\n{first['traceback']}") from remote
+        raise LaunchError(
+            f"{where} raised:\n{first['traceback']}" + (f"\n{spent}" if spent else "")
+        ) from remote
     if hasattr(exc, "add_note"):
         exc.add_note(f"(raised on rank {first['rank']} of a tpkit.launch; its traceback is above)")
+        if spent:
+            exc.add_note(spent)
     raise exc from remote
 
 
@@ -364,12 +448,15 @@ def torchrun_command(
     rdzv_endpoint: str | None = None,
     rdzv_id: str | None = None,
     module: bool = False,
+    max_restarts: int = 0,
 ) -> list[str]:
     """``python -m torch.distributed.run ...`` for ``target`` (``[script.py, *args]``, or
     ``[module, *args]`` with ``module=True``). One node uses ``--standalone``; several nodes use a
     c10d rendezvous at ``rdzv_endpoint`` (``host:port`` of any one node). ``--tee 3`` with a
-    ``[rankN]:`` line prefix (see `torchrun_env`) keeps every rank's output readable."""
+    ``[rankN]:`` line prefix (see `torchrun_env`) keeps every rank's output readable.
+    ``max_restarts`` > 0 adds ``--max-restarts`` (run it with `torchrun_env`'s `RESTART_ENV`)."""
     nproc = default_nproc() if nproc is None else int(nproc)
+    max_restarts = _check_restarts(max_restarts)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     if str(nnodes) == "1" and rdzv_endpoint is None:
         cmd.append("--standalone")
@@ -380,6 +467,8 @@ def torchrun_command(
             )
         cmd += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d"]
         cmd += ["--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id or "tpkit"]
+    if max_restarts:
+        cmd += ["--max-restarts", str(max_restarts)]
     cmd += ["--tee", "3"]
     if module:
         cmd.append("-m")
@@ -391,10 +480,15 @@ def torchrun_env(
     backend: str | None = None,
     threads: int | None = None,
     base: dict[str, str] | None = None,
+    max_restarts: int = 0,
 ) -> dict[str, str]:
-    """The environment torchrun runs under: OMP_NUM_THREADS (kept if set), TPKIT_BACKEND, and the
-    per-line ``[rankN]:`` prefix torchrun's agent applies to teed output."""
+    """The environment torchrun runs under: OMP_NUM_THREADS (kept if set), TPKIT_BACKEND, the
+    per-line ``[rankN]:`` prefix torchrun's agent applies to teed output, and for a job that may
+    restart `RESTART_ENV` (a fresh rendezvous store per attempt; values already set are kept)."""
     env = dict(os.environ if base is None else base)
+    if max_restarts:
+        for key, value in RESTART_ENV.items():
+            env.setdefault(key, value)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc_per_node)))
@@ -410,20 +504,66 @@ def run_script(
     *,
     backend: str | None = None,
     threads: int | None = None,
+    max_restarts: int = 0,
     **command: Any,
 ) -> int:
     """Replace this process with torchrun running ``target`` (what ``tpkit run`` does);
     ``command``: `torchrun_command`'s options (``nnodes``, ``rdzv_endpoint``, ``module``).
 
-    Returns only if torchrun could not be started (never, in practice)."""
+    With ``max_restarts`` > 0, torchrun runs in this process instead (the same
+    ``torch.distributed.run`` code, no second interpreter), so that once the restart budget is
+    spent one clear message (`restart_budget_message`) ends the output; the exit status is
+    then 1. Otherwise returns only if torchrun could not be started (never, in practice)."""
     nproc = default_nproc() if nproc is None else int(nproc)
-    cmd = torchrun_command(target, nproc, **command)
-    env = torchrun_env(nproc, backend=backend, threads=threads)
+    cmd = torchrun_command(target, nproc, max_restarts=max_restarts, **command)
+    env = torchrun_env(nproc, backend=backend, threads=threads, max_restarts=max_restarts)
     log.info("%s", " ".join(cmd))
     sys.stdout.flush()
     sys.stderr.flush()
+    if max_restarts:
+        return _supervise(cmd, env, max_restarts)
     os.execve(cmd[0], cmd, env)
     return 127  # pragma: no cover - execve does not return
+
+
+def _supervise(cmd: list[str], env: dict[str, str], max_restarts: int) -> int:
+    """torchrun's own ``run`` on ``cmd``'s arguments in this process, under ``env``; a spent
+    restart budget becomes torchrun's failure table plus `restart_budget_message`, exit 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    os.environ.clear()
+    os.environ.update(env)
+    args = parse_args(cmd[3:])  # after `python -m torch.distributed.run`
+    try:
+        run(args)
+    except ChildFailedError as failed:
+        print(str(failed), file=sys.stderr)
+        print(restart_budget_message(failed, max_restarts), file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def restart_budget_message(failed: Exception, max_restarts: int) -> str:
+    """The last line of a job whose restarts are spent: how often it ran, how the last attempt's
+    first rank failed, and what to do next."""
+    how = "failed"
+    failures = getattr(failed, "failures", None) or {}
+    # the agent SIGTERMs the survivors once one rank fails: the cause is a failure other than that
+    causes = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
+    if causes:
+        rank, failure = min(causes.items(), key=lambda item: (item[1].timestamp, item[0]))
+        exitcode = failure.exitcode
+        if exitcode is not None and exitcode < 0:
+            how = f"rank {rank} was killed by {failure.signal_name()}"
+        else:
+            how = f"rank {rank} exited with status {exitcode}"
+    return (
+        f"tpkit run: giving up: the job failed {max_restarts + 1} times (the first run and "
+        f"{max_restarts} restart(s), --max-restarts {max_restarts}); the last time {how}. "
+        "Fix the cause (the output above), then run the same command again: a script that "
+        "resumes itself picks up from its last complete checkpoint."
+    )
 
 
 def ensure_ranks(nproc: int | None = None, argv: Sequence[str] | None = None) -> None:

@@ -62,6 +62,16 @@ def _hub_dir(path: str, need_weights: bool) -> Path:
         ) from None
 
 
+def _restarts(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return value
+
+
 def _check_tp(tp: int) -> None:
     if tp < 1:
         raise UsageError(f"--tp must be >= 1, got {tp}.")
@@ -160,6 +170,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         backend=args.backend,
         threads=args.threads,
         module=args.module,
+        max_restarts=args.max_restarts,
     )
 
 
@@ -299,13 +310,21 @@ def _parser() -> argparse.ArgumentParser:
         help="run a script on N ranks: torchrun with tpkit's defaults",
         description="torchrun with tpkit's defaults: OMP_NUM_THREADS = cores / ranks (unless set), "
         "TPKIT_BACKEND from --backend, every output line prefixed [rankN]:. One node runs "
-        "--standalone; --nnodes/--rdzv-endpoint use a c10d rendezvous (same command on each node).",
+        "--standalone; --nnodes/--rdzv-endpoint use a c10d rendezvous (same command on each node). "
+        "--max-restarts N restarts every rank when one dies, with a fresh rendezvous per attempt.",
     )
     p.add_argument("--nproc", type=int, help="ranks on this node (default: GPUs, or 2 on CPU)")
     p.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for an elastic range")
     p.add_argument("--rdzv-endpoint", help="host:port of one node, the same on every node")
     p.add_argument("--backend", choices=["gloo", "nccl"], help="sets TPKIT_BACKEND")
     p.add_argument("--threads", type=int, help="OpenMP threads per rank")
+    p.add_argument(
+        "--max-restarts",
+        type=_restarts,
+        default=0,
+        help="restart every rank when one dies or fails, up to N times (the script resumes "
+        "itself: tpkit.resume, or Trainer resume_from_checkpoint=True); default 0",
+    )
     p.add_argument("-m", "--module", action="store_true", help="script is a module name")
     p.add_argument("script", help="the script (or module, with -m) every rank runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")

@@ -39,6 +39,10 @@ What Trainer and accelerate need, and what this module does about it:
   `tpkit.save_checkpoint` (torch DCP) of model and optimizer, reshardable to any (dp, tp) layout;
   the scheduler, RNG and trainer state are Trainer's own files. ``checkpoint-N/`` also holds the
   gathered full model (``model.safetensors``), as for any Trainer run.
+- **Whole checkpoints, resume or start.** ``checkpoint-N/`` is written under a staging name and
+  renamed into place complete; ``get_last_checkpoint`` skips incomplete ones; and
+  ``train(resume_from_checkpoint=True)`` starts fresh when there is none yet
+  (`tpkit.integrations.trainer_resume`).
 - **``save_model``** gathers each DTensor to a full tensor (`tpkit.save_tensor_parallel`), rank 0
   writes with ``save_pretrained``, the other ranks only take part in the gathers.
 - **CPU.** A model on a CPU mesh sets ``args.use_cpu`` (accelerate's MULTI_CPU needs it; without
@@ -96,6 +100,11 @@ from tpkit.integrations.trainer_checkpoints import (
     patched_save,
     patched_save_optimizer_and_scheduler,
 )
+from tpkit.integrations.trainer_resume import (
+    patched_get_last_checkpoint,
+    patched_save_checkpoint,
+    patched_train,
+)
 from tpkit.parallel.context.apply import context_of
 from tpkit.parallel.fsdp import average_over_dp, is_fsdp
 from tpkit.parallel.mesh import get_mesh
@@ -115,10 +124,18 @@ def patch_trainer() -> None:
     """
     from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
-    from transformers import Trainer
+    from transformers import Trainer, trainer_utils
 
     for name, make, required in _TRAINER_PATCHES:
         wrap(Trainer, name, make, versions="transformers", group="trainer", required=required)
+    wrap(  # skips incomplete checkpoint-N folders (trainer_resume.py)
+        trainer_utils,
+        "get_last_checkpoint",
+        patched_get_last_checkpoint,
+        versions="transformers",
+        group="trainer",
+        holders="transformers",
+    )
     wrap(
         ParallelismConfig,
         "_validate_accelerator",
@@ -439,6 +456,8 @@ _TRAINER_PATCHES = (
     ("evaluation_loop", _evaluation_loop, True),
     ("_defer_fsdp_gradient_reduction", _defer_fsdp_gradient_reduction, False),
     ("_track_num_input_tokens", _track_num_input_tokens, False),
+    ("train", patched_train, True),
+    ("_save_checkpoint", patched_save_checkpoint, True),
     ("_prepare_context_parallel_inputs", _prepare_context_parallel_inputs, False),
     ("_save", patched_save, True),
     ("_save_optimizer_and_scheduler", patched_save_optimizer_and_scheduler, True),

@@ -5,7 +5,12 @@
   any other. Writes go to a temporary directory that is fsynced, marked complete and swapped into
   place (`tpkit.io.atomic`); loads read only plain data and check keys and shapes first; packed
   (strided) shards are saved in their global layout (`tpkit.io.dcp`).
+- ``save_checkpoint(..., async_save=True)``: the same checkpoint written in the background
+  while training goes on, as atomic as a synchronous one (`tpkit.io.async_save`).
 - `export_checkpoint`: DCP -> safetensors HF checkpoint, without a process group.
+
+Every save also records each rank's RNG states (`tpkit.io.rng_state`), which `tpkit.resume`
+restores.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tpkit.io import atomic
+from tpkit.io.async_save import PendingCheckpoint, start_async_save, wait_for_checkpoint
 from tpkit.io.build import instantiate, model_class
 from tpkit.io.dcp import (
     METADATA_FILE,
@@ -39,14 +45,18 @@ from tpkit.io.dcp import (
     UnsafeCheckpointError,
     read_metadata,
 )
+from tpkit.io.rng_state import RNG_DIR, save_rng_state
 from tpkit.parallel.mesh import barrier, rank
 
 __all__ = [
     "DCP_CHECKPOINT",
+    "EXTRA_FILE",
+    "PendingCheckpoint",
     "export_checkpoint",
     "load_checkpoint",
     "run_on_rank0",
     "save_checkpoint",
+    "wait_for_checkpoint",
 ]
 
 MODEL_KEY, OPTIM_KEY = "model", "optim"
@@ -61,6 +71,7 @@ DCP_CHECKPOINT = atomic.DirKind(
         r"(__\d+_?)?\.metadata(\.tmp)?",
         re.escape(EXTRA_FILE),
         re.escape(CONFIG_DIR) + r"/[^/]+\.json",
+        re.escape(RNG_DIR) + r"/rank\d+\.json",
     ),
     legacy_file=METADATA_FILE,
     untagged_siblings=True,  # checkpoints and partial writes from before tags existed
@@ -135,23 +146,34 @@ def _prepare_save(directory: Path) -> None:
     atomic.prepare_tmp(directory, kind=DCP_CHECKPOINT)
 
 
-def _finish_save(directory: Path, model: nn.Module, extra_json: str) -> None:
+def _write_extra(directory: Path, model: nn.Module, extra_json: str) -> None:
     tmp = atomic.tmp_sibling(directory)
     (tmp / EXTRA_FILE).write_text(extra_json)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         config.architectures = [type(model).__name__]  # as save_pretrained records it
         config.save_pretrained(str(tmp / CONFIG_DIR))
+
+
+def _publish(directory: Path) -> None:
+    tmp = atomic.tmp_sibling(directory)
     atomic.mark_complete(tmp)  # fsyncs every file first; the marker is the last thing written
     atomic.swap_in(directory, kind=DCP_CHECKPOINT)
+
+
+def _finish_save(directory: Path, model: nn.Module, extra_json: str) -> None:
+    _write_extra(directory, model, extra_json)
+    _publish(directory)
 
 
 def save_checkpoint(
     directory: str | os.PathLike,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    async_save: bool = False,
     **extra_state: Any,
-) -> Path:
+) -> Path | PendingCheckpoint:
     """Save a reshardable DCP checkpoint of ``model`` (and ``optimizer``) to ``directory``.
 
     ``extra_state`` (step, scheduler state, ...) must be JSON-serialisable: it is written as JSON,
@@ -161,16 +183,36 @@ def save_checkpoint(
     it as ``directory``. Packed (strided) shards such as GPT-2's ``c_attn`` are written in their
     global layout (`tpkit.io.dcp`). Files in ``directory`` that are not the checkpoint's (notes,
     a Trainer's files) are kept; a symlinked ``directory`` is replaced where it points.
+
+    ``async_save=True`` returns a `PendingCheckpoint` as soon as the state is copied to CPU
+    memory; the files are written in the background while training goes on (`tpkit.io.async_save`)
+    and appear in ``directory`` only once complete, swapped in as above. One save is in flight
+    at a time: the next save, any load and `tpkit.resume` wait for it first; call
+    `wait_for_checkpoint` (or ``.wait()``) before the process group is torn down at the end.
+    Each rank's RNG states are saved too (`tpkit.io.rng_state`; `tpkit.resume` restores them).
     """
     given = directory
     directory = Path(os.path.realpath(directory))  # the same path on every rank: its .tmp too
     extra_json = json.dumps(extra_state)  # fails here, on every rank, before any collective
+    wait_for_checkpoint()  # the one in flight first: it may be swapping into this directory
     states = _states(model, optimizer)
     # Rank 0's first act may move the copy a load just read (an interrupted swap's .tmp back to
     # directory): no rank may still be reading it, and nothing in a load waits for the slowest.
     barrier()
     run_on_rank0(lambda: _prepare_save(directory), f"preparing to save {directory}")
     tmp = atomic.tmp_sibling(directory)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    save_rng_state(tmp, rank(), world)
+    if async_save:
+        run_on_rank0(lambda: _write_extra(directory, model, extra_json), f"saving to {tmp}")
+        return start_async_save(
+            Path(given),
+            dcp.async_save,
+            (lambda: _publish(directory)) if rank() == 0 else None,
+            state_dict=states,
+            storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+            planner=StridedSavePlanner(),
+        )
     _run_dcp(
         "saving",
         Path(given),

@@ -1,0 +1,293 @@
+"""Which modules expert parallelism can place whole experts of, and the numbers it needs.
+
+Expert parallelism (EP) puts whole experts on ranks and sends each routed (token, expert) pair
+to its expert's rank (`tpkit.styles.expert`). It wraps one module boundary: a *routed experts*
+module, called as ``experts(hidden [.., H], index [T, K], weights [T, K])`` and returning, per
+token, the sum over its K pairs of what each pair's expert gives it. transformers' fused experts
+(``@use_experts_implementation``), DBRX's packed ``[E * F, H]`` experts and GPT-OSS's biased
+ones are all of that form; so is a user's own module that keeps this contract.
+
+A module is taken when it has an expert count E (``num_experts`` and the like, on itself or its
+config), parameters whose first dim counts experts (``[E, ...]`` or E blocks of rows), and a
+probe on small random weights shows the contract holds: the whole module's output equals, for
+each half of the experts, the module run on just the pairs routed there, with its parameters cut
+to those experts, expert ids made local, and its expert-count attributes set to the local count,
+summed per token. So placement is decided by what the code does, not by its name; a model's
+``base_model_ep_plan`` only records where an entry came from ("config"). A module the probe
+refuses stays with tensor parallelism, with the reason (`expert_modules`' notes).
+
+Pure torch, no process group: plan/ runs on a laptop, on meta.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tpkit.plan.experts import EXPERT_ATTRS
+from tpkit.plan.spec import matches
+
+__all__ = ["ExpertEntry", "config_ep_patterns", "expert_count", "expert_modules", "probe_routed"]
+
+#: Elements of a module's parameters up to which the probe runs on their real shapes; larger
+#: modules (full-size, on meta) are probed with 4 experts and narrow intermediate widths.
+_REAL_LIMIT = 1 << 22
+_PROBE_EXPERTS = 4
+_PROBE_INNER = 8
+#: Attribute names that hold a module's hidden width (the probe's token width).
+_WIDTH_ATTRS = ("hidden_size", "hidden_dim", "d_model", "model_dim", "embed_dim")
+
+
+@dataclass(frozen=True)
+class ExpertEntry:
+    """One routed experts module EP places: its path, its expert count, the dotted attributes
+    under it that hold the count (set to the local count while it runs) and where it was
+    named ("config": the model's ``base_model_ep_plan``; "inferred": found by the probe)."""
+
+    name: str
+    num_experts: int
+    count_attrs: tuple[str, ...]
+    source: str
+
+
+def _own_count(mod: nn.Module) -> int:
+    """E from ``mod``'s own attributes or its config (0 when neither says)."""
+    for holder in (mod, mod.__dict__.get("config")):
+        for attr in EXPERT_ATTRS:
+            try:
+                v = getattr(holder, attr, None) if holder is not None else None
+            except Exception:  # noqa: BLE001 - a per-layer config refuses a global read
+                v = None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 1:
+                return v
+    return 0
+
+
+def expert_count(mod: nn.Module) -> int:
+    """E for a candidate experts module: its own count, when some parameter under it has a
+    first dim that counts experts; else 0."""
+    e = _own_count(mod)
+    params = list(mod.parameters())
+    if e < 2 or not params or not any(p.ndim >= 1 and p.shape[0] % e == 0 for p in params):
+        return 0
+    return e
+
+
+def _count_attrs(mod: nn.Module, e: int) -> tuple[str, ...]:
+    """Dotted names of the integer attributes under ``mod`` that hold E and name experts."""
+    out = []
+    for path, m in mod.named_modules():
+        for k, v in vars(m).items():
+            if isinstance(v, int) and not isinstance(v, bool) and v == e and "expert" in k:
+                out.append(f"{path}.{k}" if path else k)
+    return tuple(out)
+
+
+def config_ep_patterns(model: nn.Module) -> list[str]:
+    """The module patterns the model's (and each sub-model's) ``base_model_ep_plan`` names
+    ``ep_dispatch_experts``, joined to where that base model sits."""
+    out = []
+    for path, sub in model.named_modules():
+        config = sub.__dict__.get("config")
+        plan = getattr(config, "base_model_ep_plan", None) if config is not None else None
+        if not plan or not hasattr(sub, "base_model_prefix"):
+            continue
+        base = getattr(sub, "base_model", sub)
+        base_path = next((n for n, m in sub.named_modules() if m is base), "")
+        prefix = ".".join(p for p in (path, base_path) if p)
+        out += [
+            f"{prefix}.{k}" if prefix else k for k, v in plan.items() if v == "ep_dispatch_experts"
+        ]
+    return out
+
+
+def expert_modules(model: nn.Module) -> tuple[dict[str, ExpertEntry], dict[str, str]]:
+    """Every routed experts module of ``model`` (outermost first; nothing inside a taken one),
+    and, for each module with an expert count that EP leaves alone, why."""
+    named = config_ep_patterns(model)
+    entries: dict[str, ExpertEntry] = {}
+    notes: dict[str, str] = {}
+    probed: dict[tuple, str] = {}  # one probe per kind of module, not per layer
+    for name, mod in model.named_modules():
+        if any(name.startswith(f"{e}.") for e in entries):
+            continue
+        e = expert_count(mod)
+        if not e:
+            continue
+        key = _kind(mod)
+        if key not in probed:
+            probed[key] = probe_routed(mod, e)
+        if probed[key]:
+            if any(matches(p, name) for p in named):
+                notes[name] = probed[key]
+            continue
+        source = "config" if any(matches(p, name) for p in named) else "inferred"
+        entries[name] = ExpertEntry(name, e, _count_attrs(mod, e), source)
+    return entries, notes
+
+
+def _kind(mod: nn.Module) -> tuple:
+    """What a probe's answer depends on: class, integer attributes, parameter shapes."""
+    ints = tuple(
+        sorted(
+            (k, v)
+            for k, v in vars(mod).items()
+            if isinstance(v, int) and not k.startswith("_") and "layer" not in k and "idx" not in k
+        )
+    )
+    return type(mod), ints, tuple((n, tuple(p.shape)) for n, p in mod.named_parameters())
+
+
+def _width(mod: nn.Module, params: dict[str, torch.Tensor]) -> list[int]:
+    """Candidate token widths H: width attributes of the module or its config first, then the
+    dims its expert parameters share most."""
+    out = []
+    for holder in (mod, mod.__dict__.get("config")):
+        for attr in _WIDTH_ATTRS:
+            v = getattr(holder, attr, None) if holder is not None else None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0 and v not in out:
+                out.append(v)
+    dims: dict[int, int] = {}
+    for p in params.values():
+        for d in p.shape[1:]:
+            dims[int(d)] = dims.get(int(d), 0) + 1
+    out += [d for d, _ in sorted(dims.items(), key=lambda kv: -kv[1]) if d not in out]
+    return out[:3]
+
+
+def _probe_shapes(
+    params: dict[str, torch.Tensor], e: int, width: int
+) -> tuple[int, dict[str, list[int]], dict[int, int]] | None:
+    """The probe's expert count, parameter shapes and narrowed inner widths: the real ones for
+    a small module, else `_PROBE_EXPERTS` experts and each inner (non-H) width d scaled to
+    ``_PROBE_INNER * d / min inner`` (None when one does not divide)."""
+    total = sum(p.numel() for p in params.values())
+    if total <= _REAL_LIMIT:
+        return e, {n: list(p.shape) for n, p in params.items()}, {}
+    inner = {int(d) for p in params.values() for d in p.shape[1:] if d != width}
+    low = min(inner) if inner else 1
+    if any(d % low for d in inner):
+        return None
+    scale = {d: _PROBE_INNER * d // low for d in inner}
+    pe = min(e, _PROBE_EXPERTS)
+    shapes = {}
+    for n, p in params.items():
+        rows = p.shape[0] // e if p.shape[0] % e == 0 else 0
+        first = pe * scale.get(rows, rows) if rows else p.shape[0]
+        shapes[n] = [first, *(scale.get(int(d), int(d)) for d in p.shape[1:])]
+    return pe, shapes, scale
+
+
+def probe_routed(mod: nn.Module, e: int) -> str:
+    """The empty string when ``mod`` keeps the routed-experts contract EP relies on (module docstring),
+    else why not. Runs ``mod`` on random float32 weights and tokens, whole and per half of the
+    experts, a few times, on the CPU."""
+    params = dict(mod.named_parameters())
+    why = "its forward is not (hidden, expert ids, routing weights) -> per-token sum of pairs"
+    for width in _width(mod, params):
+        shapes = _probe_shapes(params, e, width)
+        if shapes is None:
+            return "too large to probe with narrowed widths"
+        pe, shape_of, scale = shapes
+        try:
+            ok = _probe_once(mod, pe, width, shape_of, scale)
+        except Exception as exc:  # noqa: BLE001 - any failure means "not this contract"
+            why = f"probe failed: {type(exc).__name__}: {str(exc)[:120]}"
+            continue
+        if ok:
+            return ""
+        why = "the halves of its experts do not add up to the whole (a probe on random weights)"
+    return why
+
+
+def _probe_once(
+    mod: nn.Module, e: int, width: int, shape_of: dict[str, list[int]], scale: dict[int, int]
+) -> bool:
+    g = torch.Generator().manual_seed(0)
+    tokens, top_k = 7, min(2, e)
+    whole = {
+        n: torch.randn(s, generator=g) / max(1.0, float(s[-1]) ** 0.5) for n, s in shape_of.items()
+    }
+    hidden = torch.randn(tokens, width, generator=g)
+    index = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g) + 0.5
+    attrs = {a: e for a in _count_attrs(mod, _own_count(mod))}
+    inner = _inner_attrs(mod, scale)
+    full = _run(mod, whole, {**attrs, **inner}, hidden, index, weights)
+    if full.numel() != tokens * width:
+        return False
+    total = torch.zeros(tokens, width)
+    half = -(-e // 2)
+    for lo, hi in ((0, half), (half, e)):
+        mine = (index >= lo) & (index < hi)
+        tok, k = mine.nonzero(as_tuple=True)
+        local = {n: _narrow(w, shape_of[n], e, lo, hi) for n, w in whole.items()}
+        out = _run(
+            mod,
+            local,
+            {**{a: hi - lo for a in attrs}, **inner},
+            hidden[tok],
+            (index[tok, k] - lo).unsqueeze(-1),
+            weights[tok, k].unsqueeze(-1),
+        )
+        total.index_add_(0, tok, out.reshape(-1, width))
+    full = full.reshape(tokens, width)
+    return bool((full - total).abs().max() <= 1e-4 * max(1.0, float(full.abs().max())))
+
+
+def _inner_attrs(mod: nn.Module, scale: dict[int, int]) -> dict[str, int]:
+    """Integer attributes under ``mod`` holding a narrowed inner width (DBRX's
+    ``ffn_hidden_size``), as they must read in the probe."""
+    if not scale:
+        return {}
+    out = {}
+    for path, m in mod.named_modules():
+        for k, v in vars(m).items():
+            if isinstance(v, int) and not isinstance(v, bool) and v in scale and "expert" not in k:
+                out[f"{path}.{k}" if path else k] = scale[v]
+    return out
+
+
+def _narrow(w: torch.Tensor, shape: list[int], e: int, lo: int, hi: int) -> torch.Tensor:
+    if shape[0] % e:
+        return w
+    rows = shape[0] // e
+    return w[lo * rows : hi * rows]
+
+
+def _run(
+    mod: nn.Module,
+    weights: dict[str, torch.Tensor],
+    attrs: dict[str, int],
+    *args: torch.Tensor,
+) -> torch.Tensor:
+    with _swapped(mod, weights, attrs), torch.no_grad():
+        out = mod(*args)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{type(mod).__name__} returned {type(out).__name__}")
+    return out.float()
+
+
+@contextlib.contextmanager
+def _swapped(mod: nn.Module, weights: dict[str, torch.Tensor], attrs: dict[str, int]) -> Iterator:
+    saved: list = []
+    try:
+        for name, w in weights.items():
+            owner, _, pname = name.rpartition(".")
+            holder = mod.get_submodule(owner) if owner else mod
+            saved.append((holder._parameters, pname, holder._parameters[pname]))
+            holder._parameters[pname] = w
+        for name, v in attrs.items():
+            owner, _, attr = name.rpartition(".")
+            holder = mod.get_submodule(owner) if owner else mod
+            saved.append((holder.__dict__, attr, holder.__dict__[attr]))
+            holder.__dict__[attr] = v
+        yield
+    finally:
+        for store, key, value in reversed(saved):
+            store[key] = value

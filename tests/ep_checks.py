@@ -23,6 +23,68 @@ MOES = {
 }
 
 
+#: config fields that keep some layers dense (or the MoE block off), and the value that makes
+#: a 2-layer tiny model have MoE layers, by field name (never by architecture name)
+MOE_ON = {
+    "first_k_dense_replace": 1,
+    "num_dense_layers": 1,
+    "first_dense_layers": 1,
+    "dense_layers": 1,
+    "moe_layer_start_index": 0,
+    "decoder_sparse_step": 1,
+    "encoder_sparse_step": 1,
+    "moe_layer_freq": 1,
+    "mlp_only_layers": [],
+    "is_moe": True,
+    "enable_moe_block": True,
+}
+
+
+def _configs(config, seen: set | None = None):
+    """``config`` and every sub-config under it."""
+    seen = set() if seen is None else seen
+    if id(config) in seen:
+        return
+    seen.add(id(config))
+    yield config
+    for k in list(vars(config)):
+        v = config.__dict__.get(k)
+        if hasattr(v, "to_dict") and hasattr(v, "model_type"):
+            yield from _configs(v, seen)
+
+
+def moe_on(config) -> list[str]:
+    """Set `MOE_ON`'s fields where ``config`` (or a sub-config) has them (a count lowered, never
+    raised); what changed."""
+    changed = []
+    for c in _configs(config):
+        for k, v in MOE_ON.items():
+            if k not in c.__dict__:
+                continue
+            cur = c.__dict__[k]
+            counts = isinstance(cur, int) and not isinstance(cur, bool) and not isinstance(v, bool)
+            new = min(cur, v) if counts else v
+            if cur != new:
+                setattr(c, k, new)
+                changed.append(f"{k}: {cur} -> {new}")
+    return changed
+
+
+def is_moe(config) -> bool:
+    """Does ``config`` (or a sub-config) count more than one expert?"""
+    from tpkit.plan.experts import EXPERT_ATTRS
+
+    for c in _configs(config):
+        for a in (*EXPERT_ATTRS, "moe_num_experts"):
+            v = c.__dict__.get(a)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 1:
+                return True
+        ffn = c.__dict__.get("ffn_config")  # DBRX keeps its experts in a sub-config of its own
+        if ffn is not None and getattr(ffn, "moe_num_experts", 0) > 1:
+            return True
+    return False
+
+
 def tiny_moe(model_type: str, overrides: dict | None = None) -> torch.nn.Module:
     import transformers
 
@@ -56,6 +118,69 @@ def _meshes(ep: int, batch: int):
         return ep_mesh, None
     batch_mesh = init_device_mesh("cpu", (world // batch, batch), mesh_dim_names=("dp", "b"))
     return ep_mesh, batch_mesh["b"]
+
+
+def first_output(out: Any) -> torch.Tensor:
+    """A model's first output: logits, else its first tensor."""
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def compare_ep(
+    ref: torch.nn.Module,
+    x: dict,
+    ep: int,
+    batch: int = 1,
+    implementation: str = "auto",
+    seed: int = 1234,
+) -> dict[str, Any]:
+    """Run on every rank: a copy of ``ref`` split by `expert_parallel` (EP groups of ``ep``
+    ranks, batch groups of ``batch``) against ``ref`` on inputs ``x``: max |diff| of the first
+    output and of every gradient (backward of a fixed random projection of it; an expert
+    weight's gradient, summed over the ep / batch batches of its EP group, divided by their
+    number), the largest reference values, parameters with a gradient on one side only, the
+    share of expert-parallel weight elements this rank holds and the dispatches used."""
+    from tpkit.parallel.expert import expert_parallel
+
+    model = copy.deepcopy(ref)
+    ep_mesh, batch_mesh = meshes(ep, batch)
+    styles = expert_parallel(model, ep_mesh, batch_mesh=batch_mesh, implementation=implementation)
+    outs = []
+    w = None
+    for m in (ref, model):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        y = first_output(m(**x))
+        if w is None:
+            w = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+        (y * w).sum().backward()
+        outs.append(y.detach())
+    want = dict(ref.named_parameters())
+    grad = scale = 0.0
+    held = total = 0
+    missing = []
+    for name, p in model.named_parameters():
+        if (p.grad is None) != (want[name].grad is None):
+            missing.append(name)
+            continue
+        if isinstance(p, DTensor):
+            total += p.numel()
+            held += p.to_local().numel()
+        if p.grad is None or p.numel() == 0:
+            continue
+        g = p.grad.full_tensor() / (ep // batch) if isinstance(p.grad, DTensor) else p.grad
+        grad = max(grad, (g - want[name].grad).abs().max().item())
+        scale = max(scale, want[name].grad.abs().max().item())
+    return {
+        "out": (outs[0] - outs[1]).abs().max().item(),
+        "out_scale": outs[0].abs().max().item(),
+        "grad": grad,
+        "scale": scale,
+        "missing": missing[:3],
+        "held": held / max(1, total),
+        "experts": len(styles),
+        "kinds": sorted({s.name for s in styles.values()}),
+        "dispatch": sorted({type(s.dispatcher()).__name__ for s in styles.values()}),
+    }
 
 
 def _out(model: torch.nn.Module, x: dict) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from tpkit.parallel.expert_comm import ExpertPlacement
 from tpkit.plan.expert_placement import ExpertEntry, expert_modules
-from tpkit.styles.expert import IMPLEMENTATIONS, ExpertParallelStyle
+from tpkit.styles.expert import IMPLEMENTATIONS, ExpertParallelStyle, GroupedExpertsStyle
 
 __all__ = ["apply_expert_parallel", "check_expert_sizes", "expert_grad_divisor", "expert_parallel"]
 
@@ -46,11 +46,8 @@ def check_expert_sizes(
                 f"so a rank would hold none; use an ep_size among {fits}"
             )
             continue
-        blocks = [
-            n
-            for n, p in model.get_submodule(name).named_parameters()
-            if p.ndim >= 1 and p.shape[0] % e == 0 and p.shape[0] > e
-        ]
+        params = dict(model.get_submodule(name).named_parameters())
+        blocks = [n for n in entry.params if params[n].shape[0] > e]
         if blocks and e % ep:
             problems.append(
                 f"{name}: {blocks[0]} stores its {e} experts as blocks of rows; ep={ep} does not "
@@ -83,8 +80,12 @@ def apply_expert_parallel(
     check_expert_sizes(model, entries, ep_mesh.size(), implementation)
     styles = {}
     for name, entry in entries.items():
-        style = ExpertParallelStyle(
+        cls = ExpertParallelStyle if entry.kind == "routed" else GroupedExpertsStyle
+        extra = {} if entry.kind == "routed" else {"blocks": entry.kind == "blocks"}
+        style = cls(
+            **extra,
             num_experts=entry.num_experts,
+            params=entry.params,
             count_attrs=entry.count_attrs,
             implementation=implementation,
             batch_mesh=batch_mesh,

@@ -13,7 +13,12 @@ ranks of an expert-parallel (EP) group, a pair is computed where its expert live
   only the pairs of its own experts, and one all-reduce sums the per-token partial outputs (f on
   the inputs, g on the output: Megatron's pair). No tokens move and no count is read back.
 
-Both are autograd-exact: every collective here has its backward stated (the reverse all-to-all,
+Experts that take their rows already grouped by expert (``sizes[e]`` rows of expert e: JetMoE's
+grouped linears, Llama-4's experts run on every token, E equal blocks) go the same way in
+blocks: `GroupedAllToAll` (each expert's rows to its rank) or, on a shared batch,
+`GroupedAllGather` (each rank runs its experts' rows, one all-gather joins them).
+
+All are autograd-exact: every collective here has its backward stated (the reverse all-to-all,
 the all-gather of row gradients, the all-reduce of partial input gradients). A rank that receives
 no pair still takes part in every collective, forward and backward (the caller keeps it in the
 graph with one dummy row: `tpkit.styles.expert`).
@@ -35,6 +40,8 @@ __all__ = [
     "AllToAllDispatch",
     "Dispatched",
     "ExpertPlacement",
+    "GroupedAllGather",
+    "GroupedAllToAll",
     "all_to_all",
     "gather_rows",
     "slice_rows",
@@ -265,3 +272,90 @@ class AllReduceDispatch:
         where, (rows, top_k) = d.state
         pairs = out.new_zeros((rows * top_k, out.shape[-1])).index_copy(0, where, out)
         return reduce_from_tp(pairs.view(rows, top_k, -1).sum(1), self.group)
+
+
+def _gather_blocks(x: torch.Tensor, sizes: list[int], group: ProcessGroup) -> torch.Tensor:
+    pad = x.new_zeros((max(sizes), *x.shape[1:]))
+    pad[: x.shape[0]] = x
+    got = all_gather_parts(pad.contiguous(), group)
+    return torch.cat([g[:n] for g, n in zip(got, sizes)])
+
+
+class _GatherBlocks(torch.autograd.Function):
+    """Each rank's block of rows joined in rank order (blocks of any size, given); backward:
+    this rank's block of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sizes: list[int], rank: int, group):
+        ctx.lo, ctx.hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+        return _gather_blocks(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return grad[ctx.lo : ctx.hi].contiguous(), None, None, None
+
+
+class GroupedAllGather:
+    """Rows grouped by expert (``sizes[e]`` rows of expert e, in expert order), the same on
+    every rank of the EP group: each rank runs its experts' rows, one all-gather joins the
+    blocks. f on the input: each rank's gradient covers its rows only, summed over the group."""
+
+    name = "all_gather"
+
+    def __init__(self, placement: ExpertPlacement, group: ProcessGroup, rank: int) -> None:
+        self.placement, self.group, self.rank = placement, group, rank
+
+    def dispatch(self, x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[int], Any]:
+        mine = self.placement.local(self.rank)
+        lo, hi = sum(sizes[: mine.start]), sum(sizes[: mine.stop])
+        x = copy_to_tp(x, self.group)
+        blocks = [
+            sum(sizes[r.start : r.stop])
+            for r in map(self.placement.local, range(self.placement.ep))
+        ]
+        return x[lo:hi], list(sizes[mine.start : mine.stop]), blocks
+
+    def combine(self, y: torch.Tensor, blocks: Any) -> torch.Tensor:
+        if torch.is_grad_enabled() and y.requires_grad:
+            return _GatherBlocks.apply(y, blocks, self.rank, self.group)
+        return _gather_blocks(y, blocks, self.group)
+
+
+class GroupedAllToAll:
+    """Rows grouped by expert, each rank its own batch: each expert's rows to its rank (counts
+    exchanged first), arranged there by local expert (every source's rows of expert 0, then of
+    expert 1, ...), and back the same way."""
+
+    name = "all_to_all"
+
+    def __init__(self, placement: ExpertPlacement, group: ProcessGroup, rank: int) -> None:
+        self.placement, self.group, self.rank = placement, group, rank
+        self.width = max(placement.sizes)
+
+    def dispatch(self, x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[int], Any]:
+        ep, width = self.placement.ep, self.width
+        send = torch.zeros(ep, width, dtype=torch.long)
+        for r in range(ep):
+            r_experts = self.placement.local(r)
+            send[r, : len(r_experts)] = torch.tensor(sizes[r_experts.start : r_experts.stop])
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group)
+        send_sizes, recv_sizes = send.sum(1).tolist(), recv.sum(1).tolist()
+        got = all_to_all(x, recv_sizes, send_sizes, self.group)
+        local = len(self.placement.local(self.rank))
+        counts = recv[:, :local]  # [source, local expert]
+        starts = torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)
+        order = torch.cat(
+            [
+                torch.arange(int(starts[s * local + e]), int(starts[s * local + e] + counts[s, e]))
+                for e in range(local)
+                for s in range(ep)
+            ]
+            or [torch.zeros(0, dtype=torch.long)]
+        )
+        return got[order], counts.sum(0).tolist(), (order, send_sizes, recv_sizes)
+
+    def combine(self, y: torch.Tensor, state: Any) -> torch.Tensor:
+        order, send_sizes, recv_sizes = state
+        back = y[torch.argsort(order)]
+        return all_to_all(back, send_sizes, recv_sizes, self.group)

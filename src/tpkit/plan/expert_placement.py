@@ -31,7 +31,16 @@ from torch import nn
 from tpkit.plan.experts import EXPERT_ATTRS
 from tpkit.plan.spec import matches
 
-__all__ = ["ExpertEntry", "config_ep_patterns", "expert_count", "expert_modules", "probe_routed"]
+__all__ = [
+    "ExpertEntry",
+    "config_ep_patterns",
+    "expert_count",
+    "expert_modules",
+    "expert_params",
+    "probe_grouped",
+    "probe_kind",
+    "probe_routed",
+]
 
 #: Elements of a module's parameters up to which the probe runs on their real shapes; larger
 #: modules (full-size, on meta) are probed with 4 experts and narrow intermediate widths.
@@ -39,7 +48,7 @@ _REAL_LIMIT = 1 << 22
 _PROBE_EXPERTS = 4
 _PROBE_INNER = 8
 #: Attribute names that hold a module's hidden width (the probe's token width).
-_WIDTH_ATTRS = ("hidden_size", "hidden_dim", "d_model", "model_dim", "embed_dim")
+_WIDTH_ATTRS = ("hidden_size", "hidden_dim", "d_model", "model_dim", "embed_dim", "input_size")
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,11 @@ class ExpertEntry:
     num_experts: int
     count_attrs: tuple[str, ...]
     source: str
+    #: the parameters under it (dotted, from the module) whose first dim counts experts
+    params: tuple[str, ...] = ()
+    #: how it is called: "routed" (hidden, ids, weights), "grouped" (rows grouped by expert
+    #: and their counts: JetMoE), "blocks" (E equal blocks of rows: Llama-4)
+    kind: str = "routed"
 
 
 def _own_count(mod: nn.Module) -> int:
@@ -67,14 +81,27 @@ def _own_count(mod: nn.Module) -> int:
     return 0
 
 
+def expert_params(mod: nn.Module, e: int) -> dict[str, int]:
+    """The parameters under ``mod`` whose first dim counts its ``e`` experts, with the rows
+    each expert has there: those ``[E, ...]`` where there are any (a norm of another width
+    that E happens to divide is not one), else 2-D ones of E blocks of rows (DBRX's
+    ``[E * F, H]``)."""
+    params = dict(mod.named_parameters())
+    exact = {n: 1 for n, p in params.items() if p.ndim >= 1 and p.shape[0] == e}
+    if exact:
+        return exact
+    return {
+        n: p.shape[0] // e
+        for n, p in params.items()
+        if p.ndim == 2 and p.shape[0] % e == 0 and p.shape[0] > e
+    }
+
+
 def expert_count(mod: nn.Module) -> int:
     """E for a candidate experts module: its own count, when some parameter under it has a
-    first dim that counts experts; else 0."""
+    first dim that counts experts (`expert_params`); else 0."""
     e = _own_count(mod)
-    params = list(mod.parameters())
-    if e < 2 or not params or not any(p.ndim >= 1 and p.shape[0] % e == 0 for p in params):
-        return 0
-    return e
+    return e if e >= 2 and expert_params(mod, e) else 0
 
 
 def _count_attrs(mod: nn.Module, e: int) -> tuple[str, ...]:
@@ -120,13 +147,16 @@ def expert_modules(model: nn.Module) -> tuple[dict[str, ExpertEntry], dict[str, 
             continue
         key = _kind(mod)
         if key not in probed:
-            probed[key] = probe_routed(mod, e)
-        if probed[key]:
+            probed[key] = probe_kind(mod, e)
+        kind, why = probed[key]
+        if not kind:
             if any(matches(p, name) for p in named):
-                notes[name] = probed[key]
+                notes[name] = why
             continue
         source = "config" if any(matches(p, name) for p in named) else "inferred"
-        entries[name] = ExpertEntry(name, e, _count_attrs(mod, e), source)
+        entries[name] = ExpertEntry(
+            name, e, _count_attrs(mod, e), source, tuple(expert_params(mod, e)), kind
+        )
     return entries, notes
 
 
@@ -160,7 +190,7 @@ def _width(mod: nn.Module, params: dict[str, torch.Tensor]) -> list[int]:
 
 
 def _probe_shapes(
-    params: dict[str, torch.Tensor], e: int, width: int
+    params: dict[str, torch.Tensor], e: int, width: int, experts: dict[str, int]
 ) -> tuple[int, dict[str, list[int]], dict[int, int]] | None:
     """The probe's expert count, parameter shapes and narrowed inner widths: the real ones for
     a small module, else `_PROBE_EXPERTS` experts and each inner (non-H) width d scaled to
@@ -176,10 +206,63 @@ def _probe_shapes(
     pe = min(e, _PROBE_EXPERTS)
     shapes = {}
     for n, p in params.items():
-        rows = p.shape[0] // e if p.shape[0] % e == 0 else 0
-        first = pe * scale.get(rows, rows) if rows else p.shape[0]
+        rows = experts.get(n, 0)
+        first = pe * scale.get(rows, rows) if rows else scale.get(int(p.shape[0]), p.shape[0])
         shapes[n] = [first, *(scale.get(int(d), int(d)) for d in p.shape[1:])]
     return pe, shapes, scale
+
+
+def probe_kind(mod: nn.Module, e: int) -> tuple[str, str]:
+    """(kind, "") for the first contract ``mod`` keeps: "routed" (`probe_routed`), "grouped"
+    or "blocks" (`probe_grouped`); ("", why) when none."""
+    why = probe_routed(mod, e)
+    if not why:
+        return "routed", ""
+    for kind in ("grouped", "blocks"):
+        if not probe_grouped(mod, e, blocks=kind == "blocks"):
+            return kind, ""
+    return "", why
+
+
+def probe_grouped(mod: nn.Module, e: int, blocks: bool) -> str:
+    """The empty string when ``mod`` runs rows grouped by expert, each expert's rows on their
+    own: ``mod(x, sizes)`` (``sizes[e]`` rows of expert e), or ``mod(x)`` on E equal blocks
+    (``blocks``); checked as `probe_routed` checks, per half of the experts on their rows."""
+    params = dict(mod.named_parameters())
+    experts = expert_params(mod, e)
+    if sum(p.numel() for p in params.values()) > _REAL_LIMIT:
+        return "too large to probe its grouped rows"
+    g = torch.Generator().manual_seed(0)
+    shape_of = {n: list(p.shape) for n, p in params.items()}
+    whole = {
+        n: torch.randn(s, generator=g) / max(1.0, float(s[-1]) ** 0.5) for n, s in shape_of.items()
+    }
+    sizes = [3] * e if blocks else [int(torch.randint(0, 4, (), generator=g)) for _ in range(e)]
+    attrs = {a: e for a in _count_attrs(mod, e)}
+    for width in _width(mod, params):
+        x = torch.randn(sum(sizes), width, generator=g)
+        try:
+            full = _run(mod, whole, attrs, x, *(() if blocks else (sizes,)))
+            half = -(-e // 2)
+            parts = []
+            for lo, hi in ((0, half), (half, e)):
+                local = {
+                    n: w[lo * (len(w) // e) : hi * (len(w) // e)] if n in experts else w
+                    for n, w in whole.items()
+                }
+                rows = x[sum(sizes[:lo]) : sum(sizes[:hi])]
+                extra = () if blocks else (sizes[lo:hi],)
+                parts.append(_run(mod, local, {a: hi - lo for a in attrs}, rows, *extra))
+        except Exception as exc:  # noqa: BLE001 - any failure means "not this contract"
+            why = f"probe failed: {type(exc).__name__}: {str(exc)[:120]}"
+            continue
+        total = torch.cat(parts)
+        if full.shape == total.shape and bool(
+            (full - total).abs().max() <= 1e-4 * max(1.0, float(full.abs().max()))
+        ):
+            return ""
+        why = "its halves of experts do not give the whole output's rows"
+    return why
 
 
 def probe_routed(mod: nn.Module, e: int) -> str:
@@ -189,12 +272,12 @@ def probe_routed(mod: nn.Module, e: int) -> str:
     params = dict(mod.named_parameters())
     why = "its forward is not (hidden, expert ids, routing weights) -> per-token sum of pairs"
     for width in _width(mod, params):
-        shapes = _probe_shapes(params, e, width)
+        shapes = _probe_shapes(params, e, width, expert_params(mod, e))
         if shapes is None:
             return "too large to probe with narrowed widths"
         pe, shape_of, scale = shapes
         try:
-            ok = _probe_once(mod, pe, width, shape_of, scale)
+            ok = _probe_once(mod, pe, width, shape_of, scale, expert_params(mod, e))
         except Exception as exc:  # noqa: BLE001 - any failure means "not this contract"
             why = f"probe failed: {type(exc).__name__}: {str(exc)[:120]}"
             continue
@@ -205,7 +288,12 @@ def probe_routed(mod: nn.Module, e: int) -> str:
 
 
 def _probe_once(
-    mod: nn.Module, e: int, width: int, shape_of: dict[str, list[int]], scale: dict[int, int]
+    mod: nn.Module,
+    e: int,
+    width: int,
+    shape_of: dict[str, list[int]],
+    scale: dict[int, int],
+    experts: dict[str, int],
 ) -> bool:
     g = torch.Generator().manual_seed(0)
     tokens, top_k = 7, min(2, e)
@@ -225,7 +313,10 @@ def _probe_once(
     for lo, hi in ((0, half), (half, e)):
         mine = (index >= lo) & (index < hi)
         tok, k = mine.nonzero(as_tuple=True)
-        local = {n: _narrow(w, shape_of[n], e, lo, hi) for n, w in whole.items()}
+        local = {
+            n: w[lo * (len(w) // e) : hi * (len(w) // e)] if n in experts else w
+            for n, w in whole.items()
+        }
         out = _run(
             mod,
             local,
@@ -250,13 +341,6 @@ def _inner_attrs(mod: nn.Module, scale: dict[int, int]) -> dict[str, int]:
             if isinstance(v, int) and not isinstance(v, bool) and v in scale and "expert" not in k:
                 out[f"{path}.{k}" if path else k] = scale[v]
     return out
-
-
-def _narrow(w: torch.Tensor, shape: list[int], e: int, lo: int, hi: int) -> torch.Tensor:
-    if shape[0] % e:
-        return w
-    rows = shape[0] // e
-    return w[lo * rows : hi * rows]
 
 
 def _run(

@@ -32,11 +32,13 @@ from tpkit.parallel.expert_comm import (
     AllToAllDispatch,
     Dispatched,
     ExpertPlacement,
+    GroupedAllGather,
+    GroupedAllToAll,
 )
 from tpkit.plan.layout import REPLICATED, ParamLayout
 from tpkit.styles.base import RECORD, TPStyle, distribute_param, map_output
 
-__all__ = ["IMPLEMENTATIONS", "ExpertParallelStyle", "routed_call"]
+__all__ = ["IMPLEMENTATIONS", "ExpertParallelStyle", "GroupedExpertsStyle", "routed_call"]
 
 #: ``ep_implementation`` values (transformers' spelling): how pairs reach their experts.
 IMPLEMENTATIONS = ("auto", "all_to_all", "all_reduce")
@@ -82,7 +84,8 @@ def _put(args: tuple, kwargs: dict, values: dict) -> tuple[tuple, dict]:
 class ExpertParallelStyle(TPStyle):
     """Whole experts per EP rank, each pair computed where its expert lives (module docstring).
 
-    Options: ``num_experts`` (E), ``count_attrs`` (dotted ``sub.attr`` names under the module
+    Options: ``num_experts`` (E), ``params`` (the dotted names under the module whose first
+    dim counts experts; the others stay replicated), ``count_attrs`` (dotted ``sub.attr`` names under the module
     holding E, set to the local count while it runs: a forward that sizes by them),
     ``implementation`` (`IMPLEMENTATIONS`; ``auto``: all-reduce where the EP group holds one
     batch, all-to-all otherwise), ``batch_mesh`` (the ranks that hold the same tokens as this
@@ -94,6 +97,7 @@ class ExpertParallelStyle(TPStyle):
         self,
         *,
         num_experts: int,
+        params: tuple[str, ...] = (),
         count_attrs: tuple[str, ...] = (),
         implementation: str = "auto",
         batch_mesh: DeviceMesh | None = None,
@@ -106,27 +110,23 @@ class ExpertParallelStyle(TPStyle):
             )
         self.num_experts = int(num_experts)
         self.count_attrs = tuple(count_attrs)
+        self.expert_params = frozenset(params)
         self.implementation = implementation
         self.batch_mesh = batch_mesh if batch_mesh is not None and batch_mesh.size() > 1 else None
         self._calls: list[tuple[Dispatched, Any, torch.Size, bool]] = []
         self._attrs_saved: list[dict] = []
 
     # -- layout -----------------------------------------------------------------------------
-    def expert_param(self, p: torch.Tensor) -> bool:
-        """Does ``p``'s first dim count experts (E, or E blocks of rows)?"""
-        e = self.num_experts
-        return p.ndim >= 1 and p.shape[0] >= e and p.shape[0] % e == 0
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.mesh, self.group = device_mesh, device_mesh.get_group()
         self.tp, self.rank = device_mesh.size(), device_mesh.get_local_rank()
         self.placement = ExpertPlacement(self.num_experts, self.tp)
         self.local_count = self.placement.sizes[self.rank]
         self._holders: list[tuple[nn.Module, str, str]] = []
-        for name, p in list(module.named_parameters()):
+        for name, _ in list(module.named_parameters()):
             owner_name, _, pname = name.rpartition(".")
             owner = module.get_submodule(owner_name)
-            layout = ParamLayout(0) if self.expert_param(p) else REPLICATED
+            layout = ParamLayout(0) if name in self.expert_params else REPLICATED
             if not layout.sharded:
                 self.allreduce_params |= {name}
             distribute_param(owner, pname, layout, device_mesh, self.src_data_rank)
@@ -245,3 +245,71 @@ class ExpertParallelStyle(TPStyle):
         if self._attrs_saved:
             for owner, attr, value in self._attrs_saved.pop().values():
                 owner.__dict__[attr] = value
+
+
+class GroupedExpertsStyle(ExpertParallelStyle):
+    """Experts that take their rows already grouped by expert: ``experts(x [N, in], sizes)``
+    with ``sizes[e]`` rows of expert e in expert order (JetMoE's grouped linears), or, with
+    ``blocks=True``, ``experts(x [E * T, in])`` running expert e on the e-th of E equal blocks
+    (Llama-4's experts, which see every token). Each expert's rows go to its rank and back
+    (`GroupedAllToAll`), or, where the EP group holds one batch, each rank runs its experts'
+    rows and one all-gather joins them (`GroupedAllGather`, whichever ``implementation``:
+    every rank holds every expert's rows already, so there is nothing to send)."""
+
+    name = "ep_grouped_experts"
+
+    def __init__(self, *, blocks: bool = False, **options: Any) -> None:
+        super().__init__(**options)
+        self.blocks = blocks
+        self._grouped: list[tuple[Any, Any]] = []
+
+    def _dispatchers(self) -> dict[str, Any]:
+        shared = self.batch_mesh is not None and self.batch_mesh.size() == self.tp
+        if self.batch_mesh is not None and not shared:
+            raise ValueError(
+                f"{self.module_name or type(self).__name__}: experts that take rows grouped by "
+                f"expert run with ep_size == tp_size (one batch per EP group) or tp_size=1; "
+                f"got ep={self.tp} over batch groups of {self.batch_mesh.size()}."
+            )
+        if shared:  # every rank holds every expert's rows already: nothing to send
+            gather = GroupedAllGather(self.placement, self.group, self.rank)
+            return {"all_to_all": gather, "all_reduce": gather}
+        if self.implementation == "all_reduce":
+            raise ValueError("ep_implementation='all_reduce' needs ep_size == tp_size.")
+        return {"all_to_all": GroupedAllToAll(self.placement, self.group, self.rank)}
+
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        key = next((("arg", i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)), None)
+        key = key or next(
+            (("kw", k) for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None
+        )
+        if key is None:
+            raise TypeError(f"{type(module).__name__} under expert parallelism got no tensor.")
+        x = _get(args, kwargs, key)
+        values = {key: None}
+        if self.blocks:
+            sizes = [x.shape[0] // self.num_experts] * self.num_experts
+        else:
+            found = [(("arg", i), a) for i, a in enumerate(args) if isinstance(a, (list, tuple))]
+            found += [(("kw", k), v) for k, v in kwargs.items() if isinstance(v, (list, tuple))]
+            if not found:
+                raise TypeError(f"{type(module).__name__}: no per-expert row counts in its call.")
+            size_key, sizes = found[0]
+            sizes = [int(s) for s in sizes]
+        dispatch = self.dispatcher()
+        local_x, local_sizes, state = dispatch.dispatch(x, sizes)
+        values[key] = local_x.contiguous()
+        if not self.blocks:
+            values[size_key] = local_sizes
+        self._grouped.append((dispatch, state))
+        self._swap_local(module)
+        return _put(args, kwargs, values)
+
+    def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        self._swap_back(module)
+        if not self._grouped:
+            return output
+        dispatch, state = self._grouped.pop()
+        if output is None:
+            return output
+        return map_output(output, lambda y: dispatch.combine(y, state))

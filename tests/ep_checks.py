@@ -249,3 +249,45 @@ def ep_parity(
         "experts": len(styles),
         "dispatch": sorted({type(s.dispatcher()).__name__ for s in styles.values()}),
     }
+
+
+def ep_greedy(model_type: str, ep: int, batch: int, implementation: str = "auto") -> bool:
+    """Run on every rank: 6 greedy tokens after a 5-token prompt, KV cache on, of the tiny
+    model and of a copy split by `expert_parallel`: the same tokens?"""
+    from tests.tiny import inputs
+    from tpkit.parallel.expert import expert_parallel
+
+    ref = tiny_moe(model_type).eval()
+    ref.config.use_cache = True
+    model = copy.deepcopy(ref)
+    ep_mesh, batch_mesh = meshes(ep, batch)
+    expert_parallel(model, ep_mesh, batch_mesh=batch_mesh, implementation=implementation)
+    prompt = inputs(ref, "causal-lm")["input_ids"][:, :5]
+    kw = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        return torch.equal(ref.generate(prompt, **kw), model.generate(prompt, **kw))
+
+
+def ep_train_steps(model_type: str, ep: int, steps: int = 2) -> list[tuple[float, float]]:
+    """Run on every rank: (unsharded loss, expert-parallel loss) of ``steps`` AdamW steps on the
+    causal-LM loss (router aux loss included), the EP group holding one batch (ep == tp)."""
+    from tests.tiny import inputs
+    from tpkit.parallel.expert import expert_parallel
+
+    ref = tiny_moe(model_type, {"output_router_logits": True}).train()
+    model = copy.deepcopy(ref)
+    ep_mesh, batch_mesh = meshes(ep, ep)
+    expert_parallel(model, ep_mesh, batch_mesh=batch_mesh)
+    x = inputs(ref, "causal-lm")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (ref, model)]
+    losses = []
+    for _ in range(steps):
+        pair = []
+        for m, opt in zip((ref, model), opts):
+            opt.zero_grad()
+            loss = m(**x, labels=x["input_ids"]).loss
+            loss.backward()
+            opt.step()
+            pair.append(loss.item())
+        losses.append(tuple(pair))
+    return losses

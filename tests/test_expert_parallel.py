@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.ep_checks import ep_parity, tiny_moe
+from tests.ep_checks import ep_greedy, ep_parity, ep_train_steps, tiny_moe
 
 
 def _ok(results: list[dict], tol: float = 1e-5) -> None:
@@ -110,3 +110,15 @@ def test_sizes_ep_cannot_place_refused_before_any_collective():
     entries, _ = expert_modules(dbrx)  # would cut an expert's rows
     with pytest.raises(ValueError, match="ep=2 does not divide 5"):
         check_expert_sizes(dbrx, entries, 2)
+
+
+@pytest.mark.parametrize(("ep", "batch"), [(2, 1), (2, 2)])
+def test_greedy_tokens_equal(ranks2, ep, batch):
+    assert all(ranks2.run(ep_greedy, "qwen3_moe", ep, batch, timeout=120))
+
+
+def test_adamw_steps_equal_losses(ranks2):
+    """Two AdamW steps on the causal-LM loss with the router aux loss: the same losses."""
+    for losses in ranks2.run(ep_train_steps, "mixtral", 2, timeout=120):
+        for want, got in losses:
+            assert abs(want - got) <= 1e-5 * abs(want), losses

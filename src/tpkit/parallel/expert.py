@@ -78,6 +78,12 @@ def apply_expert_parallel(
     """Apply `ExpertParallelStyle` on ``ep_mesh`` to each module of ``entries``; return module
     name -> its style. Checks the sizes first (`check_expert_sizes`)."""
     check_expert_sizes(model, entries, ep_mesh.size(), implementation)
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}  # parameters tied across modules
+    for name in entries:
+        for owner in model.get_submodule(name).modules():
+            for pname, p in owner._parameters.items():
+                if p is not None:
+                    holders.setdefault(id(p), []).append((owner, pname))
     styles = {}
     for name, entry in entries.items():
         cls = ExpertParallelStyle if entry.kind == "routed" else GroupedExpertsStyle
@@ -93,6 +99,10 @@ def apply_expert_parallel(
         style.module_name = name
         parallelize_module(model.get_submodule(name), ep_mesh, style)
         styles[name] = style
+    for tied in holders.values():  # each module made its own DTensor: share the first again
+        first = tied[0][0]._parameters[tied[0][1]]
+        for owner, pname in tied[1:]:
+            owner._parameters[pname] = first
     return styles
 
 

@@ -100,7 +100,7 @@ SUITE = Suite(
         "Counted, not modelled: a TorchDispatchMode records every c10d op (direct "
         "`dist.all_reduce`, as tpkit issues them with grad) and functional collective (DTensor, as "
         "transformers issues them); tpkit's no-grad same-host shared-memory collectives, which "
-        "are not c10d ops, are counted through `tpkit.dist.shm.observe_shm`; the tensor-parallel package's in-process AllReduce/AllGather "
+        "are not c10d ops, are counted through `tpkit.parallel.shm.observe_shm`; the tensor-parallel package's in-process AllReduce/AllGather "
         "are wrapped. Hooks on each decoder layer attribute calls to blocks. Bytes are what each "
         "rank sends with ring algorithms: all-reduce 2(t−1)/t·n, all-gather (t−1)·n_local, gloo's "
         "emulated reduce-scatter as an all-reduce. All-reduce equivalents: all-reduce 1, "

@@ -831,9 +831,9 @@ def tower_share(model_type: str, class_name: str, tp: int = 2) -> dict:
     """The tiny family model on meta, no ranks: the plan tp would use (`derive_plan`), the share
     of its towers' >=2-D parameter elements it splits (a tower: every parameter outside the
     language model, its embeddings and head, `_TEXT_SIDE`), the share of all of them, and
-    whether the trace kept to the text (`tpkit.plan.inputs.text_only`)."""
+    whether the trace kept to the text (`tpkit.trace.inputs.text_only`)."""
     from tpkit.plan import derive_plan, param_layouts
-    from tpkit.plan import inputs as plan_inputs
+    from tpkit.trace import inputs as plan_inputs
 
     model = build(model_type, class_name, device="meta")
     plan = derive_plan(model, "auto", tp)

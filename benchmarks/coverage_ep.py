@@ -76,7 +76,7 @@ def ep_check(model_type: str, class_name: str, family: str) -> dict:
     in every `LAYOUTS`; an unsharded forward that fails is said so before any collective."""
     from tests.ep_checks import compare_ep, first_output
     from tests.tiny_inputs import family_inputs
-    from tpkit.plan.expert_placement import expert_modules
+    from tpkit.sources.expert_placement import expert_modules
 
     ref, changed = build_moe(model_type, class_name)
     entries, notes = expert_modules(ref)

@@ -164,7 +164,7 @@ SUITE = Suite(
         "tok/s = batch·(N−1) / (median N-token time − TTFT). Ratios of tok/s (medians of per-round "
         "ratios) are higher-is-better; `IQR of rounds` is their interquartile range and `vs "
         "transformers TP` says `better`/`worse` only when it lies wholly above/below 1.00. tpkit's "
-        "collectives take the same-host shared-memory path by default (`tpkit.dist.shm`); "
+        "collectives take the same-host shared-memory path by default (`tpkit.parallel.shm`); "
         "`tpkit, shm off` is the same model with it off (every collective on gloo), in the same "
         "rounds. `plain, all cores`: the unsharded model in one process with one thread per core "
         "(rank 0, the other ranks idle), the limit on one host. `same tokens` compares the greedy "

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _measure(phases, out: dict, args) -> None:
     """Counts, the profiler's top ops and a rough wall time of each phase, into ``out``."""
-    from tpkit.dist.shm import shm_counts
+    from tpkit.parallel.shm import shm_counts
 
     for _name, fn in phases:  # warm-up
         fn()

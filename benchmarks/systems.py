@@ -58,13 +58,13 @@ def on_all_cores(ctx: Ctx, fn: Callable[[], Any]) -> Any:
         torch.set_num_threads(before)
 
 
-GLOO = "tpkit_gloo"  # the tpkit model with tpkit.dist.shm's fast path off: every collective on gloo
+GLOO = "tpkit_gloo"  # the tpkit model with tpkit.parallel.shm's fast path off: every collective on gloo
 
 
 def without_shm(fn: Callable[[], Any]) -> Any:
     """``fn()`` with tpkit's shared-memory collectives off (`GLOO` rows). Every rank runs the same
-    round, so every rank has the same setting, as `tpkit.dist.shm.set_shm_enabled` requires."""
-    from tpkit.dist.shm import set_shm_enabled
+    round, so every rank has the same setting, as `tpkit.parallel.shm.set_shm_enabled` requires."""
+    from tpkit.parallel.shm import set_shm_enabled
 
     before = set_shm_enabled(False)
     try:
@@ -129,8 +129,8 @@ def load_plain(ctx: Ctx, path: Path) -> System:
 @contextlib.contextmanager
 def count_tpkit(log: CollectiveLog):
     """c10d ops as every system's, plus tpkit's same-host shared-memory collectives (which are not
-    c10d ops: `tpkit.dist.shm` reports them to observers instead)."""
-    from tpkit.dist.shm import observe_shm
+    c10d ops: `tpkit.parallel.shm` reports them to observers instead)."""
+    from tpkit.parallel.shm import observe_shm
 
     with CountCollectives(log), observe_shm(log.record):
         yield

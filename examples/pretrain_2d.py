@@ -59,7 +59,8 @@ def main() -> None:
         loss_parallel=args.loss_parallel,
     ).train()
     state = model._tpkit
-    dp_rank, dp = state.mesh["dp"].get_local_rank(), state.dp_size
+    dp_mesh = tpkit.get_mesh(state.mesh, "dp")  # None when dp = 1
+    dp_rank, dp = (dp_mesh.get_local_rank() if dp_mesh is not None else 0), state.dp_size
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     for step in range(args.steps):

@@ -20,6 +20,8 @@ MOES = {
     "gpt_oss": ("GptOssForCausalLM", {}),
     "olmoe": ("OlmoeForCausalLM", {}),
     "dbrx": ("DbrxForCausalLM", {}),
+    "jetmoe": ("JetMoeForCausalLM", {}),  # grouped linears, no ep plan
+    "llama4_text": ("Llama4ForCausalLM", {}),  # per-expert blocks of every token, no ep plan
 }
 
 
@@ -72,7 +74,7 @@ def moe_on(config) -> list[str]:
 
 def is_moe(config) -> bool:
     """Does ``config`` (or a sub-config) count more than one expert?"""
-    from tpkit.plan.experts import EXPERT_ATTRS
+    from tpkit.sources.experts import EXPERT_ATTRS
 
     for c in _configs(config):
         for a in (*EXPERT_ATTRS, "moe_num_experts"):
@@ -136,8 +138,8 @@ def compare_ep(
     """Run on every rank: a copy of ``ref`` split by `expert_parallel` (EP groups of ``ep``
     ranks, batch groups of ``batch``) against ``ref`` on inputs ``x``: max |diff| of the first
     output and of every gradient (backward of a fixed random projection of it; an expert
-    weight's gradient, summed over the ep / batch batches of its EP group, divided by their
-    number), the largest reference values, parameters with a gradient on one side only, the
+    weight's gradient is the average over the ep / batch batches of its EP group, all alike
+    here), the largest reference values, parameters with a gradient on one side only, the
     share of expert-parallel weight elements this rank holds and the dispatches used."""
     from tpkit.parallel.expert import expert_parallel
 
@@ -167,7 +169,7 @@ def compare_ep(
             held += p.to_local().numel()
         if p.grad is None or p.numel() == 0:
             continue
-        g = p.grad.full_tensor() / (ep // batch) if isinstance(p.grad, DTensor) else p.grad
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         grad = max(grad, (g - want[name].grad).abs().max().item())
         scale = max(scale, want[name].grad.abs().max().item())
     return {
@@ -198,7 +200,7 @@ def ep_parity(
 ) -> dict[str, Any]:
     """Run on every rank: the tiny model split by `expert_parallel` against the unsharded one on
     the same inputs: max |diff| of logits, aux loss and every gradient (an expert weight's
-    gradient, summed over the ep / batch batches of its EP group, divided by their number),
+    gradient is the average over the ep / batch batches of its EP group, all alike here),
     the share of expert weight elements this rank holds, and the dispatch used."""
     from tests.tiny import inputs
     from tpkit.parallel.expert import expert_parallel
@@ -225,7 +227,6 @@ def ep_parity(
     grad = scale = 0.0
     held = total = 0
     missing = []
-    batches = ep // batch
     for name, p in model.named_parameters():
         if (p.grad is None) != (want[name].grad is None):
             missing.append(name)
@@ -235,7 +236,7 @@ def ep_parity(
             held += p.to_local().numel()
         if p.grad is None:
             continue
-        g = p.grad.full_tensor() / batches if isinstance(p.grad, DTensor) else p.grad
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         grad = max(grad, (g - want[name].grad).abs().max().item())
         scale = max(scale, want[name].grad.abs().max().item())
     aux = [a for _, a in outs]
@@ -251,35 +252,32 @@ def ep_parity(
     }
 
 
-def ep_greedy(model_type: str, ep: int, batch: int, implementation: str = "auto") -> bool:
+def ep_greedy(model_type: str, **options: Any) -> bool:
     """Run on every rank: 6 greedy tokens after a 5-token prompt, KV cache on, of the tiny
-    model and of a copy split by `expert_parallel`: the same tokens?"""
+    model and of a copy split by ``tpkit.tensor_parallel(**options)``: the same tokens?"""
+    import tpkit
     from tests.tiny import inputs
-    from tpkit.parallel.expert import expert_parallel
 
     ref = tiny_moe(model_type).eval()
     ref.config.use_cache = True
-    model = copy.deepcopy(ref)
-    ep_mesh, batch_mesh = meshes(ep, batch)
-    expert_parallel(model, ep_mesh, batch_mesh=batch_mesh, implementation=implementation)
+    model = tpkit.tensor_parallel(copy.deepcopy(ref), **options)
     prompt = inputs(ref, "causal-lm")["input_ids"][:, :5]
     kw = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         return torch.equal(ref.generate(prompt, **kw), model.generate(prompt, **kw))
 
 
-def ep_train_steps(model_type: str, ep: int, steps: int = 2) -> list[tuple[float, float]]:
-    """Run on every rank: (unsharded loss, expert-parallel loss) of ``steps`` AdamW steps on the
-    causal-LM loss (router aux loss included), the EP group holding one batch (ep == tp)."""
+def ep_train_steps(model_type: str, steps: int = 2, **options: Any) -> list[tuple[float, float]]:
+    """Run on every rank: (unsharded loss, split loss) of ``steps`` AdamW steps on the
+    causal-LM loss with the router aux loss, the model split by ``tpkit.tensor_parallel(
+    **options)`` (FSDP2 over dp where dp > 1), every rank the same batch."""
+    import tpkit
     from tests.tiny import inputs
-    from tpkit.parallel.expert import expert_parallel
 
     ref = tiny_moe(model_type, {"output_router_logits": True}).train()
-    model = copy.deepcopy(ref)
-    ep_mesh, batch_mesh = meshes(ep, ep)
-    expert_parallel(model, ep_mesh, batch_mesh=batch_mesh)
+    model = tpkit.tensor_parallel(copy.deepcopy(ref), **options).train()
     x = inputs(ref, "causal-lm")
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (ref, model)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
     losses = []
     for _ in range(steps):
         pair = []
@@ -291,3 +289,75 @@ def ep_train_steps(model_type: str, ep: int, steps: int = 2) -> list[tuple[float
             pair.append(loss.item())
         losses.append(tuple(pair))
     return losses
+
+
+def _expert_share(model: torch.nn.Module) -> float:
+    """The share of the expert weights' elements this rank holds."""
+    from tpkit.parallel.expert import expert_styles
+
+    held = total = 0
+    for name in expert_styles(model):
+        for p in model.get_submodule(name).parameters():
+            total += p.numel()
+            held += p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+    return held / max(1, total)
+
+
+def _batch(ref: torch.nn.Module, seed: int) -> dict:
+    from tests.tiny import SEQ, VOCAB
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = min(VOCAB, ref.get_input_embeddings().num_embeddings)
+    return {"input_ids": torch.randint(3, vocab, (2, SEQ), generator=g)}
+
+
+def split_parity(
+    model_type: str, overrides: dict | None = None, distinct: bool = False, **options: Any
+) -> dict:
+    """Run on every rank: ``tpkit.tensor_parallel(model, **options)`` (``ep_size`` among them)
+    against the unsharded model: max |diff| of logits, aux loss and every gradient (full
+    tensors; FSDP2's and the experts' data-parallel averaging as tpkit does it), the share of
+    the expert weights this rank holds, and the dispatches used. ``distinct``: each dp rank
+    its own batch (the unsharded gradients then the mean over the dp batches, its logits and
+    aux loss this rank's batch's), else every rank the same one."""
+    import tpkit
+    from tpkit.parallel.expert import expert_styles
+
+    ref = tiny_moe(model_type, overrides)
+    model = tpkit.tensor_parallel(copy.deepcopy(ref), **options)
+    dims = model._tpkit.dims
+    dp_rank = dist.get_rank() // (dims.tp * dims.cp)
+    x = _batch(ref, 10 + (dp_rank if distinct else 0))
+    w = torch.randn((2, x["input_ids"].shape[1], ref.config.vocab_size),
+                    generator=torch.Generator().manual_seed(2))  # fmt: skip
+    batches = [_batch(ref, 10 + r) for r in range(dims.dp)] if distinct else [x]
+    for b in batches:  # the unsharded model: the mean over the dp batches
+        logits, aux = _out(ref, b)
+        (((logits * w).sum() + (aux if aux is not None else 0) * 3) / len(batches)).backward()
+    with torch.no_grad():
+        want_logits, want_aux = _out(ref, x)
+    logits, aux = _out(model, x)
+    ((logits * w).sum() + (aux if aux is not None else 0) * 3).backward()
+    outs = [(want_logits, want_aux), (logits.detach(), aux)]
+    want = dict(ref.named_parameters())
+    grad = scale = 0.0
+    missing = []
+    for name, p in model.named_parameters():
+        if (p.grad is None) != (want[name].grad is None):
+            missing.append(name)
+        elif p.grad is not None:
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            grad = max(grad, (g - want[name].grad).abs().max().item())
+            scale = max(scale, want[name].grad.abs().max().item())
+    aux = [a for _, a in outs]
+    styles = expert_styles(model)
+    return {
+        "logits": (outs[0][0] - outs[1][0]).abs().max().item(),
+        "aux": (aux[0] - aux[1]).abs().item() if aux[0] is not None else None,
+        "grad": grad,
+        "scale": scale,
+        "missing": missing,
+        "held": _expert_share(model),
+        "experts": len(styles),
+        "dispatch": sorted({type(s.dispatcher()).__name__ for s in styles.values()}),
+    }

@@ -8,7 +8,7 @@
 - Its conformer convolution module reads the channels across (a LayerNorm over them after the
   depthwise conv), so no convolution pair forms; its two pointwise convolutions (9% + 4.5% of
   the model) now take the per-layer fallback's exact split, output channels gathered, inside
-  inferred plans too (wide enough ones: `tpkit.plan.infer._MIN_CONV_CHANNELS`).
+  inferred plans too (wide enough ones: `tpkit.sources.infer._MIN_CONV_CHANNELS`).
 - WavLM's attention reads its q / k / v / out linears' weights inside torch's
   ``multi_head_attention_forward`` (its gated relative position bias the call's per-head mask):
   it stayed whole (share 0.60); it is now split by heads (``mha_functional``).
@@ -37,7 +37,7 @@ def w2vb_parity() -> dict:
         from tests.test_families import _parity
         from tests.tiny import tiny_config
         from tests.tiny_inputs import family_inputs
-        from tpkit.parallelize import tp_state
+        from tpkit.state import tp_state
 
         config = tiny_config(*W2VB)
         config.hidden_size = config.output_hidden_size = 128

@@ -143,9 +143,9 @@ def test_every_variable_is_read_at_call_time(clean_env):
 def test_modules_ask_config_and_share_its_errors(clean_env):
     """The readers that moved here give config's named error where they used to give int()'s
     'invalid literal' (RANK) or took any text for on (TPKIT_LOG_ALL_RANKS='0')."""
-    from tpkit.dist.mesh import dist_env
-    from tpkit.dist.timeouts import tpkit_timeout
     from tpkit.log import all_ranks_enabled
+    from tpkit.parallel.mesh import dist_env
+    from tpkit.parallel.timeouts import tpkit_timeout
 
     clean_env.setenv("RANK", "first")
     with pytest.raises(ConfigurationError, match="RANK='first'"):
@@ -219,7 +219,7 @@ def test_launch_reads_its_settings_from_config(clean_env):
 
 
 def test_timeout_report_hook_is_restorable(monkeypatch):
-    from tpkit.dist.timeouts import install_timeout_report, uninstall_timeout_report
+    from tpkit.parallel.timeouts import install_timeout_report, uninstall_timeout_report
 
     def mine(exc_type, exc, tb):
         pass
@@ -235,7 +235,7 @@ def test_timeout_report_hook_is_restorable(monkeypatch):
 
 
 def test_timeout_report_hook_passes_other_errors_through(monkeypatch):
-    from tpkit.dist.timeouts import install_timeout_report, uninstall_timeout_report
+    from tpkit.parallel.timeouts import install_timeout_report, uninstall_timeout_report
 
     seen = []
     monkeypatch.setattr(sys, "excepthook", lambda *a: seen.append(a[0]))
@@ -335,11 +335,17 @@ def test_the_environment_rule_sees_reads():
 KEPT_STATE = {
     # the DeviceMesh cache: torch keeps process groups per process and its ProcessGroup objects
     # take no attributes, so the meshes built on them are cached per process too
-    ("dist/mesh.py", "_MESHES"),
+    ("parallel/mesh.py", "_MESHES"),
     # guards torch's one DTensor dispatcher table while a handler is out of it
     ("training/init.py", "_FALLTHROUGH"),
 }
-STATE_ROOMS = ("config.py", "log.py", "dist/mesh.py", "dist/timeouts.py", "dist/parallel_dims.py")
+STATE_ROOMS = (
+    "config.py",
+    "log.py",
+    "parallel/mesh.py",
+    "parallel/timeouts.py",
+    "parallel/dims.py",
+)
 STATE_PACKAGES = ("cli/", "guards/debug.py", "io/", "pool/", "training/init.py")
 _MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "Counter",
                   "WeakKeyDictionary", "WeakValueDictionary", "WeakSet", "RLock", "Lock",

@@ -1,4 +1,4 @@
-"""Convolutions split by channels and paired (`tpkit.plan.convs`, `tpkit.styles.conv`): outputs,
+"""Convolutions split by channels and paired (`tpkit.sources.convs`, `tpkit.styles.conv`): outputs,
 every gradient and BatchNorm's running statistics against the unsharded model at tp=2, 3 and 4;
 what pairs and what must not (a LayerNorm over the channels, a residual add, a GroupNorm or
 grouped convolution tp does not divide); the collectives of one forward before and after; and a
@@ -256,7 +256,7 @@ def _build(name: str, seed: int = 0):
 
 def _count_collectives(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
     """all-reduces and all-gathers in one forward (no backward)."""
-    import tpkit.dist.comm as comm
+    import tpkit.parallel.comm as comm
 
     counts = {"all_reduce": 0, "all_gather": 0}
     reduce_, gather, gather_last = comm.all_reduce_, comm.all_gather_parts, comm.shm_gather_last
@@ -287,11 +287,11 @@ def _count_collectives(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
 
 def _split(ref: nn.Module, paired: bool) -> nn.Module:
     import tpkit
-    import tpkit.plan.fallback as fallback
+    import tpkit.sources.fallback as fallback
 
     if paired:
         return tpkit.tensor_parallel(copy.deepcopy(ref))
-    from tpkit.plan.convs import ConvPairs
+    from tpkit.sources.convs import ConvPairs
 
     found = fallback.conv_pairs
     fallback.conv_pairs = lambda *a, **k: ConvPairs()  # the per-layer gathers of before
@@ -306,7 +306,7 @@ def parity(name: str, train: bool | None = None, paired: bool = True, before: bo
     BatchNorm's running statistics after the step), its styles, and the collectives of one
     forward with the pairs and (``before``: one more split) with the per-layer gathers of
     before."""
-    from tpkit.parallelize import tp_state
+    from tpkit.state import tp_state
 
     ref, shape, random_train = _build(name)
     train = random_train if train is None else train

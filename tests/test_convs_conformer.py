@@ -1,4 +1,4 @@
-"""A conformer's convolution module split as one packed pair (`tpkit.plan.convs`,
+"""A conformer's convolution module split as one packed pair (`tpkit.sources.convs`,
 ``conv_packed_colwise``): pointwise conv (C -> 2C) -> GLU over the channels -> padding mask ->
 depthwise conv -> BatchNorm -> activation -> pointwise conv (C -> C), one all-reduce. Output and
 every gradient against the unsharded module at tp=2 and 3 (uneven halves too), what must not
@@ -66,7 +66,7 @@ def _mask() -> torch.Tensor:
 
 
 def _styles(model: nn.Module, tp: int, *example) -> dict[str, str]:
-    from tpkit.plan.convs import conv_pairs, shared_params, splittable_conv
+    from tpkit.sources.convs import conv_pairs, shared_params, splittable_conv
 
     shared = shared_params(model)
     return conv_pairs(model, tp, lambda _, m: splittable_conv(m, shared), example).styles

@@ -1,4 +1,4 @@
-"""Grouped convolutions in the per-layer fallback (`tpkit.plan.fallback`) and the whole-input
+"""Grouped convolutions in the per-layer fallback (`tpkit.sources.fallback`) and the whole-input
 guard of `tpkit.plan.layout.GroupedRows` (issue 29).
 
 A model whose forward cannot be traced takes the per-layer fallback; a grouped convolution
@@ -67,7 +67,7 @@ def _model(groups: int) -> nn.Module:
 def fallback_parity(groups: int) -> dict:
     """Run on every rank: the fallback's split of `UntracedDaViT` against the unsharded one."""
     import tpkit
-    from tpkit.parallelize import tp_state
+    from tpkit.state import tp_state
 
     ref = _model(groups)
     model = tpkit.tensor_parallel(copy.deepcopy(ref))
@@ -80,8 +80,8 @@ def fallback_parity(groups: int) -> dict:
 
 
 def test_fallback_plan_gathers_grouped_keeps_depthwise_whole() -> None:
+    from tpkit.plan.checks import validate
     from tpkit.plan.derive import derive_plan
-    from tpkit.plan.validate import validate
 
     model = _model(3)
     plan = derive_plan(model, "auto", 2)
@@ -98,7 +98,7 @@ def test_fallback_plan_gathers_grouped_keeps_depthwise_whole() -> None:
 def test_fallback_keeps_a_grouped_conv_whole_where_a_rank_would_get_no_rows() -> None:
     """torch.chunk of 9 channels at tp=4 is 3, 3, 3, 0: the last rank's rows could not be
     padded to whole groups (its conv got groups=0 and raised); kept whole, with the reason."""
-    from tpkit.plan.fallback import fallback_plan
+    from tpkit.sources.fallback import fallback_plan
 
     model = nn.Sequential(nn.Conv2d(9, 9, 3, groups=3)).eval()
     plan = fallback_plan(model, "per-layer fallback", 4)

@@ -1,5 +1,5 @@
 """Grouped convolutions read whole and convolutions that transform their own weight
-(`tpkit.plan.convs`, `tpkit.styles.conv`): split by output channels and gathered, exact at
+(`tpkit.sources.convs`, `tpkit.styles.conv`): split by output channels and gathered, exact at
 tp=2, 3 and 4 (outputs and every gradient against the unsharded model), including groups tp
 does not divide (rows padded to whole groups); weight standardization (BiT) split only by
 output channels, never read split; a transform over the whole weight kept whole; and the
@@ -16,8 +16,8 @@ from transformers.models.bit.modeling_bit import WeightStandardizedConv2d
 
 from tests.harness import RankGroup
 from tests.parity import full_size_share, module_parity
-from tpkit.plan.convs import conv_pairs, rows_exact, shared_params, splittable_conv
 from tpkit.plan.layout import GroupedRows, chunk_sizes
+from tpkit.sources.convs import conv_pairs, rows_exact, shared_params, splittable_conv
 
 TOL = 1e-5
 

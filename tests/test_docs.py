@@ -20,30 +20,29 @@ ARCH = DOCS / "architecture.md"
 
 # rooms outside the core: the core never imports them (the package __init__ wires them in)
 OUTER = ("tpkit.integrations", "tpkit.cli")
-# the subpackages (a room each), and what each of the lower ones may import
-ROOMS = (
-    "plan",
-    "styles",
-    "quant",
-    "integrations",
-    "cli",
-    "dist",
-    "parallel",
-    "training",
-    "guards",
-    "io",
-    "pool",
-)
-FLOOR = ("tpkit.compat", "tpkit.config", "tpkit.log")
-LOWER = {
-    "dist": FLOOR,
-    "parallel": (*FLOOR, "tpkit.dist", "tpkit.plan", "tpkit.styles"),
-    "training": (*FLOOR, "tpkit.dist", "tpkit.plan", "tpkit.styles"),
-    "guards": (*FLOOR, "tpkit.dist", "tpkit.plan"),
-    "io": (*FLOOR, "tpkit.dist", "tpkit.plan", "tpkit.styles"),
-}
-# what plan/ may import beyond the standard library (yaml: Plan.from_yaml parses plan files)
+# the analysis: pure, in the order of its table in architecture.md
+ANALYSIS = ("plan", "trace", "settle", "sources")
+# the subpackages (a room each)
+ROOMS = (*ANALYSIS, "styles", "quant", "integrations", "cli", "parallel", "training", "guards",
+         "io", "pool")  # fmt: skip
+# what the analysis may import beyond the standard library (yaml: Plan.from_yaml parses plans)
 PLAN_THIRD_PARTY = {"torch", "yaml"}
+# the parallel runtime (the floor under every parallelism) and the parallelisms themselves
+RUNTIME = ("dims", "mesh", "timeouts", "comm", "shm", "expert_comm")
+# the layers, lowest first: an import goes to a lower layer, or sideways inside one room
+LAYERS = (
+    ("floor", ("tpkit.compat", "tpkit.config", "tpkit.log")),
+    ("runtime", tuple(f"tpkit.parallel.{m}" for m in RUNTIME)),
+    ("analysis", (*(f"tpkit.{r}" for r in ANALYSIS), "tpkit.extensions")),
+    ("styles", ("tpkit.styles", "tpkit.state")),
+    ("rooms", ("tpkit.training", "tpkit.guards", "tpkit.io")),
+    ("parallelisms", ("tpkit.quant", "tpkit.parallel")),
+    ("split", ("tpkit.parallelize",)),
+    ("loader", ("tpkit.pretrained",)),
+    ("pool", ("tpkit.pool",)),
+    ("outer", OUTER),
+    ("face", ("tpkit",)),
+)
 
 
 @functools.cache
@@ -100,13 +99,23 @@ def _imports(path: Path, known: set[str]) -> list[_Import]:
 
 
 def _room(module: str) -> str:
-    """The subpackage a module lives in (plan, styles, dist, ...), package, or core."""
+    """The subpackage a module lives in (plan, styles, parallel, ...), package, or core."""
     if module == "tpkit":
         return "package"
     parts = module.split(".")
     if len(parts) > 2 or parts[1] in ROOMS:
         return parts[1]
     return "core"
+
+
+def _layer(module: str) -> tuple[int, str]:
+    """(layer index, the layer's prefix that holds ``module``): the most specific prefix."""
+    best = (-1, "", "")
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if _under(module, prefix) and len(prefix) > len(best[2]):
+                best = (i, prefix, prefix)
+    return best[0], best[1]
 
 
 def _under(module: str, prefix: str) -> bool:
@@ -149,6 +158,18 @@ def test_architecture_names_every_module():
     )
 
 
+def test_architecture_tables_have_one_line_cells():
+    """A cell says one thing; the module's docstring says the rest."""
+    long = [
+        cell.strip()[:60]
+        for line in ARCH.read_text().splitlines()
+        if line.startswith("|")
+        for cell in line.strip("|").split("|")
+        if len(cell.strip()) > 120
+    ]
+    assert not long, f"docs/architecture.md has table cells over 120 characters: {long}"
+
+
 def test_architecture_names_no_module_that_is_gone():
     rooms = _section(ARCH.read_text(), "Rooms")
     named = set(re.findall(r"`((?:[a-z_]+/)?[a-z_]+\.py)`", rooms))
@@ -159,44 +180,64 @@ def test_architecture_names_no_module_that_is_gone():
 # --- the import rules it states ------------------------------------------------------------
 
 
-def test_plan_imports_no_core_module():
+def test_analysis_imports_no_core_module():
     def rule(name: str, imp: _Import) -> str | None:
-        if _room(name) != "plan":
+        if _room(name) not in ANALYSIS:
             return None
         if imp.top == "tpkit":
-            if _under(imp.module, "tpkit.plan") or imp.module == "tpkit.compat":
+            if any(_under(imp.module, f"tpkit.{r}") for r in ANALYSIS):
                 return None
-            return f"plan/ imports {imp.module} (only tpkit.plan.* and tpkit.compat)"
+            if imp.module == "tpkit.compat":
+                return None
+            return f"the analysis imports {imp.module} (only its own rooms and tpkit.compat)"
         if imp.top in sys.stdlib_module_names or imp.top in PLAN_THIRD_PARTY | {"__future__"}:
             return None
-        return f"plan/ imports {imp.module} (only torch, yaml and the standard library)"
+        return f"the analysis imports {imp.module} (only torch, yaml and the standard library)"
 
     assert not _violations(rule), "\n".join(_violations(rule))
 
 
-def test_plan_stages_import_only_stages_above_them():
-    """The plan/ table in architecture.md is the order of the stages: each imports only
-    modules above it in the table (and __init__ re-exports them all)."""
-    table = _section(ARCH.read_text(), "Rooms").split("### Core")[0]
-    order = re.findall(r"^\| `plan/([a-z_]+)\.py`", table, re.M)
-    assert order, "no plan/ table found in docs/architecture.md"
-    rank = {f"tpkit.plan.{m}": i for i, m in enumerate(order)}
+def _analysis_order() -> list[str]:
+    table = _section(ARCH.read_text(), "Rooms").split("### styles/")[0]
+    rooms = "|".join(ANALYSIS)
+    return [
+        f"tpkit.{room}.{m}"
+        for room, m in re.findall(rf"^\| `({rooms})/([a-z_]+)\.py`", table, re.M)
+    ]
+
+
+def test_analysis_stages_import_only_stages_above_them():
+    """The analysis table in architecture.md is the order of the stages: each imports only
+    modules above it in the table (a package __init__ re-exports its own)."""
+    order = _analysis_order()
+    assert len(order) >= 20, f"no analysis table found in docs/architecture.md: {order}"
+    rank = {m: i for i, m in enumerate(order)}
 
     def rule(name: str, imp: _Import) -> str | None:
         if name not in rank or imp.module not in rank:
             return None
         if rank[imp.module] >= rank[name]:
-            return f"{name} imports {imp.module}, listed at or below it in the plan/ table"
+            return f"{name} imports {imp.module}, listed at or below it in the analysis table"
         return None
 
     assert not _violations(rule), "\n".join(_violations(rule))
+
+
+def test_analysis_table_lists_every_analysis_module():
+    listed = set(_analysis_order())
+    actual = {
+        n
+        for n, p in _modules().items()
+        if _room(n) in ANALYSIS and not _is_package(p) and n.count(".") == 2
+    }
+    assert listed == actual, f"missing: {sorted(actual - listed)}; gone: {sorted(listed - actual)}"
 
 
 def test_styles_import_only_plan_comm_and_compat():
     allowed = (
         "tpkit.plan",
         "tpkit.styles",
-        "tpkit.dist.comm",
+        "tpkit.parallel.comm",
         "tpkit.parallel.expert_comm",
         "tpkit.compat",
     )
@@ -206,22 +247,75 @@ def test_styles_import_only_plan_comm_and_compat():
             return None
         if any(_under(imp.module, a) for a in allowed):
             return None
-        return f"styles/ imports {imp.module} (only plan/, comm.py, expert_comm.py, compat.py)"
+        return f"styles/ imports {imp.module} (only plan/, the runtime's collectives, compat.py)"
 
     assert not _violations(rule), "\n".join(_violations(rule))
 
 
-def test_lower_rooms_import_only_what_is_below_them():
-    """dist/ is the floor; training/, guards/ and io/ stand on dist/, plan/ and styles/ and never
-    on each other, on parallelize.py or on pretrained.py."""
+def _graph() -> dict[str, set[str]]:
+    """Module -> the tpkit modules it imports, as a structure drawing sees them: TYPE_CHECKING
+    blocks (never run) and a package's imports of its own modules (re-exports) aside."""
+    modules = _modules()
+    known = set(modules)
+    graph: dict[str, set[str]] = {n: set() for n in modules}
+    for name, path in modules.items():
+        typing_only = {
+            node.lineno
+            for block in ast.walk(_tree(path))
+            if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+            for node in ast.walk(block)
+            if hasattr(node, "lineno")
+        }
+        for imp in _imports(path, known):
+            if imp.top != "tpkit" or imp.module == name or imp.line in typing_only:
+                continue
+            if _is_package(path) and _under(imp.module, name):
+                continue
+            graph[name].add(imp.module if imp.module in known else imp.module.rpartition(".")[0])
+    return graph
 
+
+def test_no_circles_between_modules():
+    graph = _graph()
+    seen: dict[str, int] = {}  # 1: on the path, 2: done
+    circles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        seen[node] = 1
+        for nxt in sorted(graph.get(nxt_ := node, ())):
+            if seen.get(nxt) == 1:
+                circles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in seen:
+                visit(nxt, [*path, nxt])
+        seen[nxt_] = 2
+
+    for start in sorted(graph):
+        if start not in seen:
+            visit(start, [start])
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_every_import_goes_down_the_layers():
+    """An import goes to a lower layer of "What may import what", or stays inside its room;
+    training/, guards/ and io/ share a layer and never import one another."""
+    problems = []
+    for name, imports in _graph().items():
+        mine, my_prefix = _layer(name)
+        assert mine >= 0, f"{name} is in no layer of tests/test_docs.py's LAYERS"
+        for target in imports:
+            theirs, their_prefix = _layer(target)
+            sideways_ok = my_prefix == their_prefix or LAYERS[mine][0] != "rooms"
+            if theirs < mine or (theirs == mine and sideways_ok):
+                continue
+            problems.append(f"{name} imports {target} ({LAYERS[theirs][0]} from {LAYERS[mine][0]})")
+    assert not problems, "\n".join(sorted(problems))
+
+
+def test_split_and_loader_never_import_the_pool():
     def rule(name: str, imp: _Import) -> str | None:
-        room = _room(name)
-        if room not in LOWER or imp.top != "tpkit" or _under(imp.module, f"tpkit.{room}"):
-            return None
-        if any(_under(imp.module, allowed) for allowed in LOWER[room]):
-            return None
-        return f"{room}/ module {name} imports {imp.module} (only {', '.join(LOWER[room])})"
+        if name in ("tpkit.parallelize", "tpkit.pretrained") and _under(imp.module, "tpkit.pool"):
+            return f"{name} imports {imp.module}: the package face decides rank or pool"
+        return None
 
     assert not _violations(rule), "\n".join(_violations(rule))
 
@@ -321,8 +415,8 @@ def test_flow_is_the_order_parallelize_calls():
     tree = ast.parse((SRC / "parallelize.py").read_text())
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     order = _CallOrder(functions)
-    order.stack.append("tensor_parallel")
-    for stmt in functions["tensor_parallel"].body:
+    order.stack.append("parallelize")
+    for stmt in functions["parallelize"].body:
         order.visit(stmt)
     flow = _section(ARCH.read_text(), "The flow")
     block = re.search(r"```\n(.*?)```", flow, re.S)
@@ -337,7 +431,7 @@ def test_flow_is_the_order_parallelize_calls():
     for step in steps:
         assert step in order.calls[position:], (
             f"docs/architecture.md's flow has {step}() after {steps[: steps.index(step)][-1:]}, "
-            f"but tensor_parallel calls, in order: {order.calls}"
+            f"but parallelize calls, in order: {order.calls}"
         )
         position = order.calls.index(step, position) + 1
 

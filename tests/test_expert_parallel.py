@@ -1,8 +1,10 @@
 """Expert parallelism (issue 42): whole experts per rank, each routed pair computed where its
-expert lives, against the unsharded model on tiny MoE configs: logits, router aux loss and every
-gradient at ep=2 (world 2) and ep=4 / ep=2 x batch groups of 2 (world 4), both dispatches; a
-model without a ``base_model_ep_plan`` (DBRX) and a user's own experts module found by the probe;
-uneven experts exact; sizes EP cannot place refused before any collective."""
+expert lives, against the unsharded model on tiny MoE configs (logits, router aux loss and every
+gradient): `tpkit.tensor_parallel(ep_size=...)` at ep=2 (world 2: tp=2, or tp=1 over two
+batches) and at ep=2 x tp=2 x FSDP2 and ep=4 x tp=2 (world 4, each dp rank its own batch), both
+dispatches, models with and without a ``base_model_ep_plan`` and experts that take rows grouped
+by expert; greedy tokens and AdamW steps equal; a user's own experts module found by the probe;
+uneven experts exact; what EP cannot place refused before any collective."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.ep_checks import ep_greedy, ep_parity, ep_train_steps, tiny_moe
+from tests.ep_checks import compare_ep, ep_greedy, ep_train_steps, split_parity, tiny_moe
+
+MOES = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "olmoe", "dbrx"]
 
 
 def _ok(results: list[dict], tol: float = 1e-5) -> None:
@@ -21,37 +25,54 @@ def _ok(results: list[dict], tol: float = 1e-5) -> None:
         assert not r["missing"], r
 
 
-@pytest.mark.parametrize(
-    "model_type", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "olmoe", "dbrx"]
-)
+@pytest.mark.parametrize("model_type", MOES)
 def test_parity_ep2(ranks2, model_type):
-    for batch in (1, 2):  # all-to-all between two batches; all-reduce on a shared one
-        r = ranks2.run(ep_parity, model_type, 2, batch, timeout=120)
+    """tp=2 with the experts over the same two ranks (all-reduce, the default where ep == tp;
+    all-to-all of row slices), and tp=1 with dp=2 (all-to-all between two batches)."""
+    for options in ({}, {"ep_implementation": "all_to_all"}, {"tp_size": 1, "distinct": True}):
+        r = ranks2.run(split_parity, model_type, ep_size=2, **options, timeout=180)
         _ok(r)
-        assert [x["held"] for x in r] == [0.5, 0.5], r
-        want = "AllReduceDispatch" if batch == 2 else "AllToAllDispatch"
-        assert r[0]["dispatch"] == [want], r
+        assert [x["held"] for x in r] == [0.5, 0.5], r  # each rank half the expert weights
+    assert r[0]["dispatch"] == ["AllToAllDispatch"], r
 
 
-def test_all_to_all_on_a_shared_batch(ranks2):
-    """Ranks holding the same tokens send disjoint slices of them (then gather the rows)."""
-    _ok(ranks2.run(ep_parity, "qwen3_moe", 2, 2, "all_to_all", timeout=120))
-
-
-def test_uneven_experts_exact(ranks2):
-    r = ranks2.run(ep_parity, "qwen3_moe", 2, 1, "auto", {"num_experts": 5}, timeout=120)
+@pytest.mark.parametrize("model_type", MOES[:4])
+def test_parity_ep2_tp2_fsdp(ranks4, model_type):
+    """ep=2 x tp=2 x dp_shard=2 (transformers' ep=2 x tp=2 x fsdp=2): expert weights FSDP-sharded
+    over the 2 ranks holding the same experts, each dp rank its own batch."""
+    r = ranks4.run(split_parity, model_type, ep_size=2, tp_size=2, distinct=True, timeout=180)
     _ok(r)
-    assert [x["held"] for x in r] == [0.6, 0.4], r  # torch.chunk: 3 + 2 experts
+    assert all(x["held"] == 0.25 for x in r), r
+
+
+def test_parity_ep4_tp2(ranks4):
+    """ep=4 over two TP groups of 2, two batches: all-to-all, row slices within each TP group."""
+    r = ranks4.run(split_parity, "olmoe", ep_size=4, tp_size=2, distinct=True, timeout=180)
+    _ok(r)
+    assert all(x["held"] == 0.25 for x in r) and r[0]["dispatch"] == ["AllToAllDispatch"], r
 
 
 @pytest.mark.parametrize(
-    ("model_type", "ep", "batch"),
-    [("qwen3_moe", 4, 2), ("gpt_oss", 4, 1), ("dbrx", 4, 2), ("mixtral", 2, 2), ("olmoe", 4, 4)],
+    ("model_type", "overrides"),
+    [("qwen3_moe", {"num_experts": 5}), ("jetmoe", {}), ("llama4_text", {})],
 )
-def test_parity_world4(ranks4, model_type, ep, batch):
-    r = ranks4.run(ep_parity, model_type, ep, batch, timeout=120)
-    _ok(r)
-    assert all(x["held"] == 1 / ep for x in r), r
+def test_parity_uneven_and_grouped(ranks2, model_type, overrides):
+    """5 experts over 2 ranks (3 + 2, torch.chunk); experts that take rows grouped by expert
+    (JetMoE's grouped linears, Llama-4's per-expert blocks), with no ep plan."""
+    for options in ({}, {"tp_size": 1, "distinct": True}):
+        _ok(ranks2.run(split_parity, model_type, overrides, ep_size=2, **options, timeout=180))
+
+
+def test_greedy_tokens_equal(ranks2):
+    for options in ({}, {"tp_size": 1}):
+        assert all(ranks2.run(ep_greedy, "qwen3_moe", ep_size=2, **options, timeout=180))
+
+
+def test_adamw_steps_equal_losses(ranks4):
+    """Two AdamW steps on the causal-LM loss with the router aux loss, at ep=2 x tp=2 x FSDP2."""
+    for losses in ranks4.run(ep_train_steps, "mixtral", ep_size=2, tp_size=2, timeout=180):
+        for want, got in losses:
+            assert abs(want - got) <= 1e-5 * abs(want), losses
 
 
 class _UserMoe(nn.Module):
@@ -60,7 +81,6 @@ class _UserMoe(nn.Module):
 
     def __init__(self, experts=4, width=8, inner=6, residual=False):
         super().__init__()
-        self.n_experts_total = experts
         self.num_experts = experts
         self.hidden_size = width
         self.residual = residual
@@ -76,8 +96,37 @@ class _UserMoe(nn.Module):
         return out + x if self.residual else out
 
 
+class _Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.moe = _UserMoe()
+
+    def forward(self, **x):
+        return (self.moe(**x),)
+
+
+def user_moe_parity() -> dict:
+    """Run on every rank: a user's own experts module under `expert_parallel` (ep=2 over the
+    world, each rank its own batch) against the unsharded module."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    ref = _Holder()
+    x = {
+        "x": torch.randn(6, 8, generator=g),
+        "index": torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)]),
+        "weights": torch.rand(6, 2, generator=g),
+    }
+    return compare_ep(ref, x, 2, 1)
+
+
+def test_a_users_own_experts_module(ranks2):
+    r = ranks2.run(user_moe_parity, timeout=120)
+    for x in r:
+        assert x["out"] <= 1e-5 and x["grad"] <= 1e-5 and x["held"] == 0.5, x
+
+
 def test_probe_finds_config_inferred_and_user_experts():
-    from tpkit.plan.expert_placement import expert_modules
+    from tpkit.sources.expert_placement import expert_modules
 
     entries, _ = expert_modules(tiny_moe("qwen3_moe"))
     assert {e.source for e in entries.values()} == {"config"}, entries
@@ -90,35 +139,66 @@ def test_probe_finds_config_inferred_and_user_experts():
 
 def test_probe_refuses_what_is_not_a_sum_of_pairs():
     """A residual added inside the module is not a per-pair sum: EP would add it once per
-    rank. The module stays with tensor parallelism, and the reason is kept."""
-    from tpkit.plan.expert_placement import expert_modules
+    rank. The module stays with tensor parallelism; named in an ep plan, the reason is kept."""
+    from tpkit.sources.expert_placement import expert_modules
 
-    entries, notes = expert_modules(nn.ModuleDict({"moe": _UserMoe(residual=True)}))
-    assert not entries
-    assert "moe" not in notes  # not named by an ep plan: nothing to explain
+    model = nn.ModuleDict({"moe": _UserMoe(residual=True)})
+    entries, notes = expert_modules(model, ["moe"])
+    assert not entries and "do not add up" in notes["moe"], notes
+
+
+def test_the_plan_places_experts_and_the_tensor_step_leaves_them():
+    """DBRX's experts leave the TP plan with their fix-up (F divided by tp would be wrong for
+    whole experts); the EP entry carries the numbers the style needs."""
+    from tpkit.plan import Plan, derive_plan
+    from tpkit.sources.expert_placement import place_experts
+
+    model = tiny_moe("dbrx")
+    tp_plan = derive_plan(model, "auto", 2)
+    assert any("experts" in k for k in tp_plan.fixups), tp_plan.fixups
+    plan = place_experts(model, tp_plan)
+    assert plan["transformer.blocks.*.ffn.experts"] == "ep_experts", plan.to_dict()
+    assert not any("experts" in k for k in plan.fixups), plan.fixups
+    assert not any(k.startswith("transformer.blocks.*.ffn.experts.") for k in plan), plan
+    args = plan.args_for("transformer.blocks.*.ffn.experts")
+    assert args["num_experts"] == 4 and args["params"] == ["mlp.w1", "mlp.v1", "mlp.w2"], args
+    assert place_experts(model, Plan()).to_dict() == {
+        "transformer.blocks.*.ffn.experts": "ep_experts"
+    }
 
 
 def test_sizes_ep_cannot_place_refused_before_any_collective():
-    from tpkit.parallel.expert import check_expert_sizes
-    from tpkit.plan.expert_placement import expert_modules
+    from tpkit.plan import Plan
+    from tpkit.sources.expert_placement import check_expert_sizes, place_experts
 
     model = tiny_moe("qwen3_moe", {"num_experts": 3})
-    entries, _ = expert_modules(model)
     with pytest.raises(ValueError, match=r"3 experts over ep=4 gives ranks \[1, 1, 1, 0\]"):
-        check_expert_sizes(model, entries, 4)
+        check_expert_sizes(model, place_experts(model, Plan()), 4)
     dbrx = tiny_moe("dbrx", {"ffn_config.moe_num_experts": 5})  # [E * F, H]: 3 + 2 experts
-    entries, _ = expert_modules(dbrx)  # would cut an expert's rows
-    with pytest.raises(ValueError, match="ep=2 does not divide 5"):
-        check_expert_sizes(dbrx, entries, 2)
+    with pytest.raises(ValueError, match="ep=2 does not divide 5"):  # would cut an expert
+        check_expert_sizes(dbrx, place_experts(dbrx, Plan()), 2)
 
 
-@pytest.mark.parametrize(("ep", "batch"), [(2, 1), (2, 2)])
-def test_greedy_tokens_equal(ranks2, ep, batch):
-    assert all(ranks2.run(ep_greedy, "qwen3_moe", ep, batch, timeout=120))
+def split_refusals() -> list[str]:
+    """Run on every rank: the errors `tensor_parallel` raises for what EP cannot do (a dense
+    model, all-reduce over two batches), each before any collective."""
+    import tpkit
+    from tests.tiny import build
+
+    out = []
+    for model, options in (
+        (build("llama", "LlamaForCausalLM"), {"ep_size": 2}),
+        (tiny_moe("qwen3_moe"), {"ep_size": 2, "tp_size": 1, "ep_implementation": "all_reduce"}),
+    ):
+        try:
+            tpkit.tensor_parallel(model, **options)
+            out.append("no error")
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
 
 
-def test_adamw_steps_equal_losses(ranks2):
-    """Two AdamW steps on the causal-LM loss with the router aux loss: the same losses."""
-    for losses in ranks2.run(ep_train_steps, "mixtral", 2, timeout=120):
-        for want, got in losses:
-            assert abs(want - got) <= 1e-5 * abs(want), losses
+def test_what_ep_cannot_do_is_refused_before_any_collective(ranks2):
+    for said in ranks2.run(split_refusals, timeout=120):
+        assert "no experts module expert parallelism can place" in said[0], said
+        assert "ep_implementation='all_reduce' needs" in said[1], said

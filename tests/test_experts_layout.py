@@ -155,7 +155,7 @@ class _StackedExperts(nn.Module):
 
 
 def test_stacked_experts_checked_by_running_them():
-    from tpkit.plan.experts import stacked_experts
+    from tpkit.sources.experts import stacked_experts
 
     inputs = [("arg:0", (5, 8), frozenset()), ("arg:2", (5, 2), frozenset())]
     styles, divide = stacked_experts(_StackedExperts(), inputs)

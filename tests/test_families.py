@@ -1,7 +1,7 @@
 """Every model family, towers split too (issue 29).
 
 A multimodal model's vision and audio towers run in the trace only when their inputs are made up
-with the token ids (`tpkit.plan.inputs`): before, a tiny LLaVA's trace fed ``input_ids`` alone,
+with the token ids (`tpkit.trace.inputs`): before, a tiny LLaVA's trace fed ``input_ids`` alone,
 its CLIP vision tower and projector never ran, and inference left every one of their linears
 whole ("its output reaches no row-parallel partner"). Each check here is tp=2 against the
 unsharded tiny model (`tests.tiny_family.build_family`, inputs from `tests.tiny_inputs.family_inputs`): the
@@ -91,7 +91,7 @@ def _check(results: list[dict]) -> dict:
 def test_vlm_trace_inputs_reach_the_vision_tower():
     """Pure: the made-up trace inputs of a VLM carry pixel values sized from its vision config."""
     from tests.tiny_family import build_family
-    from tpkit.plan.inputs import synthesize_inputs
+    from tpkit.trace.inputs import synthesize_inputs
 
     model = build_family(*LLAVA[:2], device="meta")
     _, kwargs = synthesize_inputs(model, 2, 9)
@@ -172,7 +172,7 @@ def test_grid_vlm_trace_inputs_agree():
     channels x temporal x patch**2, the grid with real values and as many placeholders per row
     as the tower gives features, marked in ``mm_token_type_ids``."""
     from tests.tiny_family import build_family
-    from tpkit.plan.inputs import GRID_IMAGE, synthesize_inputs
+    from tpkit.trace.inputs import GRID_IMAGE, synthesize_inputs
 
     model = build_family(*QWEN2_VL[:2], device="meta")
     v = model.config.vision_config
@@ -227,7 +227,7 @@ def test_audio_llm_trace_inputs_agree():
     tiny Qwen2-Audio's 64 frames, conv stride 2 then pooling 2: 16), so the audio tower runs
     in the trace instead of the text-only retry."""
     from tests.tiny_family import build_family
-    from tpkit.plan.inputs import synthesize_inputs
+    from tpkit.trace.inputs import synthesize_inputs
 
     model = build_family(*QWEN2_AUDIO[:2])
     _, kw = synthesize_inputs(model, 3, 7)
@@ -255,7 +255,7 @@ def test_xmod_full_size_without_a_default_language_is_traced():
     import transformers
 
     from tpkit.plan import derive_plan
-    from tpkit.plan.inputs import synthesize_inputs
+    from tpkit.trace.inputs import synthesize_inputs
 
     config = transformers.XmodConfig()
     assert config.default_language is None
@@ -277,7 +277,7 @@ def test_full_width_audio_llm_on_meta_traces_its_tower():
     import transformers
 
     from tpkit.plan import derive_plan
-    from tpkit.plan import inputs as plan_inputs
+    from tpkit.trace import inputs as plan_inputs
 
     config = transformers.Qwen2AudioConfig()
     config.text_config.num_hidden_layers = 1

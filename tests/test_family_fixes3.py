@@ -4,13 +4,13 @@
   its encoder's text layers, but its attention runs whole (transformers' plan names the
   encoder's only), so ``o_proj``'s weight was row-parallel under one name and whole under the
   other, and the plan was refused. A whole linear tied to a row-parallel weight now computes
-  with it as ``rowwise_split_input`` (`tpkit.plan.complete.complete_tied_layers`), and a whole
+  with it as ``rowwise_split_input`` (`tpkit.settle.complete.complete_tied_layers`), and a whole
   module whose weights are all tied to a split twin's takes the twin's entry where a dry run
   passes (DiffusionGemma's decoder attention, which appends to the encoder's split cache).
 - Kyutai speech-to-text takes ``input_ids`` [batch, seq, 1 + codebooks]; the made-up trace ids
   stacked the codebooks in the batch (MusicGen's layout), its trace failed and it took the
   per-layer fallback. The layout is now read off the input embedding
-  (`tpkit.plan.inputs._codebook_ids_shape`).
+  (`tpkit.trace.inputs._codebook_ids_shape`).
 - Ovis2.5's ``visual_embeddings_table`` is a linear that its own forward also uses as an
   embedding table (``F.embedding(ids, self.weight.T)``): split by rows (``rowwise_split_input``)
   each rank looked ids up in its half ("IndexError: index out of range"). The trace now marks
@@ -60,8 +60,8 @@ def test_tied_row_weight_plan_agrees():
     DiffusionGemma) gives both names of the tied weight the same layout (no refusal), ``other``
     computing with the row split on its whole input."""
     from tpkit.plan import derive_plan
+    from tpkit.plan.checks import problems
     from tpkit.plan.layout import param_layouts
-    from tpkit.plan.validate import problems
 
     model = _tied_row()
     plan = derive_plan(model, "config", 2)
@@ -75,7 +75,7 @@ def test_tied_row_weight_plan_agrees():
 def test_tied_row_user_conflict_still_refused():
     """A user's explicit entries that split the tied weight two ways still get the error."""
     from tpkit.plan import derive_plan
-    from tpkit.plan.validate import problems
+    from tpkit.plan.checks import problems
 
     model = _tied_row()
     plan = derive_plan(model, {"up": "colwise", "down": "rowwise", "other": "replicate"}, 2)
@@ -88,10 +88,10 @@ def test_tied_split_two_ways_is_kept_whole():
     output features beside ``down``'s rows) keeps both whole, the group too, with a note,
     and validation passes: tpkit does not refuse a plan it derived for a tie."""
     from tpkit.plan import Plan
-    from tpkit.plan.complete import agree_tied
+    from tpkit.plan.checks import problems
     from tpkit.plan.layout import param_layouts
     from tpkit.plan.spec import Group, Source
-    from tpkit.plan.validate import problems
+    from tpkit.settle.complete import agree_tied
 
     model = _tied_row()
     entries = {"up": "colwise", "down": "rowwise", "other": "colwise_gather_output"}
@@ -166,7 +166,7 @@ def test_kyutai_trace_ids_follow_its_embedding():
     and the layers' attention is split by heads."""
     from tests.tiny_family import build_family
     from tpkit.plan import derive_plan
-    from tpkit.plan.inputs import synthesize_inputs
+    from tpkit.trace.inputs import synthesize_inputs
 
     model = build_family(*KYUTAI[:2], device="meta")
     _, kwargs = synthesize_inputs(model, 2, 9)
@@ -182,7 +182,7 @@ def test_kyutai_trace_ids_follow_its_embedding():
 def test_musicgen_trace_ids_stay_stacked():
     """Pure: MusicGen's decoder still gets its codebooks stacked in the batch."""
     from tests.tiny import build
-    from tpkit.plan.inputs import synthesize_inputs
+    from tpkit.trace.inputs import synthesize_inputs
 
     model = build("musicgen", "MusicgenForCausalLM", device="meta")
     _, kwargs = synthesize_inputs(model, 2, 9)
@@ -227,7 +227,7 @@ def _lookup() -> Lookup:
 def test_table_lookup_keeps_linear_whole():
     """Pure: a linear whose weight its forward also looks ids up in stays whole."""
     from tpkit.plan import derive_plan
-    from tpkit.plan.trace import trace
+    from tpkit.trace.trace import trace
 
     model = _lookup()
     assert trace(model)["nodes"]["table"].read_outside

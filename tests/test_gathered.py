@@ -1,4 +1,4 @@
-"""The gathered fallback (`tpkit.plan.gathered`): a column/row group the model's code cannot run
+"""The gathered fallback (`tpkit.settle.gathered`): a column/row group the model's code cannot run
 split keeps its weights split, its column outputs all-gathered and its row layers splitting
 their whole input. BitNet (a norm over the split features), Mamba-2 (an unequal packed
 in_proj: z | x | B | C | dt), Moshi (fc1's features indexed), GPTBigCode (multi-query c_attn

@@ -59,7 +59,7 @@ def make(name: str, order: str, lora: dict | None = None, **tp_kwargs):
     """(unsharded PEFT reference, the same adapters on a tpkit model) in the given order."""
     import tpkit
     from tpkit.integrations import peft as tp_peft
-    from tpkit.training.fsdp import is_fsdp
+    from tpkit.parallel.fsdp import is_fsdp
 
     ref = reference(name, **(lora or {}))
     if order == "peft_first":
@@ -75,10 +75,11 @@ def make(name: str, order: str, lora: dict | None = None, **tp_kwargs):
 
 
 def _dp(model) -> tuple[int, int]:
-    from tpkit.parallelize import tp_state
+    from tpkit.parallel.mesh import get_mesh
+    from tpkit.state import tp_state
 
-    state = tp_state(model)
-    return state.mesh["dp"].get_local_rank(), state.dp_size
+    dp_mesh = get_mesh(tp_state(model).mesh, "dp")  # None at dp = 1
+    return (0, 1) if dp_mesh is None else (dp_mesh.get_local_rank(), dp_mesh.size())
 
 
 def _lora_grads(model) -> dict[str, torch.Tensor]:
@@ -155,7 +156,7 @@ def test_tp2_lora_on_vocab_parallel_embedding_and_head(ranks2, order):
     _assert_parity(ranks2.run(check_parity, "llama", order, EMBED_HEAD))
 
 
-#: the MLP as the gathered fallback lays it out (tpkit.plan.gathered): LoRA replicated there
+#: the MLP as the gathered fallback lays it out (tpkit.settle.gathered): LoRA replicated there
 GATHERED_MLP = {
     "model.layers.*.mlp.gate_proj": "colwise_gather_output",
     "model.layers.*.mlp.up_proj": "colwise_gather_output",

@@ -114,7 +114,7 @@ def test_functional_layer_only_when_it_applies_its_own_weight():
     from torch import nn
     from torch.nn import functional as F
 
-    from tpkit.plan.trace import trace
+    from tpkit.trace.trace import trace
 
     class Plain(nn.Module):
         def __init__(self, i: int, o: int):
@@ -240,7 +240,7 @@ def test_a_linear_written_into_state_is_live():
     import torch
     from torch import nn
 
-    from tpkit.plan.trace import trace
+    from tpkit.trace.trace import trace
 
     class Cached(nn.Module):
         def __init__(self):
@@ -336,7 +336,7 @@ def test_a_write_through_out_is_a_write():
     import torch
     from torch import nn
 
-    from tpkit.plan.trace import trace
+    from tpkit.trace.trace import trace
 
     class OutCached(nn.Module):
         def __init__(self):

@@ -127,7 +127,7 @@ def _run(name: str, train_steps: int = 0) -> dict:
     """Run on every rank: outputs and every gradient of the split model vs the unsharded one
     (``train_steps`` SGD steps first: the losses of each)."""
     import tpkit
-    from tpkit.parallelize import tp_state
+    from tpkit.state import tp_state
 
     torch.manual_seed(0)
     ref = BUILD[name]().float().eval()

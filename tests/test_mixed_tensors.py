@@ -274,7 +274,7 @@ def test_auto_plan_keeps_tables_read_outside_whole(ranks2, name):
 
 def test_data_dependent_slice_traces_on_meta():
     """BLT's patcher slices by a value (``starts[:, : mask.sum(1).max()]``): on meta the
-    bound is a fake tensor inside a slice, which `tpkit.plan.shadow` now reads (its shadow's
+    bound is a fake tensor inside a slice, which `tpkit.trace.shadow` now reads (its shadow's
     value, or the whole extent), so the model is traced instead of falling back per layer
     (its default config on meta: 99.9% of 2-D elements split, was the fallback)."""
     import transformers
@@ -294,7 +294,7 @@ def test_perceiver_made_up_inputs_trace():
     [batch, seq] ids), so the model is traced and inferred, not split per layer by the
     fallback, and the table its decoder reads outside its forward stays whole."""
     from tpkit.plan import derive_plan
-    from tpkit.plan.inputs import synthesize_inputs
+    from tpkit.trace.inputs import synthesize_inputs
 
     model = _build("perceiver")
     _, kw = synthesize_inputs(model, 3, SEQ)

@@ -1,11 +1,11 @@
 """Any model that runs unsharded is split, never refused (issue 28).
 
 Models whose forward reads something other than ``input_ids`` trace on inputs made up from the
-model (`tpkit.plan.inputs`): ViT / ResNet / ConvNeXt (``pixel_values``), CLIP (both towers),
+model (`tpkit.trace.inputs`): ViT / ResNet / ConvNeXt (``pixel_values``), CLIP (both towers),
 Wav2Vec2 (``input_values``), Whisper (``input_features`` + decoder ids), a bare Llama layer
 (rotary embeddings) and Bloom block (alibi and mask), with no ``example_inputs``. A model the
 trace cannot run, or where it finds nothing to pair, gets the per-layer fallback
-(`tpkit.plan.fallback`), named in the plan's notes. Each split is checked against the unsharded
+(`tpkit.sources.fallback`), named in the plan's notes. Each split is checked against the unsharded
 model at tp=2: every output tensor and every gradient within 1e-5.
 """
 
@@ -232,7 +232,7 @@ def parity(name: str) -> dict:
     """Run on every rank: ``tensor_parallel`` with no ``example_inputs`` vs the unsharded
     model; max |diff| over every floating output and every gradient, what was split, notes."""
     import tpkit
-    from tpkit.parallelize import tp_state
+    from tpkit.state import tp_state
 
     ref = _build(name)
     model = tpkit.tensor_parallel(copy.deepcopy(ref))
@@ -282,9 +282,9 @@ TRACED = ["vit", "clip", "resnet", "convnext", "wav2vec2", "whisper", "llama_lay
 def test_traced_without_example_inputs(name):
     """The trace runs on inputs made up from the model (no fallback because of a failed
     trace), and the derived plan splits something."""
+    from tpkit.plan.checks import validate
     from tpkit.plan.derive import derive_plan
-    from tpkit.plan.fallback import splits_anything
-    from tpkit.plan.validate import validate
+    from tpkit.sources.fallback import splits_anything
 
     model = _build(name)
     plan = derive_plan(model, "auto", 2)
@@ -297,9 +297,9 @@ def test_made_up_inputs():
     """The inputs each model is traced with: both CLIP towers, Whisper's 3000-frame rule
     (positions x stride), Wav2Vec2's waveform long enough for its extractor, a Bloom block's
     alibi [b * heads, 1, s], a Llama layer's (cos, sin)."""
-    from tpkit.plan.fake import TRACE_BATCH as B
-    from tpkit.plan.fake import TRACE_SEQ as S
-    from tpkit.plan.fake import example_inputs
+    from tpkit.trace.fake import TRACE_BATCH as B
+    from tpkit.trace.fake import TRACE_SEQ as S
+    from tpkit.trace.fake import example_inputs
 
     _, kw = example_inputs(_build("clip"))
     assert kw["input_ids"].shape == (B, S) and kw["pixel_values"].shape == (B, 3, 16, 16)
@@ -316,8 +316,8 @@ def test_made_up_inputs():
 def test_fallback_when_untraceable():
     """A forward the trace cannot run: every layer split on its own, the reason in the notes;
     a layer with fewer than 2 features per rank stays whole. "infer" still refuses."""
+    from tpkit.plan.checks import validate
     from tpkit.plan.derive import derive_plan
-    from tpkit.plan.validate import validate
 
     model = _build("untraceable")
     plan = derive_plan(model, "auto", 2)
@@ -334,8 +334,8 @@ def test_fallback_when_untraceable():
 def test_fallback_when_nothing_paired():
     """Conv2d + ReLU + Flatten + Linear traces, but has no pair: each layer takes the fallback;
     a grouped convolution is gathered too."""
+    from tpkit.plan.checks import validate
     from tpkit.plan.derive import derive_plan
-    from tpkit.plan.validate import validate
 
     model = _build("conv_seq")
     plan = derive_plan(model, "auto", 2)
@@ -389,9 +389,9 @@ def test_fallback_lays_a_tied_table_out_one_way(max_norm):
     """The per-layer fallback splits a table tied between a plain Embedding and Linear by its
     rows in both, or keeps it whole in both: an Embedding that stays whole (``max_norm``) no
     longer leaves its head splitting the shared weight (validation refused the plan)."""
-    from tpkit.plan.fallback import fallback_plan
+    from tpkit.plan.checks import validate
     from tpkit.plan.layout import param_layouts
-    from tpkit.plan.validate import validate
+    from tpkit.sources.fallback import fallback_plan
 
     model = TiedMaxNorm(max_norm)
     plan = fallback_plan(model, "test", 2)
@@ -403,7 +403,7 @@ def test_fallback_lays_a_tied_table_out_one_way(max_norm):
 
 def test_no_input_embeddings():
     """ResNet's get_input_embeddings raises NotImplementedError: read as 'none'."""
-    from tpkit.plan.inputs import input_embeddings, output_embeddings
+    from tpkit.trace.inputs import input_embeddings, output_embeddings
 
     model = _build("resnet")
     assert input_embeddings(model) is None and output_embeddings(model) is None

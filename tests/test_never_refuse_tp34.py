@@ -5,7 +5,7 @@ heads. At tp=3 each rank's third of it is 4/3 of a group, so transformers' plan 
 inferred one) cannot run split; the inferred plan used to divide ``embed_dim`` too, which makes
 the view fit every shard while cutting each rank's groups into smaller ones (q, v and k read
 each other's features: no error, wrong numbers, at any tp). The dry run now compares its
-reshapes with the unsplit model's (`tpkit.plan.dryrun`), so the attention is gathered at tp=3
+reshapes with the unsplit model's (`tpkit.settle.dryrun`), so the attention is gathered at tp=3
 (weights still split, its qkv output all-gathered), the MLP stays split, and the plan's notes
 say why; at tp=2 and tp=4 transformers' plan splits the attention by whole groups, exactly.
 
@@ -130,8 +130,8 @@ def test_codegen_inferred_plan_never_cuts_groups(codegen):
     shard with groups of the wrong size: its dry run passed at any tp and the numbers were
     wrong. The dry run now fails it, and inference gathers the attention instead."""
     from tpkit.plan import derive_plan, validate
-    from tpkit.plan.dryrun import dry_run
     from tpkit.plan.spec import Plan
+    from tpkit.settle.dryrun import dry_run
 
     cut = Plan.from_dict(
         {"transformer.h.*.attn.qkv_proj": "colwise", "transformer.h.*.attn.out_proj": "rowwise"}

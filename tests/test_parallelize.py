@@ -172,5 +172,5 @@ def test_single_process_many_devices_refused_before_a_pool_starts():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="sees none"):
             tpkit.tensor_parallel(build("llama"), ["cuda:0", "cuda:1"])
-    with pytest.raises(ValueError, match="names 2 devices but tp_size=4"):
+    with pytest.raises(ValueError, match=r"names 2 devices but the sizes \(tp_size=4\)"):
         tpkit.tensor_parallel(build("llama"), ["cpu", "cpu"], tp_size=4)

@@ -121,7 +121,7 @@ def test_generate_runs_identity_modules_hook_free(ranks2, name):
 def check_gather_last(sizes: list[int], lead: tuple[int, ...], grad: bool) -> dict:
     import torch.distributed as dist
 
-    from tpkit.dist.comm import gather_from_tp
+    from tpkit.parallel.comm import gather_from_tp
 
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(7)
@@ -165,7 +165,7 @@ def test_gather_last_row_wider_than_a_slot_falls_back(ranks2):
 
 
 def test_threads_per_rank_divides_the_cores():
-    from tpkit.dist.shm import threads_per_rank
+    from tpkit.parallel.shm import threads_per_rank
 
     assert threads_per_rank(2, cores=2) == 1  # this box at tp=2: what the ratios used
     assert threads_per_rank(2, cores=16) == 8  # torchrun's default of 1 would idle 14 cores

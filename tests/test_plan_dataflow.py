@@ -129,7 +129,7 @@ MODELS = {
 def parity(name: str) -> dict:
     """Run on every rank: plan "auto" split vs the unsharded model, and the plan's styles."""
     import tpkit
-    from tpkit.parallelize import tp_state
+    from tpkit.state import tp_state
 
     torch.manual_seed(0)
     ref = MODELS[name]().float().eval()
@@ -180,7 +180,7 @@ def test_stack_summed_stays_split():
 
 def test_cut_reach_records_each_part():
     """The trace says which linear each part of an uneven cut reaches."""
-    from tpkit.plan.trace import trace
+    from tpkit.trace.trace import trace
 
     node = trace(GatedSplitTail(), (torch.randn(2, 7, 8),))["nodes"]["gate_up"]
     assert node.cuts == [12, 14] and node.cut_reach == [{"down"}, {"down"}], node
@@ -197,7 +197,7 @@ def test_child_weight_read_keeps_row_whole():
 def test_tied_head_is_not_read_outside():
     """A head tied to its table reads the shared weight in its own forward, and the table in
     its own: neither is a read outside (which would keep both whole)."""
-    from tpkit.plan.trace import trace
+    from tpkit.trace.trace import trace
 
     class Tied(nn.Module):
         def __init__(self) -> None:

@@ -254,7 +254,7 @@ def test_transformers_plan_gets_grad_allreduce_for_parameters_on_split_activatio
 
 def test_a_failing_dry_run_gathers_only_the_groups_it_must():
     """OLMo-Hybrid's gated delta rule cannot run on split projections: the linear attention's
-    weights stay split with their outputs gathered (`tpkit.plan.gathered`), noted with the
+    weights stay split with their outputs gathered (`tpkit.settle.gathered`), noted with the
     dry run's error, and the MLPs stay split as before."""
     plan = infer_plan(build_tiny("olmo_hybrid", "OlmoHybridForCausalLM", device="meta"))
     assert plan.style_for("model.layers.0.linear_attn.q_proj")[0] == "colwise_gather_output"

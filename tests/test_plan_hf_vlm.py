@@ -4,9 +4,9 @@ A VLM's ``base_model_tp_plan`` sits on its text config (keys like ``layers.*.sel
 while its layers sit under ``model.language_model``; tpkit joined the keys to the base model
 (``model``), so the plan named only the vocabulary and "auto" fell back to the inferred plan
 (exact, but not the plan transformers' ``from_pretrained(tp_plan="auto")`` splits). transformers
-joins each sub-model's plan to that sub-model's path (``init_parallel_plans``); `tpkit.plan.hf`
+joins each sub-model's plan to that sub-model's path (``init_parallel_plans``); `tpkit.sources.hf`
 now does the same, and the vision tower, whose config ships no plan, is still split by the
-inferred plan (`tpkit.plan.complete.complete_with_inferred`).
+inferred plan (`tpkit.settle.complete.complete_with_inferred`).
 
 Pure tests on meta (tiny family models, `tests.tiny_family.build_family`), and one tp=2 parity check
 against the unsharded model (`tests.test_families.family_parity`).
@@ -137,8 +137,8 @@ def test_hf_plan_is_transformers_merged_plan(arch):
     (``model.tp_plan``: each sub-model's plan under its path, the input embedding by vocab,
     the class's ``lm_head``), style for style."""
     from tests.tiny_family import build_family
-    from tpkit.plan.hf import hf_plan
     from tpkit.plan.spec import canonical_style
+    from tpkit.sources.hf import hf_plan
 
     model = build_family(*arch[:2], device="meta")
     plan = hf_plan(model)
@@ -169,7 +169,7 @@ def untraced_family_parity(model_type: str, class_name: str, family: str) -> dic
     per-layer fallback; which sources the split plan's entries have."""
     import tpkit.plan.derive as derive
     from tests.test_families import _parity, _split_family
-    from tpkit.parallelize import tp_state
+    from tpkit.state import tp_state
 
     def untraceable(model, example=None):
         raise ValueError("made untraceable for this test")

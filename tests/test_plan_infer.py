@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from tests.models import build as build_planned
 from tests.models import forward_backward_diffs, full
 from tpkit.plan import Plan, derive_plan, hf_plan, infer_plan, validate
-from tpkit.plan.trace import blocks as _blocks
+from tpkit.trace.trace import blocks as _blocks
 
 TOL = 1e-5
 V = 101  # odd vocabulary: uneven vocab shards
@@ -300,7 +300,7 @@ def test_t5_relative_bias_is_split_by_heads():
 
 def test_falcon_multi_query_is_gathered_with_a_note():
     """One KV head packed after the query heads, cut unevenly by the code: the pair keeps its
-    weights split, its output gathered (`tpkit.plan.gathered`); the MLP stays split."""
+    weights split, its output gathered (`tpkit.settle.gathered`); the MLP stays split."""
     torch.manual_seed(0)
     model = tf.FalconForCausalLM(
         tf.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=V)

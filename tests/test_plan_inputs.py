@@ -161,8 +161,8 @@ def test_gpt2_classifier_without_pad_token_traces_one_row(ranks2):
 def test_one_row_trace_is_remembered_for_the_dry_run_only_when_it_worked():
     import transformers
 
-    from tpkit.plan.fake import TRACE_BATCH, trace_batch
-    from tpkit.plan.trace import trace
+    from tpkit.trace.fake import TRACE_BATCH, trace_batch
+    from tpkit.trace.trace import trace
 
     config = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=101)
     config.pad_token_id = None
@@ -234,7 +234,7 @@ def test_naflex_models_get_flattened_patches_and_their_grid():
     MLP pairs, the position table whole."""
     from tests.tiny_family import build_family
     from tpkit.plan import derive_plan
-    from tpkit.plan.inputs import synthesize_inputs
+    from tpkit.trace.inputs import synthesize_inputs
 
     model = build_family("siglip2", "Siglip2VisionModel", device="meta")
     _, kwargs = synthesize_inputs(model, 2, 9)

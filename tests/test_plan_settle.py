@@ -1,4 +1,4 @@
-"""Settling (`tpkit.plan.settle`): what a plan becomes at one tp size, decided in one place and
+"""Settling (`tpkit.settle.settle`): what a plan becomes at one tp size, decided in one place and
 unit-tested here with the dry run handed in as a callable; and the typed plan data (`Group`,
 `Source`) it works on. Pure: meta models, no process group."""
 
@@ -13,7 +13,7 @@ import yaml
 
 from tests.tiny import build as build_tiny
 from tpkit.plan import Group, Plan, Source, derive_plan, infer_plan
-from tpkit.plan.settle import fewest_replicated, settle, settle_heads, undivided_groups
+from tpkit.settle.settle import fewest_replicated, settle, settle_heads, undivided_groups
 
 ATTN = "model.layers.*.self_attn"
 BART = "model.decoder.layers.*.self_attn"

@@ -106,8 +106,8 @@ def test_width_not_divisible_splits_in_chunks():
 
 
 def test_world_size_not_divisible():
-    from tpkit.dist.mesh import DistEnv
-    from tpkit.dist.parallel_dims import ParallelDims
+    from tpkit.parallel.dims import ParallelDims
+    from tpkit.parallel.mesh import DistEnv
 
     with pytest.raises(ValueError, match="tp_size=3 does not divide the world size 4"):
         ParallelDims.resolve(3, None, env=DistEnv(0, 4, 0))

@@ -435,7 +435,7 @@ def graph_parity(seed: int) -> dict:
     """Run on every rank: ``tensor_parallel(random_net(seed))`` (plan "auto") against the
     unsharded graph (`module_parity`), with the styles its plan gave and the features used."""
     import tpkit
-    from tpkit.parallelize import tp_state
+    from tpkit.state import tp_state
 
     ref, x, used = random_net(seed)
     model = tpkit.tensor_parallel(copy.deepcopy(ref))

@@ -256,7 +256,7 @@ def check_shm_dead_peer(timeout_s: str) -> str:
     `test_dp_sub_groups_get_tpkit_timeout`)."""
     import datetime
 
-    from tpkit.dist.shm import ShmChannel
+    from tpkit.parallel.shm import ShmChannel
 
     group = dist.new_group(timeout=datetime.timedelta(seconds=float(timeout_s)))
     channel = ShmChannel(group)
@@ -303,10 +303,10 @@ def test_dp_sub_groups_get_tpkit_timeout():
 
 
 def test_timeout_report_names_the_users_line():
-    from tpkit.dist.timeouts import collective_frame
+    from tpkit.parallel.timeouts import collective_frame
 
     def user_code():
-        from tpkit.dist import comm
+        from tpkit.parallel import comm
 
         comm.reduce_from_tp(torch.ones(2), group=object())  # fails inside torch.distributed
 

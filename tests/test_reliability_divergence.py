@@ -158,7 +158,7 @@ def test_a_tied_head_left_whole_takes_the_split_of_its_weight():
     model = shieldgemma2()
     plan = derive_plan(model, "auto", 2)
     # transformers' own class plan of the inner causal LM names it now (joined under its path,
-    # `tpkit.plan.hf`); before, the tied-layer completion did: either way it is gathered
+    # `tpkit.sources.hf`); before, the tied-layer completion did: either way it is gathered
     assert plan.style_for("model.lm_head")[0] == "colwise_gather_output"
     layouts = param_layouts(model, plan)
     embed = layouts["model.model.language_model.embed_tokens.weight"][1]

@@ -46,7 +46,7 @@ _COLLECTIVES = (
 def _count_collectives():
     """Count c10d calls (torch.distributed's functions, as tpkit calls them) and tpkit's
     shared-memory collectives made inside the block."""
-    from tpkit.dist import shm
+    from tpkit.parallel import shm
 
     calls: list[str] = []
     originals = {n: getattr(dist, n) for n in _COLLECTIVES}

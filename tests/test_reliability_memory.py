@@ -3,7 +3,7 @@ run before the split) of a model on the meta device stay within a small memory b
 the model's size.
 
 GLM-5-next's default config (314B parameters, built on meta in 0.35 GB) was killed at 12 GB:
-its data-dependent routing makes the plan run with made-up values (`tpkit.plan.shadow`), which
+its data-dependent routing makes the plan run with made-up values (`tpkit.trace.shadow`), which
 computed its chunked linear attention for real -- a broadcast of two small shadows into
 ``[3, 64, 1, 64, 64, 128]`` (400 MB) per op -- and kept every shadow alive to the end of the
 forward. Each check runs in a fresh subprocess (peak RSS is a high-water mark) under an address
@@ -159,7 +159,7 @@ class _Mixer(nn.Module):
 
 class _Router(nn.Module):
     """Top-2 routing whose expert counts are read as Python ints: a data-dependent forward that
-    only made-up values (`tpkit.plan.shadow`) can plan."""
+    only made-up values (`tpkit.trace.shadow`) can plan."""
 
     def __init__(self, width: int = 512, experts: int = 4):
         super().__init__()
@@ -227,7 +227,7 @@ def test_shadow_memory_is_bounded():
     computed for real, a shadow goes with its tensor, and the float shadows alive at once stay
     within ``BUDGET`` while integer ones (routing indices) are always kept."""
     from tpkit.compat import FakeTensorMode
-    from tpkit.plan.shadow import BUDGET, LIMIT, ShadowValues
+    from tpkit.trace.shadow import BUDGET, LIMIT, ShadowValues
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     mode = ShadowValues(fake)

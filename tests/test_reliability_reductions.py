@@ -142,7 +142,7 @@ def test_a_plain_gelu_still_splits_as_a_column_row_pair(ranks2):
 
 
 def test_reduced_dims_reads_each_op_as_torch_does():
-    from tpkit.plan.reductions import reduced_dims
+    from tpkit.trace.reductions import reduced_dims
 
     assert reduced_dims("mean", (None, -1), {}, 3) == {2}
     assert reduced_dims("mean", (None,), {"dim": (0, 1)}, 3) == {0, 1}

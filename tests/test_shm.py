@@ -1,4 +1,4 @@
-"""The same-host shared-memory collectives (`tpkit.dist.shm`), on by default for tpkit's CPU layers.
+"""The same-host shared-memory collectives (`tpkit.parallel.shm`), on by default for tpkit's CPU layers.
 
 Behaviour only, never timing: the same tokens with the fast path on and off, the same training
 step (loss and every gradient, bit for bit), every fast-path collective counted, a clean fallback
@@ -28,7 +28,7 @@ def _greedy(model, prompt):
 
 def check_same_tokens_on_and_off(name: str) -> dict:
     import tpkit
-    from tpkit.dist import shm
+    from tpkit.parallel import shm
 
     ref = build(name)
     model = tpkit.tensor_parallel(copy.deepcopy(ref))
@@ -67,7 +67,7 @@ def test_greedy_tokens_are_the_same_with_shared_memory_on_and_off(ranks2):
 
 
 def check_sums_and_gathers() -> dict:
-    from tpkit.dist import shm
+    from tpkit.parallel import shm
 
     group = dist.new_group(list(range(dist.get_world_size())))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -139,7 +139,7 @@ def check_training_is_the_same_with_shared_memory_on_and_off(name: str, **option
     collectives (forward all-reduces, backward gradient all-reduces, the vocab-parallel loss's
     max and sums) take shared memory, and the loss and every gradient are the same bits."""
     import tpkit
-    from tpkit.dist import shm
+    from tpkit.parallel import shm
 
     ref = build(name)
     model = tpkit.tensor_parallel(copy.deepcopy(ref), **options)
@@ -184,7 +184,7 @@ def check_compiled_model_keeps_the_fast_path() -> dict:
     import torch._dynamo
 
     import tpkit
-    from tpkit.dist import shm
+    from tpkit.parallel import shm
 
     ref = build("llama")
     model = tpkit.tensor_parallel(copy.deepcopy(ref))
@@ -230,7 +230,7 @@ def check_wrapped_all_reduce_sees_every_call() -> dict:
     """A counter that wraps torch.distributed.all_reduce (as some tests do) sees every call: the
     fast path steps aside while torch's function is replaced."""
     import tpkit
-    from tpkit.dist import shm
+    from tpkit.parallel import shm
 
     model = tpkit.tensor_parallel(build("llama"))
     x = batch(model.config.vocab_size, shape=(1, 4))
@@ -270,7 +270,7 @@ def check_full_dev_shm_falls_back() -> dict:
     import errno
     import glob
 
-    from tpkit.dist import shm
+    from tpkit.parallel import shm
 
     refused: list[str] = []
 
@@ -301,7 +301,7 @@ def test_a_full_dev_shm_makes_the_group_fall_back(ranks2):
 
 
 def check_env_off() -> dict:
-    from tpkit.dist import shm
+    from tpkit.parallel import shm
 
     return {
         "enabled": shm.shm_enabled(),
@@ -321,7 +321,7 @@ def test_env_zero_turns_it_off_on_every_rank():
 
 def check_one_rank_off() -> dict:
     """Rank 1 started with the variable at 0: the group's vote says gloo on every rank."""
-    from tpkit.dist import shm
+    from tpkit.parallel import shm
 
     return {"fast": shm.prepare_shm(None), "sum": shm.shm_all_reduce(torch.ones(2), None)}
 
@@ -337,10 +337,10 @@ def test_a_rank_with_it_off_makes_the_whole_group_fall_back():
 
 
 def _vote_with_rank_off() -> dict:
-    """Re-import tpkit.dist.shm with the variable at 0 on the rank named by the test's env."""
+    """Re-import tpkit.parallel.shm with the variable at 0 on the rank named by the test's env."""
     import importlib
 
-    from tpkit.dist import shm
+    from tpkit.parallel import shm
 
     if str(dist.get_rank()) == os.environ["TPKIT_SHM_TEST_OFF_RANK"]:
         os.environ["TPKIT_CPU_SHM_ALLREDUCE"] = "0"
@@ -349,7 +349,7 @@ def _vote_with_rank_off() -> dict:
 
 
 def test_shm_module_imports_without_a_process_group():
-    code = "import tpkit.dist.shm as s; print(s.shm_enabled(), s.shm_counts())"
+    code = "import tpkit.parallel.shm as s; print(s.shm_enabled(), s.shm_counts())"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )

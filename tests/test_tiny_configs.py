@@ -22,7 +22,7 @@ FIXED = [
     ("convnext", "ConvNextForImageClassification", "image-classification"),
     ("convnextv2", "ConvNextV2ForImageClassification", "image-classification"),
     ("mobilevitv2", "MobileViTV2ForImageClassification", "image-classification"),
-    # made-up features narrower than the conformer's feature projection (plan/inputs.py)
+    # made-up features narrower than the conformer's feature projection (trace/inputs.py)
     ("wav2vec2-bert", "Wav2Vec2BertForCTC", "ctc"),
     ("seamless_m4t", "SeamlessM4TForSpeechToText", "speech-seq2seq"),
     ("seamless_m4t_v2", "SeamlessM4Tv2ForSpeechToText", "speech-seq2seq"),
@@ -192,7 +192,7 @@ def test_image_fits_the_stages() -> None:
 def test_made_up_features_fit_the_feature_projection() -> None:
     """`synthesize_inputs` sizes a conformer's input_features by ``feature_projection_input_dim``
     (160: two stacked frames), not by its layers' convs, and the real model runs on them."""
-    from tpkit.plan.inputs import synthesize_inputs
+    from tpkit.trace.inputs import synthesize_inputs
 
     model = build_family("wav2vec2-bert", "Wav2Vec2BertForCTC")
     _, made = synthesize_inputs(model, 2, 9)

@@ -5,7 +5,7 @@ reason, fixed once where the reason lives:
 
 - Nemotron-H Omni (79%): its wrapper has no head of its own and its text model's class ships no
   ``_tp_plan``, so transformers' plan left the text model's ``lm_head`` (20%) whole.
-  `tpkit.plan.hf` now gives every sub-model's output head the gathered split it gives the
+  `tpkit.sources.hf` now gives every sub-model's output head the gathered split it gives the
   top model's;
 - a speech-encoder-decoder with a BERT decoder (88%): at full size the made-up inputs fail the
   trace and the per-layer fallback kept the decoder's word table (10%) whole because the head

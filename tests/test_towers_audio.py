@@ -8,10 +8,10 @@ default (full) size (the tiny build traced). Two general causes, each fixed once
   the forward keeps the rows its own length formula allows: GLM-ASR stacks frames by the audio
   config's ``intermediate_size / hidden_size`` (4 at full size, 2 in the tiny build) but counts
   valid frames with a fixed merge of 4 ("tokens: 96, features: 48"). The count now runs under
-  `tpkit.plan.shadow.ShadowValues` with the feature mask's values kept
-  (`tpkit.plan.shadow.keep_value`): the count the forward's formula gives, at any size;
+  `tpkit.trace.shadow.ShadowValues` with the feature mask's values kept
+  (`tpkit.trace.shadow.keep_value`): the count the forward's formula gives, at any size;
 - at full size the placeholder mask is ``expand_as`` the [batch, seq, 3584] embeddings, over
-  the shadow run's `tpkit.plan.shadow.LIMIT`, so the expanded mask had no value and the
+  the shadow run's `tpkit.trace.shadow.LIMIT`, so the expanded mask had no value and the
   selection ``inputs_embeds[mask]`` could not be sized. A view reads its other inputs' shapes
   only: they now stand in as one expanded zero.
 
@@ -42,7 +42,7 @@ def test_audio_placeholders_match_the_features_the_forward_keeps():
     import torch
 
     from tests.tiny_family import build_family
-    from tpkit.plan.inputs import synthesize_inputs
+    from tpkit.trace.inputs import synthesize_inputs
 
     model = build_family(*GLMASR)
     _, kw = synthesize_inputs(model, 2, 8)
@@ -74,7 +74,7 @@ def full_size_tower(cases: list[tuple[str, str]]) -> dict[str, dict]:
 
     from tests.tiny import full_config
     from tpkit.plan import derive_plan, param_layouts
-    from tpkit.plan import inputs as plan_inputs
+    from tpkit.trace import inputs as plan_inputs
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}

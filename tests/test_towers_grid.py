@@ -10,7 +10,7 @@ their vision towers stayed whole (tower share split, tiny family models on meta,
   `tests.tiny.LAYER_INDEXES`);
 - VideoLLaMA-3's forward takes each image's merge size (``image_merge_sizes``): now made up;
 - PaddleOCR-VL's patch embedding takes each patch as [channels, patch, patch], not flattened:
-  the trace retries with the patches unflattened (`tpkit.plan.inputs.unflattened_patches`)
+  the trace retries with the patches unflattened (`tpkit.trace.inputs.unflattened_patches`)
   before it keeps to the text, and its rotary's code-default sections are scaled to the tiny
   head (`tests.tiny_family._fit_rotary_sections`).
 
@@ -35,7 +35,7 @@ def _traced_tower(arch: tuple[str, str, str]) -> dict:
     vision-side modules the plan splits."""
     from tests.tiny_family import build_family
     from tpkit.plan import derive_plan
-    from tpkit.plan import inputs as plan_inputs
+    from tpkit.trace import inputs as plan_inputs
 
     model = build_family(*arch[:2], device="meta")
     plan = derive_plan(model, "auto", 2)
@@ -59,7 +59,7 @@ def test_merge_sizes_and_unflattened_patches_are_made_up():
     keeps its patches as [patches, channels, patch, patch], its grid and placeholders
     unchanged."""
     from tests.tiny_family import build_family
-    from tpkit.plan.inputs import GRID_IMAGE, synthesize_inputs, unflattened_patches
+    from tpkit.trace.inputs import GRID_IMAGE, synthesize_inputs, unflattened_patches
 
     video = build_family(*VIDEO_LLAMA_3[:2], device="meta")
     _, kw = synthesize_inputs(video, 3, 7)

@@ -22,8 +22,10 @@ def _dp_coords(model) -> tuple[int, int]:
     state = getattr(model, "_tpkit", None)
     if state is None:
         return 0, 1
-    dp_mesh = state.mesh["dp"]
-    return dp_mesh.get_local_rank(), dp_mesh.size()
+    from tpkit.parallel.mesh import get_mesh
+
+    dp_mesh = get_mesh(state.mesh, "dp")  # None at dp = 1
+    return (0, 1) if dp_mesh is None else (dp_mesh.get_local_rank(), dp_mesh.size())
 
 
 def check_training(name: str, accum: int = 1, **tp_kwargs) -> dict:

@@ -1,4 +1,4 @@
-"""What the model's trace never ran (`tpkit.plan.untraced`): towers planned on their own,
+"""What the model's trace never ran (`tpkit.sources.untraced`): towers planned on their own,
 other layers split per layer.
 
 A VLM or audio LLM traced on its text alone (its tower inputs could not be made up) used to
@@ -65,7 +65,7 @@ def run_parity() -> dict:
     """Run on every rank: traced on ids alone, run with the tower; outputs and gradients."""
     try:
         import tpkit
-        from tpkit.parallelize import tp_state
+        from tpkit.state import tp_state
 
         torch.manual_seed(0)
         ref = TextWithTower().eval()

@@ -22,7 +22,7 @@ def swiftformer_parity() -> dict:
         from tests.test_families import _parity
         from tests.tiny_family import build_family
         from tests.tiny_inputs import family_inputs
-        from tpkit.parallelize import tp_state
+        from tpkit.state import tp_state
 
         ref = build_family("swiftformer", "SwiftFormerForImageClassification")
         x = family_inputs(ref, "image-classification")

@@ -446,7 +446,7 @@ def _set_fields(config, patches: dict) -> None:
 #: a VLM's timm vision tower (``vision_config`` of type ``timm_wrapper``), tiny: a timm model is
 #: built by name with ``model_args`` (no sizes a shrinker could read), so its size is set here
 #: as transformers' own tests set it; ``image_size`` is the made-up image's side (the tower
-#: takes any; `tpkit.plan.inputs` reads it). Needs timm (`tests.tiny.check_timm`).
+#: takes any; `tpkit.trace.inputs` reads it). Needs timm (`tests.tiny.check_timm`).
 TIMM_TOWERS = {
     # FastViT-MCi3 reparameterised (``inference_mode``, the published layout): 2 stages of 2
     # RepMixer blocks, 8 / 16 channels; its conv head gives ``hidden_size`` channels

@@ -10,7 +10,7 @@ from tests.tiny_family import ANY_RES, IMAGE, TEXT_IDS, VIDEO_FRAMES, _vision_co
 
 def family_inputs(model, family: str) -> dict:
     """Real inputs for any family's tiny model: text families as `inputs`; others as the trace
-    makes them up (`tpkit.plan.inputs.synthesize_inputs`: pixel_values, input_features,
+    makes them up (`tpkit.trace.inputs.synthesize_inputs`: pixel_values, input_features,
     input_values, both towers of a dual encoder, decoder ids), filled with random values, and
     for a model whose ids carry image placeholders, as many of them per row as its vision tower
     gives features for one image (`get_image_features`), after one text token. Then fitted to
@@ -25,7 +25,7 @@ def family_inputs(model, family: str) -> dict:
 
     import torch
 
-    from tpkit.plan.inputs import synthesize_inputs
+    from tpkit.trace.inputs import synthesize_inputs
 
     if family in ("causal-lm", "seq2seq") and model.main_input_name == "input_ids":
         return inputs(model, family)
@@ -498,7 +498,7 @@ def _fit_main_input(model, family: str, made: dict) -> None:
       as many frames as the config says."""
     import torch
 
-    from tpkit.plan.inputs import synthesize_inputs
+    from tpkit.trace.inputs import synthesize_inputs
 
     main = getattr(model, "main_input_name", None)
     encoder = getattr(model, "get_encoder", lambda: None)() if main not in KNOWN_INPUTS else None
@@ -755,7 +755,7 @@ def _place_audio(model, out: dict, key: str, axis: int | None = None) -> dict:
     """``out`` with as many audio placeholders per row (after its first id) as the model's
     ``get_audio_features`` gives rows for the audio ``out[key]``, where the config names an
     audio token and the ids carry none: an audio-LLM whose tower reads a waveform (OmniASR),
-    which `tpkit.plan.inputs` does not count (it counts for ``input_features``). With an
+    which `tpkit.trace.inputs` does not count (it counts for ``input_features``). With an
     ``axis``, an all-ones frame mask (`AUDIO_MASKS`) over that axis of the audio is given too,
     where the forward takes one."""
     import inspect

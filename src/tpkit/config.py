@@ -9,7 +9,7 @@ value counts as unset.
 
 Two settings are read once on purpose by the module that uses them, not here: the level of
 tpkit's logger (`log.py`, when the logger is first configured) and the shared-memory vote
-(`dist/shm.py`, at import: what each rank brings to its groups' vote).
+(`parallel/shm.py`, at import: what each rank brings to its groups' vote).
 
 Writing variables for child processes (threads per rank, the backend for torchrun, a worker's
 devices) stays with the code that starts them (`cli/launch.py`, `pool/`). The documented

@@ -25,8 +25,8 @@ from torch import nn
 if TYPE_CHECKING:  # type hints only: parallelize imports this module
     from torch.distributed.device_mesh import DeviceMesh
 
-    from tpkit.parallelize import TPOptions
     from tpkit.plan import Plan
+    from tpkit.state import TPOptions
 
 __all__ = [
     "SplitExtension",

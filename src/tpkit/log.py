@@ -5,7 +5,7 @@ stays readable. ``TPKIT_LOG_LEVEL`` (default ``INFO``) sets the level. Messages 
 print whatever the setting (a rank's own failure report) use ``log_every_rank``.
 
 This module reads the rank itself (live process group, else torchrun's RANK through
-`tpkit.config`) so that dist/mesh.py can import it without a cycle. The level is read once, when
+`tpkit.config`) so that parallel/mesh.py can import it without a cycle. The level is read once, when
 the logger is first configured (at import); TPKIT_LOG_ALL_RANKS at every record.
 """
 

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.dist.mesh import dist_env
 from tpkit.io.build import instantiate, model_class
 from tpkit.io.hub import resolve_checkpoint
 from tpkit.io.load_kwargs import check_unused, sort_kwargs
@@ -30,9 +29,11 @@ from tpkit.io.loading_info import LoadingInfo, LoadingPolicy, fresh_weights, loa
 from tpkit.io.safetensors import CheckpointIndex
 from tpkit.io.shards import rank_device
 from tpkit.io.stream import move_buffers, stream_buffers, stream_params
-from tpkit.parallelize import TPOptions, apply_pending_fsdp, split
-from tpkit.plan.validate import checkpoint_problems
+from tpkit.parallel.mesh import dist_env
+from tpkit.parallelize import apply_pending_fsdp, split
+from tpkit.plan.checks import checkpoint_problems
 from tpkit.quant import QuantizedLoad
+from tpkit.state import TPOptions
 
 __all__ = ["from_pretrained"]
 
@@ -58,54 +59,15 @@ def from_pretrained(
     output_loading_info: bool = False,
     **kwargs: Any,
 ) -> nn.Module | tuple[nn.Module, dict[str, Any]]:
-    """Build ``model_cls`` from ``path``'s config on meta, shard it, then read each rank's slices.
-
-    Peak memory per rank is its shards plus one read block (8 MiB), whatever the model size.
-    ``dtype`` defaults to the config's dtype (else float32); every slice is converted as it is
-    read. Checkpoints whose keys transformers renames or fuses at load time (e.g. per-expert MoE
-    weights) fall back to transformers' loader for the whole model, with a warning.
-    ``path`` is a checkpoint directory or a hub id, resolved as transformers resolves it
-    (`tpkit.io.hub`: ``cache_dir``, ``revision``, ``subfolder``, ``variant``, ``token``,
-    ``local_files_only``, ``HF_HUB_OFFLINE``); safetensors are preferred, ``pytorch_model*.bin``
-    is read without running code (`tpkit.io.pickle_safe`). ``kwargs`` are `tensor_parallel`'s options
-    (``tp_size``, ``dp_size``, ``plan``, ``sharded``, ...) and transformers' ``from_pretrained``
-    keywords, meaning what they mean there (`tpkit.io.load_kwargs`: ``torch_dtype``,
-    ``attn_implementation``, ``trust_remote_code``, ``distributed_config``, config overrides
-    such as ``num_hidden_layers=1``); ``device_map`` and unknown keywords are refused, before any
-    collective. FSDP2 (``sharded``, default on when dp_size > 1) is applied after the weights
-    are in. ``config_kwargs``: more keywords, taken as if passed directly.
-    ``quantization_config`` (a ``BitsAndBytesConfig``): each rank quantizes its own slices of the
-    linears as they are read (`tpkit.quant`).
-
-    Weights the model has and the checkpoint lacks, tensors the checkpoint holds and the model
-    does not use, and weights of another shape are one ValueError on every rank, before any
-    collective (transformers would warn and leave them random). Opt in to new weights with
-    ``allow_missing_keys`` (True or regexes, e.g. ``["score"]`` for a fresh classification
-    head: initialised by the model's ``_init_weights``, the same on every rank),
-    ``allow_unexpected_keys`` (skip them) and ``ignore_mismatched_sizes`` (transformers'
-    keyword: re-initialise them); see `tpkit.io.loading_info`. ``output_loading_info=True`` returns
-    ``(model, info)`` with transformers' ``missing_keys`` / ``unexpected_keys`` /
-    ``mismatched_keys`` / ``error_msgs``.
-    """
+    """`tpkit.from_pretrained` on a rank (the package face decides rank or pool; every keyword
+    means what its docstring says): build ``model_cls`` from ``path``'s config on meta, split
+    it, then read each rank's slices."""
     import transformers
     from accelerate import init_empty_weights
 
     tp_fields = [f.name for f in dataclasses.fields(TPOptions)]
     call = sort_kwargs({**(config_kwargs or {}), **kwargs}, tp_fields, dtype)
     options = TPOptions.of(call.tp_options)
-    tp_options = call.tp_options
-    load = {k: v for k, v in kwargs.items() if k not in tp_options and k != "distributed_config"}
-    from tpkit.pool.entry import pool_from_pretrained  # lazy: for a process that is not a rank
-
-    pooled = pool_from_pretrained(  # outside torchrun, 2+ devices: a live model on workers
-        path, device_ids, tp_options, dtype=dtype, model_cls=model_cls,
-        config_kwargs=config_kwargs, quantization_config=quantization_config,
-        allow_missing_keys=allow_missing_keys, allow_unexpected_keys=allow_unexpected_keys,
-        ignore_mismatched_sizes=ignore_mismatched_sizes, output_loading_info=output_loading_info,
-        **load,
-    )  # fmt: skip
-    if pooled is not None:
-        return pooled
     policy = LoadingPolicy(allow_missing_keys, allow_unexpected_keys, ignore_mismatched_sizes)
     source = str(path)
     ckpt = resolve_checkpoint(source, call.variant, call.use_safetensors, **call.download)

@@ -175,7 +175,7 @@ def _run_rank(fn: Callable, args: tuple, kwargs: dict, error_dir: str) -> Any:
         _bring_up_group()
         out = fn(*args, **kwargs)
     except BaseException as exc:
-        from tpkit.dist.timeouts import timeout_report
+        from tpkit.parallel.timeouts import timeout_report
 
         report = timeout_report(exc, exc.__traceback__)
         if report and hasattr(exc, "add_note"):
@@ -201,7 +201,7 @@ def _bring_up_group() -> None:
     tpkit owns, that call becomes a no-op while the group is up."""
     import torch.distributed as dist
 
-    from tpkit.dist.mesh import default_backend, default_device_type, init_distributed
+    from tpkit.parallel.mesh import default_backend, default_device_type, init_distributed
 
     init_distributed()
     if not dist.is_initialized():

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from tpkit import config
+from tpkit.parallel.mesh import dist_env
 
 __all__ = ["collapse_layers", "main"]
 
@@ -190,9 +191,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:  # a hub id: each rank finds the same snapshot in the cache
         args.model = str(_checkpoint_dir(args.model, need_weights=True))
 
-    import tpkit
+    from tpkit.pretrained import from_pretrained  # a rank: the face's rank path
 
-    model = tpkit.from_pretrained(args.model, tp_size=args.tp, dtype=args.dtype)
+    model = from_pretrained(args.model, tp_size=args.tp, dtype=args.dtype)
     tokenizer, ids = _prompt_ids(args.model, args.prompt)
     torch.manual_seed(args.seed)
     start = time.perf_counter()
@@ -212,7 +213,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # a decoder-only model returns prompt + new tokens; an encoder-decoder one, the decoder's
     # start token + new tokens
     new = out[0, 1:] if model.config.is_encoder_decoder else out[0, ids.shape[1] :]
-    if tpkit.dist_env().rank == 0:
+    if dist_env().rank == 0:
         print(tokenizer.decode(new, skip_special_tokens=True) if tokenizer else new.tolist())
         print(
             f"{len(new)} tokens in {seconds:.2f} s: {len(new) / seconds:.1f} tokens/s (tp={args.tp})"

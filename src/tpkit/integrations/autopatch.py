@@ -27,8 +27,8 @@ from typing import Any
 from torch import nn
 
 from tpkit.extensions import SplitExtension
-from tpkit.parallelize import TPOptions
 from tpkit.plan import Plan
+from tpkit.state import TPOptions
 
 __all__ = ["Integrations", "ensure_patched"]
 

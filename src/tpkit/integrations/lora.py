@@ -16,7 +16,7 @@ A LoRA adapter on a base layer follows the base's style (the catalogue's role):
   ``lora_embedding_B`` replicated, acting on that whole lookup.
 - output head (``colwise_gather_output``) and replicated layers: the adapters are replicated
   (r x vocab is small), act after the base's collective, no new one. So are they on a gathered
-  pair (`tpkit.plan.gathered`): the column layer's adapter adds to
+  pair (`tpkit.settle.gathered`): the column layer's adapter adds to
   its gathered output, and the ``rowwise_split_input`` layer's reads the same whole input its
   base slices, so its gradient is whole on every rank.
 
@@ -49,10 +49,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from tpkit.dist.comm import all_reduce_, copy_to_tp
 from tpkit.io.shards import dtensor_like
-from tpkit.parallelize import tp_state
+from tpkit.parallel.comm import all_reduce_, copy_to_tp
+from tpkit.parallel.fsdp import average_grads_over_dp, is_fsdp
+from tpkit.parallel.mesh import get_mesh
 from tpkit.plan import style_spec
+from tpkit.state import tp_state
 from tpkit.styles import (
     ParentSwap,
     ReplicateGradAllReduceStyle,
@@ -61,7 +63,6 @@ from tpkit.styles import (
     make_style,
     style_of,
 )
-from tpkit.training.fsdp import average_grads_over_dp, is_fsdp
 from tpkit.training.rng import replicated_stream
 
 __all__ = [
@@ -677,7 +678,7 @@ def lay_out_adapters(model: nn.Module) -> nn.Module:
                     )
     if state.dp_size > 1 and is_fsdp(hf_model(model)):
         # adapters added after FSDP2 stay replicated over dp, their gradients averaged over it
-        average_grads_over_dp(_tp_only_params(model, state.tp_mesh), state.mesh["dp"])
+        average_grads_over_dp(_tp_only_params(model, state.tp_mesh), get_mesh(state.mesh, "dp"))
     return model
 
 

@@ -59,7 +59,6 @@ from typing import Any
 
 from torch import nn
 
-from tpkit.dist.mesh import barrier, rank
 from tpkit.integrations.lora import (
     check_lora_config,
     check_peft_type,
@@ -74,8 +73,10 @@ from tpkit.integrations.lora import (
 )
 from tpkit.integrations.patching import original as unpatched
 from tpkit.integrations.patching import unpatch_all, wrap
-from tpkit.parallelize import TPOptions, apply_pending_fsdp, split, tp_state
-from tpkit.training.fsdp import apply_fsdp, is_fsdp, strided_1d
+from tpkit.parallel.fsdp import apply_fsdp, is_fsdp, strided_1d
+from tpkit.parallel.mesh import barrier, get_mesh, rank
+from tpkit.parallelize import apply_pending_fsdp, split
+from tpkit.state import TPOptions, tp_state
 
 __all__ = [
     "from_pretrained",
@@ -171,12 +172,14 @@ def _maybe_fsdp(peft_model: nn.Module, state, fsdp: bool | None) -> None:
     stay replicated over dp with their gradients averaged: `tpkit.integrations.lora`)."""
     if state.dp_size > 1 and (fsdp is None or fsdp) and not is_fsdp(hf_model(peft_model)):
         hf = hf_model(peft_model)
-        _with_frozen_strided(hf, lambda m: apply_fsdp(m, state.mesh["dp"]))
+        _with_frozen_strided(
+            hf, lambda m: apply_fsdp(m, get_mesh(state.mesh, "dp_replicate", "dp_shard"))
+        )
 
 
 def _with_frozen_strided(model: nn.Module, fn) -> None:
     """``fn(model)`` (FSDP2), with the frozen packed 1-D biases FSDP keeps out briefly
-    unfrozen: `tpkit.training.fsdp.apply_fsdp` registers a dp-averaging gradient hook on them, which a
+    unfrozen: `tpkit.parallel.fsdp.apply_fsdp` registers a dp-averaging gradient hook on them, which a
     frozen tensor cannot take (the hook then never fires)."""
     frozen = [p for p in model.parameters() if not p.requires_grad and strided_1d(p)]
     for p in frozen:

@@ -51,7 +51,7 @@ What Trainer and accelerate need, and what this module does about it:
 - **Data.** With the config's device mesh accelerate's data loader gives data rank
   ``rank // tp_size``: the ranks of one TP group get the same batch, dp groups different ones.
   tpkit's mesh has tp innermost, so the two agree.
-- **dp > 1.** With FSDP2 over ``mesh["dp"]`` FSDP reduces the gradients; gradient accumulation
+- **dp > 1.** With FSDP2 over the data axes FSDP reduces the gradients; gradient accumulation
   defers its reduce-scatter to the last micro-batch (Trainer's own deferral reads transformers'
   ``config.distributed_config``, which a tpkit model does not have). A TP model replicated over
   dp (no FSDP) gets a per-parameter hook that averages its local gradient over the dp group at
@@ -86,8 +86,9 @@ from tpkit.integrations.trainer_checkpoints import (
     patched_save,
     patched_save_optimizer_and_scheduler,
 )
-from tpkit.parallelize import tp_state, wrapper_chain
-from tpkit.training.fsdp import average_over_dp, is_fsdp
+from tpkit.parallel.fsdp import average_over_dp, is_fsdp
+from tpkit.parallel.mesh import get_mesh
+from tpkit.state import tp_state, wrapper_chain
 
 __all__ = ["DCP_DIR", "load_full_weights", "patch_trainer", "tp_state", "unpatch_trainer"]
 
@@ -177,7 +178,7 @@ def _mark_self_distributed(model: nn.Module) -> None:
 def _install_dp_grad_sync(model: nn.Module, state) -> None:
     """Average gradients over the dp dimension for a model whose dp replicas nothing reduces.
 
-    With FSDP2 on ``mesh["dp"]`` (``sharded=True``) FSDP reduce-scatters the gradients. A model
+    With FSDP2 on the data axes (``sharded=True``) FSDP reduce-scatters the gradients. A model
     that is TP-sharded and replicated over dp (``dp_size > 1``, no FSDP) gets one hook per
     parameter that all-reduces its local gradient over the dp group at the end of each gradient
     accumulation window (accelerate's ``sync_gradients``), as DDP would. Registered once per
@@ -187,7 +188,7 @@ def _install_dp_grad_sync(model: nn.Module, state) -> None:
         return
     from accelerate.state import GradientState
 
-    dp_mesh = state.mesh["dp"]
+    dp_mesh = get_mesh(state.mesh, "dp")
 
     def average(param: torch.Tensor) -> None:
         if param.grad is not None and GradientState().sync_gradients:
@@ -243,7 +244,7 @@ def gather_for_metrics(accelerator, state, data, use_gather_object: bool = False
         all_tensors = False
     dp = _model_dp(state)
     if dp > 1:
-        group = state.mesh["dp"].get_group()
+        group = get_mesh(state.mesh, "dp").get_group()
         if use_gather_object or not all_tensors:
             parts: list = [None] * dp
             dist.all_gather_object(parts, data, group=group)

@@ -21,12 +21,12 @@ import warnings
 import torch
 from torch import nn
 
-from tpkit.dist.mesh import barrier, sync_rng
 from tpkit.io import atomic
 from tpkit.io.checkpoint import load_checkpoint, save_checkpoint
 from tpkit.io.dcp import METADATA_FILE
 from tpkit.io.save import save_tensor_parallel
-from tpkit.parallelize import tp_state
+from tpkit.parallel.mesh import barrier, sync_rng
+from tpkit.state import tp_state
 
 __all__ = [
     "DCP_DIR",

@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from tpkit.dist.mesh import barrier, rank
 from tpkit.io import atomic
 from tpkit.io.build import instantiate, model_class
 from tpkit.io.dcp import (
@@ -40,6 +39,7 @@ from tpkit.io.dcp import (
     UnsafeCheckpointError,
     read_metadata,
 )
+from tpkit.parallel.mesh import barrier, rank
 
 __all__ = [
     "DCP_CHECKPOINT",

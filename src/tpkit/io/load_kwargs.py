@@ -177,6 +177,15 @@ def _from_distributed_config(dist: Any) -> dict[str, Any]:
         out["dp_size"], out["sharded"] = dist.fsdp_size, True
     if values.pop("enable_sequence_parallel", False):
         out["sequence_parallel"] = True
+    values.pop("enable_expert_parallel", None)  # transformers' mirror of ep_size > 1
+    ep = values.pop("ep_size", None)
+    ep_plan, ep_impl = values.pop("ep_plan", None), values.pop("ep_implementation", None)
+    if ep not in (None, 1):
+        out["ep_size"] = ep
+        if ep_impl not in (None, "auto"):
+            out["ep_implementation"] = ep_impl
+        if ep_plan:
+            out["ep_plan"] = dict(ep_plan)
     for name in _DIST_INERT - {"fsdp_plan"}:  # sizes: 1 / None is off; plans follow their size
         value = values.pop(name, None)
         if name.endswith("_size") and value not in (None, 1):
@@ -186,9 +195,9 @@ def _from_distributed_config(dist: Any) -> dict[str, Any]:
         raise ValueError(
             f"tpkit.from_pretrained: distributed_config sets {', '.join(sorted(refused))}, which "
             "tpkit has no counterpart for (it maps tp_size, tp_plan -> plan, fsdp_size -> dp_size "
-            "with FSDP2, enable_sequence_parallel -> sequence_parallel; it has no pipeline, "
-            "expert or hybrid-sharded parallelism, FSDP plan or CPU offload; for mixed precision "
-            "pass param_dtype=). Remove them."
+            "with FSDP2, enable_sequence_parallel -> sequence_parallel, ep_size, ep_plan and "
+            "ep_implementation; it has no pipeline or hybrid-sharded parallelism, FSDP plan or "
+            "CPU offload; for mixed precision pass param_dtype=). Remove them."
         )
     return out
 

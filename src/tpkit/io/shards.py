@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from tpkit.compat import StridedShard
-from tpkit.dist.mesh import dist_env
+from tpkit.parallel.mesh import dist_env
 from tpkit.plan import Plan, derive_plan, param_layout, param_layouts
 from tpkit.plan.layout import chunk_offset, chunk_sizes
 from tpkit.styles import placement_for

@@ -16,9 +16,9 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from tpkit.compat import StridedShard
-from tpkit.dist.mesh import dist_env
 from tpkit.io.safetensors import CheckpointIndex
 from tpkit.io.shards import local_ranges, local_slice, param_owners, set_local, tp_coords
+from tpkit.parallel.mesh import dist_env
 
 __all__ = ["move_buffers", "stream_buffers", "stream_params"]
 

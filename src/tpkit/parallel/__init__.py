@@ -1,7 +1,20 @@
-"""One module per parallelism, applied by `split` in mesh order.
+"""Every parallelism on the mesh, one module each, over the runtime they share.
 
-expert.py       expert parallelism: whole experts per rank, tokens sent to them
-expert_comm.py  its collectives: tokens to their experts' ranks and back (autograd)
+The runtime (nothing here knows about plans or models; the floor everything else stands on):
+
+    dims.py      ParallelDims: the run's sizes on named axes, checked once, from every spelling
+    mesh.py      process group and DeviceMesh (one dimension per axis); get_mesh; RNG sync
+    timeouts.py  TPKIT_TIMEOUT on every group, and a report naming the rank that never came
+    comm.py      Megatron's f / g / gather as autograd functions on local tensors
+    shm.py       the same-host shared-memory all-reduce and all-gather behind comm.py on CPU
+    expert_comm.py  expert parallelism's collectives: pairs to their experts' ranks and back
+
+Each parallelism, applied in mesh order by `tpkit.parallelize.split`:
+
+    tensor.py    tensor parallelism: the plan's styles on the TP mesh, with what rides on it
+    expert.py    expert parallelism: whole experts per rank of the EP mesh, tokens sent to them
+    sequence.py  sequence parallelism: norms and dropout split along the sequence (Megatron-SP)
+    fsdp.py      FSDP2 / HSDP over the data axes, after TP (torchtitan's order)
 """
 
 __all__: list[str] = []

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from tpkit.dist.comm import all_gather_parts, copy_to_tp, reduce_from_tp
+from tpkit.parallel.comm import all_gather_parts, copy_to_tp, reduce_from_tp
 
 __all__ = [
     "AllReduceDispatch",

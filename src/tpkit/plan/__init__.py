@@ -1,28 +1,46 @@
-"""Plans: which module gets which tensor-parallel style. Pure analysis, no process group.
+"""Plans: which module gets which tensor-parallel style, as data. Pure analysis, no process group.
 
-The stages, each a module, imports flowing one way (a module imports only those above it; the
-full ordered list, one line each, is the plan/ table of `docs/architecture.md`, which
-tests/test_docs.py holds to the imports):
+The plan's data sits here at the floor of the analysis (catalogue, spec, layout, fixups); the
+stages that make a plan stand on it in their own rooms, and the three that read a whole plan sit
+back here on top:
 
-    catalogue, spec, layout, fixups   what styles are, the Plan, which dims they split, fix-ups
-    inputs, fake, shadow              made-up inputs, fake-tensor forwards, made-up routing values
-    reductions, trace                 the dataflow between linear-like modules, reads across features
-    gathered, kvheads                 the gathered form, KV replication
-    settle, dryrun                    what a plan becomes at one tp; does a plan run at tp?
-    experts, ssm, hf, infer           plan sources: experts, Mamba mixers, transformers', inferred
-    fallback                          the per-layer fallback when nothing can be traced or paired
-    explain, validate, complete       a plan as a table, every check, what a derived plan leaves out
-    derive                            derive_plan: source, user entries, completion, then settle
+    plan/      catalogue, spec, layout, fixups   what styles are, the Plan, which dims they split
+    trace/     inputs, fake, shadow, reductions, trace   the model run on fake tensors
+    settle/    gathered, kvheads, settle, dryrun, complete   what a plan becomes at one tp
+    sources/   experts, ssm, attention, convs, hf, infer, fallback, untraced   where entries come from
+    plan/      table, checks, derive             a plan as a table (explain), every check (validate), derive_plan
+
+The data is imported here eagerly; the stages on top lazily (PEP 562), because they import the
+rooms that import this package's data: ``from tpkit.plan import derive_plan`` works as before.
 """
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from tpkit.plan.catalogue import StyleSpec, all_specs, canonical_style, register_spec, style_spec
-from tpkit.plan.derive import MODES, PlanLike, check_plan_arg, derive_plan
-from tpkit.plan.explain import collectives_per_forward, explain
-from tpkit.plan.hf import hf_plan
-from tpkit.plan.infer import infer_plan
 from tpkit.plan.layout import ParamLayout, local_shape, param_layout, param_layouts
 from tpkit.plan.spec import Group, Plan, Source, Target, matches
-from tpkit.plan.validate import problems, validate
+
+if TYPE_CHECKING:  # the lazy names below, for type checkers and linters
+    from tpkit.plan.checks import problems, validate
+    from tpkit.plan.derive import MODES, PlanLike, check_plan_arg, derive_plan
+    from tpkit.plan.table import collectives_per_forward, explain
+    from tpkit.sources.hf import hf_plan
+    from tpkit.sources.infer import infer_plan
+
+#: name -> the module above the data that defines it (imported on first use)
+_LAZY = {
+    "MODES": "tpkit.plan.derive",
+    "PlanLike": "tpkit.plan.derive",
+    "check_plan_arg": "tpkit.plan.derive",
+    "derive_plan": "tpkit.plan.derive",
+    "collectives_per_forward": "tpkit.plan.table",
+    "explain": "tpkit.plan.table",
+    "hf_plan": "tpkit.sources.hf",
+    "infer_plan": "tpkit.sources.infer",
+    "problems": "tpkit.plan.checks",
+    "validate": "tpkit.plan.checks",
+}
 
 __all__ = [
     "MODES",
@@ -50,3 +68,9 @@ __all__ = [
     "style_spec",
     "validate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tpkit.plan' has no attribute {name!r}")

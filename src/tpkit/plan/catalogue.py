@@ -59,7 +59,14 @@ class StyleSpec:
     collective: str = ""
     uneven_ok: bool = False
     own_entries: bool = False
+    #: the module is one region, whole input in and whole output out (``nn.MultiheadAttention``
+    #: by heads): the dry run runs it on whole weights, settling keeps its group as one
+    self_contained: bool = False
     aliases: tuple[str, ...] = ()
+    #: the mesh axis whose step applies it: "tp" (the tensor step, on the TP mesh) or "ep" (the
+    #: expert step, on the expert-parallel mesh: whole experts per rank; the tensor step leaves
+    #: the module and everything under it alone)
+    axis: str = "tp"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -88,7 +95,7 @@ _BUILTIN = (
         shard="out",
         uneven_ok=True,  # torch.chunk sizes; heads that tp does not divide are refused apart
         # transformers' "unit_colwise" (k/v split by whole heads, replicated where KV heads < tp):
-        # colwise already splits by heads, and plan/kvheads.py replicates KV heads fewer than tp
+        # colwise already splits by heads, and settle/kvheads.py replicates KV heads fewer than tp
         aliases=("local_colwise", "unit_colwise"),
     ),
     StyleSpec(
@@ -236,6 +243,7 @@ _BUILTIN = (
         shard="out",
         packed_parts=3,  # in_proj_weight / in_proj_bias; q/k/v_proj_weight and bias_k/v: 1
         collective="all_reduce",
+        self_contained=True,
     ),
     StyleSpec(
         "mha_functional",
@@ -244,6 +252,7 @@ _BUILTIN = (
         "colwise, out rowwise; never called): the call run on this rank's heads, its per-head "
         "mask sliced, output all-reduced",
         collective="all_reduce",
+        self_contained=True,
     ),
     StyleSpec(
         "vocab_parallel",
@@ -253,6 +262,22 @@ _BUILTIN = (
         collective="all_reduce",
         uneven_ok=True,
         aliases=("embedding_rowwise",),
+    ),
+    StyleSpec(
+        "ep_experts",
+        "whole",
+        "whole experts per EP rank: each routed (token, expert) pair computed on its expert's "
+        "rank (all-to-all, or all-reduce where the EP group holds one batch), summed per token",
+        collective="all_to_all",
+        axis="ep",
+    ),
+    StyleSpec(
+        "ep_grouped_experts",
+        "whole",
+        "whole experts per EP rank, their rows grouped by expert (JetMoE's grouped linears, "
+        "Llama-4's per-expert blocks): each expert's rows to its rank and back, or all-gathered",
+        collective="all_to_all",
+        axis="ep",
     ),
     StyleSpec(
         "moe_tp_experts",
@@ -363,7 +388,7 @@ def canonical_style(name: str) -> str:
         raise ValueError(
             "'sequence_parallel' is not a per-module style in tpkit: pass "
             "tensor_parallel(model, sequence_parallel=True), which shards the norms and residual "
-            "stream between blocks by sequence (tpkit.training.sequence_parallel)."
+            "stream between blocks by sequence (tpkit.parallel.sequence)."
         )
     if name not in _SPECS and not _derive(name):
         raise ValueError(

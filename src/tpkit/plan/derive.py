@@ -2,8 +2,8 @@
 
 The steps, in order: pick the source (transformers' plan when it names a layer and a tp=2 dry
 run passes with it, else the inferred plan, or what ``"config"`` / ``"infer"`` force), merge the
-user's entries over it, complete it (`tpkit.plan.complete`), and, given a tp size, settle it for
-that tp (`tpkit.plan.settle`: KV heads fewer than tp kept whole per rank, inferred groups tp does
+user's entries over it, complete it (`tpkit.settle.complete`), and, given a tp size, settle it for
+that tp (`tpkit.settle.settle`: KV heads fewer than tp kept whole per rank, inferred groups tp does
 not divide gathered where a dry run at tp runs them, else kept whole, with a note). Under
 "auto", transformers' plan is swapped for the inferred one at a tp that does not divide its
 heads. Pure: no process group, meta is fine.
@@ -19,7 +19,9 @@ from pathlib import Path
 from torch import nn
 
 from tpkit.plan.catalogue import style_spec
-from tpkit.plan.complete import (
+from tpkit.plan.layout import kind_of
+from tpkit.plan.spec import Plan, Source, matches
+from tpkit.settle.complete import (
     agree_tied,
     complete_grad_allreduce,
     complete_param_grads,
@@ -27,17 +29,15 @@ from tpkit.plan.complete import (
     complete_with_inferred,
     note_whole_params,
 )
-from tpkit.plan.dryrun import dry_run
-from tpkit.plan.fallback import fallback_plan, splits_anything
-from tpkit.plan.gathered import gather_reduced_pairs
-from tpkit.plan.hf import hf_plan
-from tpkit.plan.infer import infer_plan
-from tpkit.plan.inputs import input_embeddings, output_embeddings
-from tpkit.plan.layout import kind_of
-from tpkit.plan.settle import head_constraints, settle, settle_heads
-from tpkit.plan.spec import Plan, Source, matches
-from tpkit.plan.trace import reuse_traces, trace
-from tpkit.plan.untraced import complete_towers, complete_untraced_layers
+from tpkit.settle.dryrun import dry_run
+from tpkit.settle.gathered import gather_reduced_pairs
+from tpkit.settle.settle import head_constraints, settle, settle_heads
+from tpkit.sources.fallback import fallback_plan, splits_anything
+from tpkit.sources.hf import hf_plan
+from tpkit.sources.infer import infer_plan
+from tpkit.sources.untraced import complete_towers, complete_untraced_layers
+from tpkit.trace.inputs import input_embeddings, output_embeddings
+from tpkit.trace.trace import reuse_traces, trace
 
 __all__ = ["MODES", "PlanLike", "check_plan_arg", "derive_plan"]
 
@@ -91,12 +91,12 @@ def derive_plan(
     output and that no entry names (Apertus's xIELU activation) get
     ``replicated_with_grad_allreduce``, and a linear or embedding left whole whose weight is
     tied to a split one computes with the split (`complete_tied_layers`). With ``tp_size``,
-    the plan is settled for it (`tpkit.plan.settle`): inferred groups it does not divide are
+    the plan is settled for it (`tpkit.settle.settle`): inferred groups it does not divide are
     gathered where a dry run at that tp runs them, else left replicated, with a note; KV heads
     fewer than tp are kept whole per rank. ``example_inputs`` (a
     positional tuple or a kwargs dict) replaces the trace inputs made up from the model
-    (`tpkit.plan.inputs`). Under "auto", a model whose dataflow cannot be traced, or whose
-    inferred plan splits nothing, is split per layer (`tpkit.plan.fallback`), never refused.
+    (`tpkit.trace.inputs`). Under "auto", a model whose dataflow cannot be traced, or whose
+    inferred plan splits nothing, is split per layer (`tpkit.sources.fallback`), never refused.
     """
     check_plan_arg(plan)
     plan = "auto" if plan is None else plan
@@ -121,7 +121,7 @@ def derive_plan(
 
 
 def _untraced(model: nn.Module, plan: Plan, example, tp: int | None) -> None:
-    """What the model's trace never ran (`tpkit.plan.untraced`): each tower planned as the
+    """What the model's trace never ran (`tpkit.sources.untraced`): each tower planned as the
     model it is and joined under its path, then each other layer no entry names split per
     layer; nothing when the model cannot be traced (the per-layer fallback covers it all)."""
     try:
@@ -142,7 +142,7 @@ def _config_plan_at(model: nn.Module, plan: Plan, tp: int, example) -> Plan:
     """``plan`` (what "auto" chose), or the inferred plan when ``plan`` is transformers' and
     splits heads ``tp`` does not divide (Qwen2.5-0.5B's 14 heads at tp=4): transformers' entries
     are never rewritten, but the inferred plan's groups are, gathered where the heads do not
-    divide (`tpkit.plan.settle`), so "auto" still runs at that tp with the weights split. The
+    divide (`tpkit.settle.settle`), so "auto" still runs at that tp with the weights split. The
     heads are read as settling lays them out (KV heads fewer than tp kept whole need not
     divide)."""
     laid = plan.copy()
@@ -196,7 +196,7 @@ def _base_plan(model: nn.Module, example) -> Plan:
 
 def _source_plan(model: nn.Module, mode: str, example, tp: int | None = None) -> Plan:
     """The plan ``mode`` names. Under "auto", a model whose dataflow cannot be traced, or whose
-    inferred plan splits nothing, gets the per-layer fallback (`tpkit.plan.fallback`: each
+    inferred plan splits nothing, gets the per-layer fallback (`tpkit.sources.fallback`: each
     layer split on its own, its output gathered) instead of a refusal; "infer" still raises."""
     if mode in ("auto", "config"):
         plan = hf_plan(model)
@@ -386,7 +386,7 @@ def _complete_with_fallback(
 def _vocab_only_fallback(
     model: nn.Module, plan: Plan, untraced: bool, example, tp: int | None
 ) -> Plan:
-    """The per-layer fallback (`tpkit.plan.fallback`) in place of a transformers plan that
+    """The per-layer fallback (`tpkit.sources.fallback`) in place of a transformers plan that
     splits only the vocabulary when no inferred plan runs either: the model's layers would
     otherwise all stay whole (a default GLM-4V config, whose forward fails in its rotary,
     kept 88% of its weights whole). Each layer split on its own and gathered is exact whatever

@@ -3,7 +3,7 @@
 Model code reads sizes that tensor parallelism changes: ``self.num_heads`` in a reshape, GPT-2
 ``Conv1D.nf`` in a view, BLOOM's ``alibi`` built for every head outside the attention. A plan
 lists them per module pattern (``plan.fixups``); this module applies them, the same way for the
-real split (`tpkit.apply`, permanently) and for the dry run on fake tensors (`tpkit.plan.dryrun`,
+real split (`tpkit.parallel.tensor`, permanently) and for the dry run on fake tensors (`tpkit.settle.dryrun`,
 undone afterwards), and `tpkit plan` prints them:
 
 - ``divide``: integer attributes divided by tp (head counts, widths equal to a split width);
@@ -12,7 +12,7 @@ undone afterwards), and `tpkit plan` prints them:
   Derived from the plan's styles by one rule (`shard_width_fixups`, `FORWARD_WIDTH_ATTRS`)
   wherever fix-ups are applied or printed, so no plan source has to remember it;
 - ``set``: ``{attr: value}``: the attribute becomes ``value`` on every rank (one KV head per
-  rank when KV heads are replicated, `tpkit.plan.kvheads`);
+  rank when KV heads are replicated, `tpkit.settle.kvheads`);
 - ``head_inputs``: ``{"kw:alibi": 0}``: a per-head input computed outside the module is sliced
   to the rank's contiguous heads, along dim 0 (batch*heads) or dim 1 (heads);
 - ``head_buffers``: ``{"slope_rate": 0}``: the module's own per-head buffers (made at init

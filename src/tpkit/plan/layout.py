@@ -198,7 +198,7 @@ def tp_regions(model: nn.Module, plan: Plan) -> dict[str, list[str]]:
     """Tensor-parallel regions: each module whose children include column-parallel linears
     (``self_attn``, ``mlp``), with its row-parallel children, where the region's split
     activations end. Dropout differs across ranks inside a region (`tpkit.training.rng`); sequence
-    parallelism gathers the sequence at a region's entry (`tpkit.training.sequence_parallel`)."""
+    parallelism gathers the sequence at a region's entry (`tpkit.parallel.sequence`)."""
     styles = {t.name: t.style for t in plan.resolve(model) if t.kind == "module"}
     regions: dict[str, list[str]] = {}
     for name, style in styles.items():
@@ -283,7 +283,7 @@ class GroupedRows:
 
 def grouped_rows_hooks(module: nn.Module, tp: int, rank: int) -> list:
     """Forward hooks doing what ``conv_colwise_gather`` does to a grouped convolution's
-    shapes (`GroupedRows`), for the dry run (`tpkit.plan.dryrun`); none for another module."""
+    shapes (`GroupedRows`), for the dry run (`tpkit.settle.dryrun`); none for another module."""
     if not isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or module.groups == 1:
         return []
     rows, kernel, states = GroupedRows.of(module, tp, rank), module.weight.ndim - 2, []

@@ -9,7 +9,7 @@ Besides styles a plan carries, keyed by module pattern: the style's arguments (`
 per-rank fix-ups its modules' code needs (``fixups``, applied by `tpkit.plan.fixups`), why a module
 stays replicated (``notes``) and each inferred column/row group with the counts tp must divide
 (``groups``, typed `Group`s). Each entry records where it came from (`Source`). Pure data: no
-process group, no collectives; what a plan becomes at one tp size is `tpkit.plan.settle`'s.
+process group, no collectives; what a plan becomes at one tp size is `tpkit.settle.settle`'s.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ class Source(enum.StrEnum):
     USER = "user"  # the user's dict / Plan / YAML: never rewritten, validation reports it
     CONFIG = "config"  # transformers' base_model_tp_plan
     CLASS = "class"  # transformers' class-level _tp_plan (the output head)
-    INFERRED = "inferred"  # tpkit.plan.infer, from the traced dataflow: settled for tp
-    FALLBACK = "fallback"  # tpkit.plan.fallback, each layer on its own
+    INFERRED = "inferred"  # tpkit.sources.infer, from the traced dataflow: settled for tp
+    FALLBACK = "fallback"  # tpkit.sources.fallback, each layer on its own
 
     @classmethod
     def of(cls, value: str) -> Source:
@@ -54,7 +54,7 @@ class Source(enum.StrEnum):
 class Group:
     """One inferred group of modules split together (a column/row pair with what rides along:
     per-head norms, per-head parameters, depthwise convs, an MLA tail; a fused-experts module;
-    a Mamba mixer), so that settling (`tpkit.plan.settle`) changes it as one: gathered, or
+    a Mamba mixer), so that settling (`tpkit.settle.settle`) changes it as one: gathered, or
     kept whole, never half split.
 
     - ``modules``: its plan patterns (the column sources first, then the rows, then the rest);
@@ -135,7 +135,7 @@ class Plan(Mapping[str, str]):
       (dim 0 = batch*heads, dim 1 = heads);
     - ``notes``: why a module stays replicated (shown by `explain`);
     - ``groups``: each inferred group (`Group`) with the counts that must divide tp, so that
-      settling (`tpkit.plan.settle`) can gather a group that does not divide, or keep it
+      settling (`tpkit.settle.settle`) can gather a group that does not divide, or keep it
       whole, instead of failing.
     """
 

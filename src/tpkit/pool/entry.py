@@ -23,10 +23,9 @@ import torch
 from torch import nn
 
 from tpkit import config
+from tpkit.parallel.dims import SIZE_KEYWORDS, ParallelDims, sizes_of
 
 __all__ = [
-    "explain",
-    "explain_split",
     "inside_a_rank",
     "pool_from_pretrained",
     "pool_tensor_parallel",
@@ -43,35 +42,43 @@ def inside_a_rank() -> bool:
     return config.rank_given() or config.under_torchelastic()
 
 
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
-
-
-def pool_world(
-    device_ids: Sequence | None, tp_size: Any = None, dp_size: Any = None, mesh: Any = None
-) -> int | None:
-    """How many workers this call asks for, or None when it is not a pool's call (inside a
-    rank, a mesh given, fewer than two devices). Ill-typed sizes are left to the core's checks."""
-    if mesh is not None or inside_a_rank():
+def pool_world(device_ids: Sequence | None, options: Any) -> int | None:
+    """How many workers this call asks for (``options``: a `tpkit.state.TPOptions`), or None
+    when it is not a pool's call (inside a rank, a mesh given, fewer than two devices). The
+    sizes are resolved by `tpkit.parallel.dims.ParallelDims` (`ParallelDims.sizes`), the one
+    place that multiplies them; ill-typed sizes are left to the core's checks."""
+    if options.mesh is not None or inside_a_rank():
         return None
-    if any(v is not None and (type(v) is not int or v < 1) for v in (tp_size, dp_size)):
+    given = {k: getattr(options, k) for k in SIZE_KEYWORDS}
+    if options.distributed_config is not None:
+        given.update(sizes_of(options.distributed_config))
+    if any(v is not None and (type(v) is not int or v < 1) for v in given.values()):
         return None  # tp_size="2", 0, True: the core's own check names the fix
-    world = max(len(device_ids or ()), _int(tp_size) * _int(dp_size))
+    asked = 1
+    for key in ("tp_size", "dp_replicate_size", "dp_shard_size", "cp_size"):
+        asked *= given[key] or 1
+    if given["dp_replicate_size"] is None and given["dp_shard_size"] is None:
+        asked *= given["dp_size"] or 1
+    world = max(len(device_ids or ()), asked)
     if device_ids and len(device_ids) > 1 and world != len(device_ids):
         raise ValueError(
-            f"device_ids names {len(device_ids)} devices but tp_size={tp_size} x "
-            f"dp_size={dp_size or 1} asks for {world} workers; name one device per worker."
+            f"device_ids names {len(device_ids)} devices but the sizes ({_spelled(given)}) ask "
+            f"for {world} workers; name one device per worker."
         )
     if world < 2:
         return None
-    tp = _int(tp_size) if tp_size else world // _int(dp_size)
-    dp = _int(dp_size) if dp_size else world // tp
-    if tp * dp != world:
+    sizes = ParallelDims.sizes(world, sharded=options.sharded, **given)
+    product = sizes["dp_replicate"] * sizes["dp_shard"] * sizes["cp"] * sizes["tp"]
+    if product != world:
         raise ValueError(
-            f"tp_size={tp_size} x dp_size={dp_size} does not make {world} workers: "
-            f"use a tp_size that divides {world}, or name tp_size x dp_size devices."
+            f"{_spelled(given)} does not make {world} workers: use sizes whose product is "
+            f"{world}, or name as many devices as their product."
         )
     return world
+
+
+def _spelled(given: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in given.items() if v is not None) or "no sizes"
 
 
 def _device_env(device_ids: Sequence | None, world: int) -> dict[str, str]:
@@ -143,7 +150,7 @@ def pool_tensor_parallel(model: nn.Module, device_ids: Sequence | None, options:
     or None when the call is not a pool's. The model crosses once: a transformers model as its
     ``save_pretrained`` checkpoint (each worker streams only its slices), any other module
     saved whole with ``torch.save`` (its class must be importable by the workers)."""
-    world = pool_world(device_ids, options.tp_size, options.dp_size, options.mesh)
+    world = pool_world(device_ids, options)
     if world is None:
         return None
     env = _device_env(device_ids, world)
@@ -176,39 +183,28 @@ def _is_transformers_model(model: nn.Module) -> bool:
 
 
 def pool_from_pretrained(
-    path: str | os.PathLike, device_ids: Sequence | None, tp_options: dict, **load: Any
+    path: str | os.PathLike, device_ids: Sequence | None, named: dict, kwargs: dict
 ):
     """A `ModelHandle` (with ``output_loading_info``: ``(handle, info)``) for
-    ``from_pretrained(path, ...)`` outside torchrun, or None when the call is not a pool's."""
-    world = pool_world(device_ids, tp_options.get("tp_size"), tp_options.get("dp_size"))
+    ``from_pretrained(path, ...)`` outside torchrun, or None when the call is not a pool's.
+    ``named``: `tpkit.from_pretrained`'s own keywords; ``kwargs``: the rest (tensor_parallel's
+    options and transformers' keywords), sorted here as the rank would sort them."""
+    from tpkit.io.load_kwargs import sort_kwargs
+    from tpkit.state import TPOptions
+
+    tp_fields = [f.name for f in dataclasses.fields(TPOptions)]
+    merged = {**(named.get("config_kwargs") or {}), **kwargs}
+    call = sort_kwargs(merged, tp_fields, named.get("dtype"))
+    world = pool_world(device_ids, TPOptions.of(call.tp_options))
     if world is None:
         return None
     env = _device_env(device_ids, world)
     source = str(path)
     if os.path.exists(source):
         source = os.path.abspath(source)  # the workers resolve it, not the caller's cwd
-    handle = _start(world, ("pretrained", source, {**load, **tp_options}, None), env, device_ids)
-    return (handle, handle.loading_info) if load.get("output_loading_info") else handle
-
-
-def explain_split(model: nn.Module) -> str:
-    """The plan applied to ``model`` as `tpkit.explain` prints it (run on every worker)."""
-    from tpkit.parallelize import tp_state
-    from tpkit.plan import explain
-
-    state = tp_state(model)
-    if state is None:
-        return f"{type(model).__name__} was not split by tpkit."
-    return explain(state.plan, model, tp_size=state.tp_size)
-
-
-def explain(plan: Any, model: nn.Module | None = None, tp_size: int = 1) -> str:
-    """`tpkit.plan.explain`, and for a `ModelHandle` (``tpkit.explain(model)``) the plan its
-    workers applied. Without a model: the plan's entries; with one: the table ``tpkit plan``
-    prints (parameters, styles, global -> local shapes, bytes per rank, collectives)."""
-    from tpkit.plan import explain as explain_plan
-    from tpkit.pool.handle import ModelHandle
-
-    if isinstance(plan, ModelHandle):
-        return plan.explain()
-    return explain_plan(plan, model, tp_size)
+    load = {
+        k: v for k, v in kwargs.items() if k not in call.tp_options and k != "distributed_config"
+    }
+    spec = ("pretrained", source, {**named, **load, **call.tp_options}, None)
+    handle = _start(world, spec, env, device_ids)
+    return (handle, handle.loading_info) if named.get("output_loading_info") else handle

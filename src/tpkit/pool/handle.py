@@ -27,7 +27,7 @@ from tpkit.pool.protocol import MODEL, GradSlot, RemoteRef
 from tpkit.pool.worker import optimizer_for
 from tpkit.pool.workers import Pool
 
-__all__ = ["ModelHandle", "RemoteObject", "RemoteOptimizer", "optim"]
+__all__ = ["ModelHandle", "RemoteObject", "RemoteOptimizer", "explain_split", "optim"]
 
 
 class _Graph:
@@ -247,8 +247,6 @@ class ModelHandle(RemoteObject):
 
     def explain(self) -> str:
         """The plan the workers applied, as ``tpkit plan`` prints it (rank 0's)."""
-        from tpkit.pool.entry import explain_split
-
         return self._pool.request("run", (explain_split, (), {}))
 
     @property
@@ -289,3 +287,14 @@ def _close(pool: Pool, cleanup: Callable[[], None] | None) -> None:
 def optim(model: ModelHandle, cls: type, *args: Any, **kwargs: Any) -> RemoteOptimizer:
     """``tpkit.optim(model, torch.optim.AdamW, lr=...)``: `ModelHandle.optimizer`."""
     return model.optimizer(cls, *args, **kwargs)
+
+
+def explain_split(model: torch.nn.Module) -> str:
+    """The plan applied to ``model`` as `tpkit.explain` prints it (run on every worker)."""
+    from tpkit.plan.table import explain
+    from tpkit.state import tp_state
+
+    state = tp_state(model)
+    if state is None:
+        return f"{type(model).__name__} was not split by tpkit."
+    return explain(state.plan, model, tp_size=state.tp_size)

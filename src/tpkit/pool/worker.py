@@ -45,17 +45,19 @@ def build(spec: tuple) -> tuple[Any, Any]:
     """
     import torch
 
-    import tpkit
+    from tpkit.parallelize import parallelize
+    from tpkit.pretrained import from_pretrained
+    from tpkit.state import TPOptions
 
     kind, source, kwargs, training = spec
     info = None
-    if kind == "pretrained":
-        model = tpkit.from_pretrained(source, **kwargs)
+    if kind == "pretrained":  # a rank: the face's rank path, never another pool
+        model = from_pretrained(source, **kwargs)
         if kwargs.get("output_loading_info"):
             model, info = model
     else:
         model = torch.load(source, weights_only=False, mmap=True)
-        model = tpkit.tensor_parallel(model, **kwargs)
+        model = parallelize(model, None, TPOptions.of(kwargs))
     if training is not None:
         model.train(training)
     return model, info
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         threads = config.omp_num_threads()
         if threads is not None:
             torch.set_num_threads(threads)
-        from tpkit.dist.mesh import init_distributed
+        from tpkit.parallel.mesh import init_distributed
 
         init_distributed()
         Worker(conn, rank).serve()

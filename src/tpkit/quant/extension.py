@@ -33,7 +33,7 @@ from tpkit.quant.linear import install
 from tpkit.quant.pack import Packed4bit, Packed8bit, float_absmax, slice_4bit, slice_8bit
 
 if TYPE_CHECKING:
-    from tpkit.parallelize import TPOptions
+    from tpkit.state import TPOptions
 
 __all__ = ["QuantExtension", "bnb_linears", "shard_of"]
 

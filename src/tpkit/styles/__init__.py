@@ -4,12 +4,14 @@
     linear.py     colwise, packed colwise, gathered head, rowwise and its variants
     embedding.py  vocab-parallel embedding, per-head (column) embedding
     combined.py   modules split by their own entries (experts, all_reduce), partial gradients
+    expert.py     expert parallelism: whole experts per EP rank, tokens sent to them
     attention.py  nn.MultiheadAttention split by heads (its projections are bare parameters)
     conv.py       convolutions by channels: gathered, or paired colwise -> rowwise with the
                   BatchNorm / GroupNorm between them on the rank's channels
 
-`make_style` builds the style object for one module from its catalogue name and options;
-`register_style` adds a user style: its `StyleSpec` (what it is, for plans, validation and
+Each class that runs a built-in style is decorated `implements` where it is defined (binding it
+to its catalogue name), so importing this package binds them all; `make_style` builds the style
+object for one module from its catalogue name and options; `register_style` adds a user style: its `StyleSpec` (what it is, for plans, validation and
 loading) and its class (what it does).
 """
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tpkit.plan.catalogue import StyleSpec, bind, canonical_style, implementation, register_spec
+from tpkit.plan.catalogue import StyleSpec, canonical_style, implementation, register_spec
 from tpkit.styles.attention import FunctionalAttentionStyle, MultiheadAttentionStyle
 from tpkit.styles.base import (
     ParentSwap,
@@ -48,6 +50,7 @@ from tpkit.styles.embedding import (
     GatherColumnsEmbeddingStyle,
     VocabParallelStyle,
 )
+from tpkit.styles.expert import ExpertParallelStyle, GroupedExpertsStyle
 from tpkit.styles.linear import (
     ChannelwiseStyle,
     ColwiseStyle,
@@ -62,6 +65,8 @@ from tpkit.styles.linear import (
 )
 
 __all__ = [
+    "ExpertParallelStyle",
+    "GroupedExpertsStyle",
     "AllReduceStyle",
     "ChannelwiseStyle",
     "ColwiseEmbeddingStyle",
@@ -98,37 +103,6 @@ __all__ = [
     "register_style",
     "style_of",
 ]
-
-for _cls in (
-    ReplicateStyle,
-    ReplicateGradAllReduceStyle,
-    ColwiseStyle,
-    PackedColwiseStyle,
-    PackedQKVColwiseStyle,
-    ColwiseEmbeddingStyle,
-    GatherColumnsEmbeddingStyle,
-    GatherOutputStyle,
-    ConvGatherStyle,
-    ConvColwiseStyle,
-    ConvPackedColwiseStyle,
-    ConvRowwiseStyle,
-    NormChannelStyle,
-    RowwiseStyle,
-    PackedRowwiseStyle,
-    ReplicatedHeadsColwiseStyle,
-    RowwiseFeedsSplitStyle,
-    ChannelwiseStyle,
-    RowwiseSplitInputStyle,
-    VocabParallelStyle,
-    AllReduceStyle,
-    MoeExpertsStyle,
-    MoeIdentityExpertStyle,
-    MoeReducedInputStyle,
-    TailGradAllReduceStyle,
-    MultiheadAttentionStyle,
-    FunctionalAttentionStyle,
-):
-    bind(_cls.name, _cls)
 
 
 def make_style(name: str, **options: Any) -> TPStyle:

@@ -29,12 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tpkit.dist.comm import copy_to_tp, gather_from_tp, reduce_from_tp
-from tpkit.styles.base import TPStyle, style_of
+from tpkit.parallel.comm import copy_to_tp, gather_from_tp, reduce_from_tp
+from tpkit.styles.base import TPStyle, implements, style_of
 
 __all__ = ["FunctionalAttentionStyle", "MultiheadAttentionStyle", "heads_attention"]
 
 
+@implements
 class MultiheadAttentionStyle(TPStyle):
     """``nn.MultiheadAttention`` on this rank's heads (see the module docstring). Its
     ``out_proj`` must carry ``rowwise`` (the plan tpkit infers adds both entries)."""
@@ -116,6 +117,7 @@ class MultiheadAttentionStyle(TPStyle):
         )
 
 
+@implements
 class FunctionalAttentionStyle(TPStyle):
     """A module whose forward calls torch's ``multi_head_attention_forward`` on its child
     linears' weights (WavLM's attention: its gated relative position bias is the call's

@@ -4,7 +4,7 @@ A style keeps the module's class and ``forward``. Applied (``parallelize_module`
 `TPStyle._apply`), it turns the module's parameters into DTensors on the TP mesh (sharded as
 `tpkit.plan.layout` says, or ``Replicate()``), then adds a forward pre-hook that hands ``forward``
 the *local* shards (``DTensor.to_local``, so gradients flow back to the DTensor parameters) and
-Megatron's f/g collectives from `tpkit.dist.comm` around it.
+Megatron's f/g collectives from `tpkit.parallel.comm` around it.
 
 Why not torch's ``ColwiseParallel``/``RowwiseParallel`` as they are: they produce the same
 parameter layouts (``Shard(0)``/``Shard(1)``) but run every op of the module through DTensor
@@ -33,8 +33,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
 from tpkit.compat import StridedShard
-from tpkit.dist.comm import copy_to_tp
-from tpkit.plan.catalogue import StyleSpec, style_spec
+from tpkit.parallel.comm import copy_to_tp
+from tpkit.plan.catalogue import StyleSpec, bind, style_spec
 from tpkit.plan.layout import ParamLayout, param_layout
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "TPStyle",
     "distribute_param",
     "first_tensor",
+    "implements",
     "map_output",
     "placement_for",
     "read_directly",
@@ -160,11 +161,19 @@ def _grouped_mm_fallback(module: nn.Module) -> str:
     return ""
 
 
+def implements(cls: type) -> type:
+    """Class decorator: ``cls`` runs the catalogue's style ``cls.name`` (`tpkit.plan.catalogue`
+    says what that style is: its role, the dim it shards, its collective). A new built-in style
+    is its spec in the catalogue and its class here, decorated: nothing else to list."""
+    bind(cls.name, cls)
+    return cls
+
+
 class TPStyle(ParallelStyle):
     """Base: distribute the module's own parameters, run ``forward`` on their local shards.
 
     Options, fixed at construction: ``sp`` (the sequence-parallel state of the block this layer
-    sits in, `tpkit.training.sequence_parallel.SPState`; for a replicated layer outside the regions it
+    sits in, `tpkit.parallel.sequence.SPState`; for a replicated layer outside the regions it
     means its gradient is all-reduced while SP is active), ``compute_dtype`` (cast local
     parameters: FSDP2 mixed precision for parameters FSDP leaves out). Subclasses add their own.
     """
@@ -192,7 +201,7 @@ class TPStyle(ParallelStyle):
         self._nested_saved: list[list[tuple[nn.Module, str, DTensor]]] = []
         self.kernel_fallback = ""  # set at _apply: a kernel swapped for one that runs
         # own parameters whose gradient is all-reduced although the style's is not: a bare
-        # parameter the plan names ``replicated_with_grad_allreduce`` (`tpkit.apply.apply_plan`)
+        # parameter the plan names ``replicated_with_grad_allreduce`` (`tpkit.parallel.tensor.apply_plan`)
         self.allreduce_params: set[str] = set()
 
     @property
@@ -331,6 +340,7 @@ class TPStyle(ParallelStyle):
                 child._parameters[name] = p
 
 
+@implements
 class ReplicateStyle(TPStyle):
     """Replicated parameters (``Replicate()`` DTensors), local compute: Y = f(X; W)."""
 
@@ -339,6 +349,7 @@ class ReplicateStyle(TPStyle):
     nograd_identity = True
 
 
+@implements
 class ReplicateGradAllReduceStyle(TPStyle):
     """Replicated, acting on sharded activations (Qwen3's per-head ``q_norm``): each rank's
     gradient covers its heads only, so it is all-reduced (f on the local weight)."""
@@ -383,7 +394,7 @@ class LocalReplicated:
     again: optimizers, ``state_dict``, ``clip_grad_norm_``, FSDP2 and DCP see no change.
 
     Left to the module's own hooks: sharded parameters (a rank's shard read outside its module
-    would be a different number; the plan keeps such reads whole, `tpkit.plan.fallback`),
+    would be a different number; the plan keeps such reads whole, `tpkit.sources.fallback`),
     modules under sequence parallelism (whether their gradient is all-reduced is decided per
     block, at call time), parameters that are not ``Replicate()`` on the TP mesh when the
     forward starts (FSDP2's sharded ones, unsharded by their block's own hook), a forward

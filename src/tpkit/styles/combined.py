@@ -22,10 +22,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tpkit.dist.comm import copy_to_tp, reduce_from_tp
+from tpkit.parallel.comm import copy_to_tp, reduce_from_tp
 from tpkit.styles.base import (
     ReplicateGradAllReduceStyle,
     TPStyle,
+    implements,
     map_output,
     replace_first_tensor,
     style_of,
@@ -40,6 +41,7 @@ __all__ = [
 ]
 
 
+@implements
 class AllReduceStyle(TPStyle):
     """Y = g(f_inputs -> module): see the module docstring. transformers' ``all_reduce`` style
     has only the g, which leaves the inputs' gradients (the residual stream's, a router's
@@ -59,6 +61,7 @@ class AllReduceStyle(TPStyle):
         return map_output(output, lambda y: reduce_from_tp(y, self.group))
 
 
+@implements
 class MoeExpertsStyle(AllReduceStyle):
     """Experts whose weights are split by their own parameter entries (gate_up packed_colwise,
     down rowwise): every float input gets f, the summed output g. A replicated
@@ -118,6 +121,7 @@ class _NoGrad(torch.autograd.Function):
         return torch.zeros_like(grad)
 
 
+@implements
 class MoeReducedInputStyle(ReplicateGradAllReduceStyle):
     """A module with parameters inside ``moe_tp_experts`` that runs on the experts' summed
     output (Ergo's per-expert RMSNorm after each route's down projection): a norm of a partial
@@ -141,6 +145,7 @@ class MoeReducedInputStyle(ReplicateGradAllReduceStyle):
         return replace_first_tensor(args, kwargs, reduce)
 
 
+@implements
 class MoeIdentityExpertStyle(TPStyle):
     """A parameter-free expert (LongCat-Flash's zero-computation ``identity_expert``) inside
     ``moe_tp_experts``: every rank computes the same output and the experts' g sums tp copies,
@@ -152,6 +157,7 @@ class MoeIdentityExpertStyle(TPStyle):
         return replace_first_tensor(args, kwargs, lambda x: x / self.tp)
 
 
+@implements
 class TailGradAllReduceStyle(TPStyle):
     """Replicated; output [head part | tail] with the tail's gradient all-reduced (f). MLA's
     ``kv_a_proj_with_mqa`` outputs [kv latent | rope key]: the latent feeds a column-parallel

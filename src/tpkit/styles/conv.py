@@ -9,7 +9,7 @@
   whatever code follows: each output channel is one rank's whole sum, and the input gradient (a
   sum over output channels) is all-reduced by f. The per-layer fallback's conv style.
 - ``conv_colwise`` (`ConvColwiseStyle`): the same split, the output left split on the channel
-  dim for the convolution it pairs with (`tpkit.plan.convs`). A transposed convolution's
+  dim for the convolution it pairs with (`tpkit.sources.convs`). A transposed convolution's
   weight is ``[in, out / groups, *kernel]``: its output channels are dim 1
   (`tpkit.plan.layout.param_layout`).
 - ``conv_packed_colwise`` (`ConvPackedColwiseStyle`): ``conv_colwise`` on output channels
@@ -41,9 +41,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from tpkit.dist.comm import gather_from_tp
+from tpkit.parallel.comm import gather_from_tp
 from tpkit.plan.layout import GroupedRows, chunk_sizes
-from tpkit.styles.base import TPStyle, map_output, replace_first_tensor
+from tpkit.styles.base import TPStyle, implements, map_output, replace_first_tensor
 from tpkit.styles.linear import ColwiseStyle, RowwiseStyle
 
 __all__ = [
@@ -79,6 +79,7 @@ def _channel_dim(y: torch.Tensor, kernel_dims: int) -> int:
     return y.ndim - kernel_dims - 1  # 1 for a batch, 0 for an unbatched input
 
 
+@implements
 class ConvGatherStyle(ColwiseStyle):
     """Y = [conv(X, W_0), ..., conv(X, W_t-1)] along the channel dim (see the module doc).
 
@@ -88,7 +89,7 @@ class ConvGatherStyle(ColwiseStyle):
     gradient is whole), and the padded channels dropped before the gather
     (`tpkit.plan.layout.GroupedRows`, which the dry run runs too). The style runs a depthwise
     convolution the same way when a plan names it, but tpkit's own plans leave one read whole
-    whole (`tpkit.plan.convs.not_gathered`: a kernel per channel is not worth an all-gather).
+    whole (`tpkit.sources.convs.not_gathered`: a kernel per channel is not worth an all-gather).
     A forward that raises puts the weight shard and ``groups`` back all the same: the output
     hook is always called."""
 
@@ -132,6 +133,7 @@ class ConvGatherStyle(ColwiseStyle):
         return whole if last_layout else whole.contiguous()
 
 
+@implements
 class ConvColwiseStyle(ColwiseStyle):
     """Y_i = conv(X, W_i) + b_i: this rank's output channels, left split for the paired
     ``conv_rowwise``; f on X (each rank's input gradient is a partial sum over its channels)."""
@@ -142,6 +144,7 @@ class ConvColwiseStyle(ColwiseStyle):
         _check_conv(self, module, transposed_ok=True)
 
 
+@implements
 class ConvPackedColwiseStyle(ConvColwiseStyle):
     """``conv_colwise`` with the output channels split per packed half (the catalogue's
     ``packed_parts=2`` lays the weight and bias out as two strided parts): this rank's
@@ -150,6 +153,7 @@ class ConvPackedColwiseStyle(ConvColwiseStyle):
     name = "conv_packed_colwise"
 
 
+@implements
 class ConvRowwiseStyle(RowwiseStyle):
     """Y = sum_i conv(X_i, W_i) + b: the rank's input channels, partial sums all-reduced, the
     bias added once after the reduction, on the channel dim (see the module doc)."""
@@ -172,6 +176,7 @@ class ConvRowwiseStyle(RowwiseStyle):
         return super()._reduce_output(output, bias)
 
 
+@implements
 class NormChannelStyle(TPStyle):
     """BatchNorm / GroupNorm on the rank's channels (see the module doc). GroupNorm's
     ``num_groups`` is divided by the plan's fix-up; BatchNorm's statistics are per channel, so

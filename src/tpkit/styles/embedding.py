@@ -27,14 +27,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tpkit.dist.comm import copy_to_tp, reduce_from_tp
+from tpkit.parallel.comm import copy_to_tp, reduce_from_tp
 from tpkit.plan.layout import chunk_offset, chunk_sizes
-from tpkit.styles.base import TPStyle, map_output, replace_first_tensor
+from tpkit.styles.base import TPStyle, implements, map_output, replace_first_tensor
 from tpkit.styles.linear import ColwiseStyle, GatherOutputStyle
 
 __all__ = ["ColwiseEmbeddingStyle", "GatherColumnsEmbeddingStyle", "VocabParallelStyle"]
 
 
+@implements
 class VocabParallelStyle(TPStyle):
     """See the module docstring; ``padding_idx`` becomes this rank's local row (or None)."""
 
@@ -165,12 +166,14 @@ def _bind_embedding(args: tuple, kwargs: dict) -> dict[str, Any]:
     return out
 
 
+@implements
 class ColwiseEmbeddingStyle(ColwiseStyle):
     """See the module docstring."""
 
     name = "colwise_embedding"
 
 
+@implements
 class GatherColumnsEmbeddingStyle(GatherOutputStyle):
     """See the module docstring. The ids need no f; float inputs (``per_sample_weights``) get
     it, since each rank's gradient for them covers only its columns."""

@@ -36,7 +36,7 @@ from tpkit.parallel.expert_comm import (
     GroupedAllToAll,
 )
 from tpkit.plan.layout import REPLICATED, ParamLayout
-from tpkit.styles.base import RECORD, TPStyle, distribute_param, map_output
+from tpkit.styles.base import RECORD, TPStyle, distribute_param, implements, map_output
 
 __all__ = ["IMPLEMENTATIONS", "ExpertParallelStyle", "GroupedExpertsStyle", "routed_call"]
 
@@ -81,6 +81,20 @@ def _put(args: tuple, kwargs: dict, values: dict) -> tuple[tuple, dict]:
     return tuple(args), kwargs
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient multiplied by ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+@implements
 class ExpertParallelStyle(TPStyle):
     """Whole experts per EP rank, each pair computed where its expert lives (module docstring).
 
@@ -101,9 +115,11 @@ class ExpertParallelStyle(TPStyle):
         count_attrs: tuple[str, ...] = (),
         implementation: str = "auto",
         batch_mesh: DeviceMesh | None = None,
+        grad_scale: float = 1.0,
         **options: Any,
     ) -> None:
         super().__init__(**options)
+        self.grad_scale = float(grad_scale)
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"ep_implementation={implementation!r}: use one of {', '.join(IMPLEMENTATIONS)}."
@@ -228,7 +244,10 @@ class ExpertParallelStyle(TPStyle):
             p = owner._parameters[pname]
             if isinstance(p, DTensor):
                 saved[(id(owner), pname)] = (owner, pname, p)
-                owner._parameters[pname] = self._local(p, grad, name)
+                local = self._local(p, grad, name)
+                if grad and p.requires_grad and self.grad_scale != 1.0:
+                    local = _ScaleGrad.apply(local, self.grad_scale)
+                owner._parameters[pname] = local
         attrs = {}
         for dotted in self.count_attrs:
             owner_name, _, attr = dotted.rpartition(".")
@@ -247,6 +266,7 @@ class ExpertParallelStyle(TPStyle):
                 owner.__dict__[attr] = value
 
 
+@implements
 class GroupedExpertsStyle(ExpertParallelStyle):
     """Experts that take their rows already grouped by expert: ``experts(x [N, in], sizes)``
     with ``sizes[e]`` rows of expert e in expert order (JetMoE's grouped linears), or, with

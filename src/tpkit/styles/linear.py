@@ -20,9 +20,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from tpkit.dist.comm import copy_to_tp, gather_from_tp, reduce_from_tp
+from tpkit.parallel.comm import copy_to_tp, gather_from_tp, reduce_from_tp
 from tpkit.plan.layout import chunk_offset, chunk_sizes, param_layout
-from tpkit.styles.base import TPStyle, first_tensor, map_output, replace_first_tensor
+from tpkit.styles.base import TPStyle, first_tensor, implements, map_output, replace_first_tensor
 
 __all__ = [
     "ColwiseStyle",
@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 
+@implements
 class ColwiseStyle(TPStyle):
     """Y_i = X W_i: this rank's output features; f on X (identity forward, gradient all-reduced:
     each rank's input gradient is a partial sum over its columns). Under sequence parallelism
@@ -65,6 +66,7 @@ class ColwiseStyle(TPStyle):
         return replace_first_tensor(args, kwargs, lambda x: copy_to_tp(x, self.group))
 
 
+@implements
 class PackedColwiseStyle(ColwiseStyle):
     """Colwise on a fused [gate; up]: each of the 2 parts split separately (strided), so the
     code's ``chunk(2)`` still pairs this rank's gate rows with its up rows."""
@@ -73,6 +75,7 @@ class PackedColwiseStyle(ColwiseStyle):
     nograd_identity = True
 
 
+@implements
 class PackedQKVColwiseStyle(ColwiseStyle):
     """Colwise on a fused [q; k; v] (GPT-2's ``c_attn``): each of the 3 parts split separately."""
 
@@ -80,8 +83,9 @@ class PackedQKVColwiseStyle(ColwiseStyle):
     nograd_identity = True
 
 
+@implements
 class ReplicatedHeadsColwiseStyle(ColwiseStyle):
-    """KV heads fewer than tp (`tpkit.plan.kvheads`): the weight stays whole on every rank and
+    """KV heads fewer than tp (`tpkit.settle.kvheads`): the weight stays whole on every rank and
     this rank computes only KV head ``rank * heads // tp``, the one its query heads read. f on
     X as in colwise; the weight's gradient is all-reduced, since the tp / heads ranks sharing
     a head each add their own queries' share (the others add zeros to its rows)."""
@@ -112,6 +116,7 @@ class ReplicatedHeadsColwiseStyle(ColwiseStyle):
             params["bias"] = params["bias"].narrow(0, self.start, self.width)
 
 
+@implements
 class GatherOutputStyle(ColwiseStyle):
     """Y = [X W_0, ..., X W_t-1]: output features split, then all-gathered along the last dim
     (uneven splits exact: GPT-2's 50257-token vocabulary). With ``loss_parallel`` (training
@@ -145,6 +150,7 @@ class GatherOutputStyle(ColwiseStyle):
         )
 
 
+@implements
 class RowwiseStyle(TPStyle):
     """Y = sum_i X_i W_i + b: this rank's input features, partial sums all-reduced (g), the bias
     added once after the reduction (not on every rank before it). Under sequence parallelism the
@@ -206,6 +212,7 @@ class RowwiseStyle(TPStyle):
         return map_output(output, reduce)
 
 
+@implements
 class PackedRowwiseStyle(RowwiseStyle):
     """Rowwise with the input features split per packed part (2, strided): transposed fused
     experts' ``gate_up_proj``, named by raw dims as in transformers' plans."""
@@ -213,6 +220,7 @@ class PackedRowwiseStyle(RowwiseStyle):
     name = "packed_rowwise"
 
 
+@implements
 class RowwiseFeedsSplitStyle(RowwiseStyle):
     """Rowwise whose reduced output is then read by every rank's own channels (Mamba's
     ``x_proj`` -> dt, B, C): each rank's gradient for it is partial, so f follows g."""
@@ -224,6 +232,7 @@ class RowwiseFeedsSplitStyle(RowwiseStyle):
         return map_output(reduced, lambda y: copy_to_tp(y, self.group))
 
 
+@implements
 class ChannelwiseStyle(TPStyle):
     """This rank's channels in and out, no collective (a depthwise conv, a per-channel
     projection on split activations): parameters split by output channel, and its parent may
@@ -234,6 +243,7 @@ class ChannelwiseStyle(TPStyle):
     nograd_identity = True
 
 
+@implements
 class RowwiseSplitInputStyle(RowwiseStyle):
     """Rowwise on a replicated input (transformers' ``rowwise_split_input``): f, then this
     rank's slice of the input's last dim, then the rowwise product and g."""

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from tpkit.dist.comm import all_reduce_
+from tpkit.parallel.comm import all_reduce_
 from tpkit.plan.layout import chunk_offset
 
 __all__ = ["causal_lm_loss", "enable_loss_parallel", "vocab_parallel_cross_entropy"]

@@ -27,7 +27,7 @@ Anything else on the way (a norm or grouped convolution before the GLU, a second
 ``chunk`` of the channels, a reshape or flatten, a reduction over the channels: ConvNeXt's
 LayerNorm after its permute to channels-last, a residual add with a whole tensor, a linear, the
 model's output, a second use of one module) breaks the pair: A goes back to the per-layer
-fallback (``conv_colwise_gather``, `tpkit.plan.fallback`). Several convolutions reading one
+fallback (``conv_colwise_gather``, `tpkit.sources.fallback`). Several convolutions reading one
 split output (branches) all take ``conv_rowwise``.
 
 Two kinds of convolution that no pair takes are still split by output channels and gathered
@@ -47,13 +47,13 @@ per-layer rules keep them whole:
   channels, so a rank's input-channel slice would be standardized by other numbers. A
   subclass the probe does not pass (a transform over the whole weight) stays whole.
 
-Why a trace of its own: `tpkit.plan.trace` follows linear-like modules' features on the last
+Why a trace of its own: `tpkit.trace.trace` follows linear-like modules' features on the last
 dim; a convolution's channels are dim 1 (0 unbatched) and what may ride between a pair is a
 short allow-list, so this is a separate, smaller tagger on the same fake-tensor forward
-(`tpkit.plan.fake`). Pairing is decided by a fixpoint: a convolution whose pair breaks is
+(`tpkit.trace.fake`). Pairing is decided by a fixpoint: a convolution whose pair breaks is
 excluded and the trace run again, so its own consumer may become a column layer in its turn.
 
-Inference (`tpkit.plan.infer`) adds the pairs of a model whose linears it splits too
+Inference (`tpkit.sources.infer`) adds the pairs of a model whose linears it splits too
 (`conv_pairs` with ``groups``: one `tpkit.plan.spec.Group` per pair, the counts tp must divide
 being the grouped convolutions' and GroupNorms' groups), so a conformer's convolution module is
 split with its attention and feed-forward; the per-layer fallback uses the same pairs.
@@ -75,10 +75,10 @@ from torch.nn.utils.parametrize import is_parametrized
 from torch.overrides import TorchFunctionMode
 
 from tpkit.compat import FakeTensorMode, tree_flatten
-from tpkit.plan.fake import fake_inputs, meta_state, quiet_fake_tensors
 from tpkit.plan.layout import chunk_sizes
-from tpkit.plan.reductions import reduced_dims
-from tpkit.plan.shadow import ShadowValues, needs_values
+from tpkit.trace.fake import fake_inputs, meta_state, quiet_fake_tensors
+from tpkit.trace.reductions import reduced_dims
+from tpkit.trace.shadow import ShadowValues, needs_values
 
 __all__ = [
     "MIN_GATHER_CHANNELS",

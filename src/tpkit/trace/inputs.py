@@ -15,8 +15,8 @@ an audio-LLM's features, feature mask and as many placeholders as its tower give
 an index argument that a config's list of names sizes (X-MOD's ``lang_ids``) is given too.
 Pure: meta tensors and small CPU integer tensors; the one forward run here is an audio-LLM's
 audio features on fake tensors, once per model, to count its placeholders
-(`_audio_tokens`, under `tpkit.plan.shadow.ShadowValues`: the mask's lengths are read).
-A trace that fails on these inputs falls back per layer (`tpkit.plan.fallback`).
+(`_audio_tokens`, under `tpkit.trace.shadow.ShadowValues`: the mask's lengths are read).
+A trace that fails on these inputs falls back per layer (`tpkit.sources.fallback`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch import nn
 
 from tpkit.compat import FakeTensorMode
 from tpkit.plan.layout import in_width, kind_of
-from tpkit.plan.shadow import ShadowValues, given_value, keep_value
+from tpkit.trace.shadow import ShadowValues, given_value, keep_value
 
 __all__ = [
     "GRID_IMAGE",
@@ -288,8 +288,8 @@ def _grid_inputs(
     the config names them, and ``mm_token_type_ids`` marking them where the forward takes it.
     The grid, ids and token types are small CPU tensors: their code reads their values (the
     rotary positions per image, the attention's per-image lengths, the placeholder count), so
-    the fake forward is given them (`tpkit.plan.fake.fake_inputs` keeps the values of integer
-    inputs for `tpkit.plan.shadow.ShadowValues`). {} for any other model, or where the vision
+    the fake forward is given them (`tpkit.trace.fake.fake_inputs` keeps the values of integer
+    inputs for `tpkit.trace.shadow.ShadowValues`). {} for any other model, or where the vision
     config lacks a patch size."""
     placeholder = next(
         (
@@ -401,8 +401,8 @@ def _audio_tokens(
     ``get_audio_features`` (its ``pooler_output``: Voxtral stacks four frames per feature
     there), else of its audio tower (the module built from ``config.audio_config``:
     Qwen2-Audio scatters the tower's output itself). The masks keep their values
-    (`tpkit.plan.shadow.keep_value`) and the forward runs under
-    `tpkit.plan.shadow.ShadowValues`, so the valid frames a model selects are the ones its own
+    (`tpkit.trace.shadow.keep_value`) and the forward runs under
+    `tpkit.trace.shadow.ShadowValues`, so the valid frames a model selects are the ones its own
     length formula gives, as in the trace's forward: GLM-ASR reshapes its tower's output by the
     audio config's ``intermediate_size`` but counts valid frames with a fixed merge of 4, and
     keeps only the rows the mask's lengths allow (taking every row gave 32 placeholders per
@@ -447,7 +447,7 @@ def _signature(fn: Any) -> dict[str, inspect.Parameter]:
 @contextlib.contextmanager
 def _fake_state(model: nn.Module, fake: Any) -> Iterator[None]:
     """Every parameter and buffer of ``model`` swapped for a fake meta tensor of its shape
-    inside the block (the measurement of `_audio_tokens`; `tpkit.plan.fake.meta_state` does
+    inside the block (the measurement of `_audio_tokens`; `tpkit.trace.fake.meta_state` does
     the same for the trace, which runs later and imports this module)."""
     saved = []
     for mod in model.modules():

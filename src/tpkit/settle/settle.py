@@ -4,9 +4,9 @@ A derived plan splits what the dataflow allows; at a given tp some of it cannot 
 
 - an attention with fewer KV heads than tp (2 at tp=4, MQA's 1 at tp=2): each KV head is kept
   whole on the tp / kv ranks whose queries read it (`settle_heads`; the rewrite is
-  `tpkit.plan.kvheads`), when tp is a multiple of the KV heads and divides the query heads;
+  `tpkit.settle.kvheads`), when tp is a multiple of the KV heads and divides the query heads;
 - an inferred group whose counts tp does not divide (3 heads at tp=2, 12 at tp=8): gathered
-  (`tpkit.plan.gathered`: weights still split, column outputs all-gathered, the code between
+  (`tpkit.settle.gathered`: weights still split, column outputs all-gathered, the code between
   on whole activations, so no count needs to divide) where a dry run at tp says the model runs
   so, else kept whole with a note (`settle_groups`);
 - a group the model's code cannot run split at all (a global head count read where no fix-up
@@ -19,7 +19,7 @@ error for validation to report. Only inferred groups are settled.
 
 Settling asks, it does not simulate: every "does this run?" goes to the ``dry_run`` callable
 it is given (``(plan, tp) -> None`` when the model runs, else the error in brief;
-`tpkit.plan.dryrun.dry_run` bound to the model and its inputs). The dry run in turn lays a
+`tpkit.settle.dryrun.dry_run` bound to the model and its inputs). The dry run in turn lays a
 plan out as settling would before any trial (`lay_out`), so both agree. Pure: no process group.
 """
 
@@ -30,13 +30,12 @@ from typing import NamedTuple
 
 from torch import nn
 
-from tpkit.plan.attention import SELF_CONTAINED
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.fixups import HEAD_ATTRS, WIDTH_ATTRS
-from tpkit.plan.gathered import gather_group
-from tpkit.plan.kvheads import KV_ATTRS, replicate_kv_heads
 from tpkit.plan.layout import in_width, kind_of, param_layouts
 from tpkit.plan.spec import Group, Plan, Source, matches
+from tpkit.settle.gathered import gather_group
+from tpkit.settle.kvheads import KV_ATTRS, replicate_kv_heads
 
 __all__ = [
     "WHOLE_STYLES",
@@ -81,7 +80,7 @@ def settle(model: nn.Module, plan: Plan, tp: int, dry_run: DryRun) -> None:
 def settle_heads(model: nn.Module, plan: Plan, tp: int) -> list[str]:
     """Attentions with fewer KV heads than ``tp``, where tp is a multiple of them and divides
     the query heads: their K/V projections become ``colwise_replicated_heads`` (one whole KV
-    head per rank, `tpkit.plan.kvheads`) instead of a refusal; returns the attentions changed.
+    head per rank, `tpkit.settle.kvheads`) instead of a refusal; returns the attentions changed.
     Where the condition fails the KV counts stay in their group's counts, and `settle_groups`
     settles the group."""
     return replicate_kv_heads(model, plan, tp)
@@ -146,7 +145,7 @@ def keep_whole(plan: Plan, group: Group, why: str, model: nn.Module | None = Non
 def gather_instance(
     model: nn.Module, plan: Plan, group: Group, why: str, packed: bool = True
 ) -> bool:
-    """`tpkit.plan.gathered.gather_group` for one group, written out per layer first
+    """`tpkit.settle.gathered.gather_group` for one group, written out per layer first
     (`materialise`); a packed column layer counts as a plain one here, since its output is
     gathered whole (any cut of the fused rows is exact then, whatever its parts; not with
     ``packed=False``: inference's tp=2 search keeps such groups whole, as it always has).
@@ -287,7 +286,7 @@ def constraints(model: nn.Module, plan: Plan, per_owner: bool = False) -> list[C
     for owner, label, count in _head_constraints(model, plan, per_owner):
         out.append(Constraint(owner, owner, label, count))
     for t in plan.resolve(model):  # an attention split by heads: whole heads per rank
-        if t.kind == "module" and t.style in SELF_CONTAINED:
+        if t.kind == "module" and style_spec(t.style).self_contained:
             heads = getattr(model.get_submodule(t.name), "num_heads", None)
             if isinstance(heads, int):
                 out.append(Constraint(t.name, t.name, f"num_heads={heads}", heads))
@@ -397,7 +396,7 @@ def fewest_replicated(model: nn.Module, plan: Plan, dry_run: DryRun, tp: int = 2
     each noted with the error. A reshape that does not fit is first tried with the heads
     merged to the rank's width (`merge_heads`). Groups are replicated one more at a time
     (attention groups first) until the dry run passes, then each is given back its split if it
-    still passes; last, each one left whole is gathered instead (`tpkit.plan.gathered`) where
+    still passes; last, each one left whole is gathered instead (`tpkit.settle.gathered`) where
     that runs."""
     error = dry_run(plan, tp)
     if error is None:

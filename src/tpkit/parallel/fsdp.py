@@ -1,6 +1,6 @@
 """FSDP2 over the "dp" mesh dimension, after tensor parallelism over "tp" (torchtitan's order).
 
-``fully_shard`` is applied to every repeated block (`tpkit.plan.trace.repeated_blocks`) and then
+``fully_shard`` is applied to every repeated block (`tpkit.trace.trace.repeated_blocks`) and then
 to the root, so each block's parameters are gathered just before it runs and freed after.
 Parameters that are already DTensors on the TP mesh become 2D DTensors (``(Shard(0), <tp
 placement>)``); FSDP2 unshards them back to TP DTensors for forward, which the styles' local
@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tpkit.compat import StridedShard
 from tpkit.plan import Plan, param_layouts
-from tpkit.plan.trace import repeated_blocks
+from tpkit.trace.trace import repeated_blocks
 
 __all__ = [
     "apply_fsdp",
@@ -134,7 +134,11 @@ def apply_fsdp(
     The strided 1-D TP parameters stay out of FSDP (module docstring); a trainable one gets its
     gradient averaged over dp by a hook as it is produced.
     """
-    ignored = {p for p in model.parameters() if strided_1d(p)}
+    # and parameters whose dp averaging another step installed (expert weights under expert
+    # parallelism without replicas to shard over: `tpkit.parallel.expert.expert_data_parallel`)
+    ignored = {
+        p for p in model.parameters() if strided_1d(p) or getattr(p, "_tpkit_dp_averaged", False)
+    }
     average_grads_over_dp(ignored, dp_mesh)  # a frozen base (PEFT) has nothing to average
     kwargs = dict(
         mesh=dp_mesh,

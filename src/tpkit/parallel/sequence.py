@@ -35,11 +35,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from tpkit.dist.comm import all_gather_parts, all_reduce_
+from tpkit.parallel.comm import all_gather_parts, all_reduce_
 from tpkit.plan import Plan, style_spec
 from tpkit.plan.layout import tp_regions
-from tpkit.plan.trace import repeated_blocks
 from tpkit.styles.base import map_output
+from tpkit.trace.trace import repeated_blocks
 
 __all__ = ["SPState", "SequenceParallel"]
 

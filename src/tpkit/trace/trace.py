@@ -7,14 +7,14 @@ hidden states entering each repeated block (the elements of the outermost ``nn.M
 the *residual stream*. Per linear-like module the trace records (`Node`): which linears or the
 stream feed it, who consumes its output, whether it writes into the stream, whether its whole
 output is needed somewhere, and how its features are split or sliced afterwards (packed parts,
-uneven cuts, per-head reshapes). `tpkit.plan.infer` turns that into column/row pairs.
+uneven cuts, per-head reshapes). `tpkit.sources.infer` turns that into column/row pairs.
 
 A module of the model's own with a 2-D ``weight`` that its forward hands to ``F.linear`` /
 ``F.embedding`` (I-BERT's ``QuantLinear``) is a linear-like module from that call on
 (`_Tracer._functional_layer`). What each tensor was computed from is kept too, so that a
 linear none of whose output reaches the model's output is marked (`Node.dead`).
 
-It runs the model as the dry run does (`tpkit.plan.fake`), with tags added.
+It runs the model as the dry run does (`tpkit.trace.fake`), with tags added.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tpkit.compat import FakeTensorMode, tree_flatten
-from tpkit.plan.fake import (
+from tpkit.plan.layout import kind_of, out_width
+from tpkit.trace.fake import (
     example_inputs,
     fake_friendly_experts,
     fake_inputs,
@@ -40,10 +41,9 @@ from tpkit.plan.fake import (
     trace_batch,
     trace_one_row,
 )
-from tpkit.plan.inputs import text_only, unflattened_patches
-from tpkit.plan.layout import kind_of, out_width
-from tpkit.plan.reductions import reduced_dims
-from tpkit.plan.shadow import ShadowValues, needs_values
+from tpkit.trace.inputs import text_only, unflattened_patches
+from tpkit.trace.reductions import reduced_dims
+from tpkit.trace.shadow import ShadowValues, needs_values
 
 __all__ = [
     "STREAM",
@@ -77,16 +77,16 @@ class Node:
     ids_first: bool = False  # an embedding that looks up exactly its first input (its ids)
     read_outside: bool = False  # its weight is computed with outside its own forward
     # per part of its first uneven cut (`cuts`), the linear-like modules that part's values reach
-    # before another linear: which consumer reads which part (`tpkit.plan.infer`'s tails)
+    # before another linear: which consumer reads which part (`tpkit.sources.infer`'s tails)
     cut_reach: list[set[str]] = field(default_factory=list)
-    reduced: str = ""  # an op that reads across its split features ("" = none; see `tpkit.plan.reductions.REDUCTIONS`)
+    reduced: str = ""  # an op that reads across its split features ("" = none; see `tpkit.trace.reductions.REDUCTIONS`)
     # bare parameters (held by modules that are not linear-like) whose values meet its output
     # broadcast over the split features with no linear in between (MLCD's ``class_pos_emb``
     # in the rotary cos/sin that multiply each head's queries): a rank's gradient for them
-    # covers its heads only (`tpkit.plan.complete.complete_param_grads`)
+    # covers its heads only (`tpkit.settle.complete.complete_param_grads`)
     partial_params: set[str] = field(default_factory=set)
     # no value of its output reaches the model's output (MRA's key and value on a machine
-    # without its attention kernel, which returns zeros): `tpkit.plan.infer` splits it with
+    # without its attention kernel, which returns zeros): `tpkit.sources.infer` splits it with
     # its siblings, exact whatever its shards hold
     dead: bool = False
 
@@ -210,7 +210,7 @@ class _Tracer(TorchFunctionMode):
         # token's row): followed only to find reductions over the features (`_reduction`)
         self.seen: dict[int, tuple[str, int, bool]] = {}
         # tensors whose features dim is one head's (a [.., 1, head_dim] view of a single KV
-        # head): reductions over it stay within the head, which plan/kvheads.py keeps whole
+        # head): reductions over it stay within the head, which settle/kvheads.py keeps whole
         self.one_head: set[int] = set()
         # tensor -> the bare parameters whose values reach it with no linear-like module in
         # between (`Node.partial_params`)
@@ -413,7 +413,7 @@ class _Tracer(TorchFunctionMode):
         ``visual_embeddings_table``: ``F.embedding(ids, self.weight.T)`` for its indicator
         tokens) reads it by input features, which a row split cuts: each rank would look up
         ids in its own rows only (an IndexError, or another id's row with no error). It is
-        marked read outside its forward, so it stays whole (`tpkit.plan.infer`)."""
+        marked read outside its forward, so it stays whole (`tpkit.sources.infer`)."""
         name = getattr(func, "__name__", "")
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         views = ("__get__", "t", "transpose")
@@ -472,9 +472,9 @@ class _Tracer(TorchFunctionMode):
         node.needs_whole = node.needs_whole or node.reduced
 
     def _reduction(self, name: str, args: tuple, kwargs: Mapping, outs: list) -> bool:
-        """A reduction or selection (`tpkit.plan.reductions.REDUCTIONS`) of a linear's output: over its features it
+        """A reduction or selection (`tpkit.trace.reductions.REDUCTIONS`) of a linear's output: over its features it
         reads across ranks once they are split, so the linear's output is needed whole (the
-        pair is gathered: `tpkit.plan.gathered`); over other dims (a mean over the sequence)
+        pair is gathered: `tpkit.settle.gathered`); over other dims (a mean over the sequence)
         the features' dim is followed into the result. Within a head (a softmax over keys, a
         per-head norm over ``head_dim`` after the reshape to heads) it is exact when whole heads
         live on one rank: only the dim holding the heads counts as the features' then. True
@@ -508,7 +508,7 @@ class _Tracer(TorchFunctionMode):
     def _functional_mha(self, args: tuple, kwargs: dict) -> None:
         """Which child linears a module hands torch's ``multi_head_attention_forward`` as its
         separate q / k / v and output weights (WavLM's attention reads them there, never calling
-        them): `tpkit.plan.attention` splits such a call by heads."""
+        them): `tpkit.sources.attention` splits such a call by heads."""
         call = dict(zip(_MHA_ARGS, args, strict=False)) | kwargs
         if not call.get("use_separate_proj_weight"):  # in_proj_weight is ignored then
             return
@@ -901,11 +901,11 @@ def _fake_trace(model: nn.Module, example: tuple | Mapping | None) -> dict[str, 
 
 def _text_only(model: nn.Module, first: Exception) -> dict[str, Any]:
     """Trace again on the ids alone where the made-up inputs fed a multimodal model's towers
-    (`tpkit.plan.inputs.text_only`: images or audio its code does not take as made up): the
+    (`tpkit.trace.inputs.text_only`: images or audio its code does not take as made up): the
     towers stay whole, the language model is still split, as before towers were traced. From
     then on the model's made-up inputs (the dry run's too) keep to the text. The first error
     is what a user sees if the text alone fails too, or if there were no tower inputs. A grid
-    VLM's patches are tried unflattened first (`tpkit.plan.inputs.unflattened_patches`)."""
+    VLM's patches are tried unflattened first (`tpkit.trace.inputs.unflattened_patches`)."""
     with contextlib.suppress(Exception), unflattened_patches(model) as grid:
         if grid:
             return _fake_trace(model, None)

@@ -3,7 +3,7 @@
 A multimodal model's plan comes from one trace of the whole model on made-up inputs. Where its
 tower inputs cannot be made (an audio tower whose feature length a default config's own
 formula rejects, a vision tower that takes pre-flattened patches and a grid), the trace runs on
-the text alone (`tpkit.plan.inputs`, ``text_only``), and the towers, never called, get no
+the text alone (`tpkit.trace.inputs`, ``text_only``), and the towers, never called, get no
 entry: Voxtral's 637M-parameter audio tower, MOSS-Transcribe's, GIT's vision encoder stayed
 whole at full size (shares 0.51-0.86). transformers builds its plans the same way per
 sub-model (`init_parallel_plans`): each tower is a model of its own, with its own config and
@@ -20,7 +20,7 @@ the trace of the whole model would have said so, and such a tower was called by 
 
 Layers outside such towers that the trace never ran and no entry names (Longformer's
 global-attention projections, used only under a global mask) take the per-layer fallback's
-split (`tpkit.plan.fallback`: whole input, output gathered): exact whatever code runs around
+split (`tpkit.sources.fallback`: whole input, output gathered): exact whatever code runs around
 them. Only those styles: a paired split needs a trace of the pair. Not tables: a table's
 weight is often read without a call (a vision tower's position table, interpolated to the
 image grid), and a split one read so is a DTensor amid plain tensors.

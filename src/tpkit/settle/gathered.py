@@ -8,7 +8,7 @@ transformers' plans do this by hand where a layer reads the full width (OLMo-2's
 / ``rowwise_rep`` around a q_norm over all heads); here a group falls back to it whenever its
 split cannot run or would not be exact: a norm over the split features (BitNet's
 ``ffn_sub_norm``), any reduction or selection over them (a mean and std, softmax, top-k, a
-cumulative sum, a ``.tolist()``: `tpkit.plan.reductions.REDUCTIONS`; Gemma-3n's sparse MLP), an unequal packed
+cumulative sum, a ``.tolist()``: `tpkit.trace.reductions.REDUCTIONS`; Gemma-3n's sparse MLP), an unequal packed
 split (Mamba-2's ``in_proj`` -> z | x | B | C | dt), heads cut into groups (Falcon's multi-query
 ``query_key_value``), features indexed one by one (Moshi's ``fc1``), a global head count read where
 no fix-up reaches (a dry run's error).
@@ -37,7 +37,7 @@ from torch import nn
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.layout import kind_of
 from tpkit.plan.spec import Group, Plan, matches
-from tpkit.plan.trace import STREAM, Node, generic, trace
+from tpkit.trace.trace import STREAM, Node, generic, trace
 
 __all__ = ["GATHERED", "gather_group", "gather_reduced_pairs", "gathered_pairs"]
 
@@ -147,7 +147,7 @@ def gather_group(model: nn.Module, plan: Plan, group: Group, why: str) -> bool:
 
 def gather_reduced_pairs(model: nn.Module, plan: Plan, example: Any = None) -> list[str]:
     """Gather (in place) every column/row pair of ``plan`` whose column output the model's code
-    reduces over its split features (`tpkit.plan.trace.Node.reduced`): on a rank's part a mean,
+    reduces over its split features (`tpkit.trace.trace.Node.reduced`): on a rank's part a mean,
     a norm or a top-k is a wrong number with no error. Plain ``colwise`` / ``rowwise`` members
     become ``colwise_gather_output`` / ``rowwise_split_input`` (exact, weights still split);
     a pair with any other split style is replicated. Per layer: a model that reduces in some

@@ -23,11 +23,11 @@ from __future__ import annotations
 from torch import nn
 
 from tpkit.plan.catalogue import style_spec
-from tpkit.plan.dryrun import dry_run
 from tpkit.plan.layout import kind_of, param_layout, param_layouts, param_styles
-from tpkit.plan.settle import group_instances, keep_whole
 from tpkit.plan.spec import Group, Plan, Source, matches
-from tpkit.plan.trace import trace
+from tpkit.settle.dryrun import dry_run
+from tpkit.settle.settle import group_instances, keep_whole
+from tpkit.trace.trace import trace
 
 __all__ = [
     "agree_tied",
@@ -134,7 +134,7 @@ def complete_grad_allreduce(model: nn.Module, plan: Plan, example=None) -> Plan:
 def complete_param_grads(model: nn.Module, plan: Plan, example=None) -> Plan:
     """Add a parameter entry ``replicated_with_grad_allreduce`` for each bare parameter whose
     values meet the split output of a column layer of the final ``plan`` with no linear in
-    between, broadcast over the split (`tpkit.plan.trace.Node.partial_params`): MLCD's
+    between, broadcast over the split (`tpkit.trace.trace.Node.partial_params`): MLCD's
     ``class_pos_emb`` becomes part of the rotary cos/sin that multiply each head's queries, so
     each rank's gradient for it covers that rank's heads only. Without the all-reduce the
     output is exact but the gradient is not, with no error (0.72 off at tp=2), and the
@@ -153,7 +153,7 @@ def complete_param_grads(model: nn.Module, plan: Plan, example=None) -> Plan:
         return plan
     nodes, params = info["nodes"], dict(model.named_parameters(remove_duplicate=False))
     # what reaches the heads through a per-head input the fix-ups slice (CPM-Ant's position
-    # bias) is summed by the slice's own all-reduce (`tpkit.apply.apply_plan`): not again
+    # bias) is summed by the slice's own all-reduce (`tpkit.parallel.tensor.apply_plan`): not again
     sliced: set[str] = set()
     for module, keys in info.get("input_params", {}).items():
         for key in plan.fixups_for(module).get("head_inputs", {}):
@@ -334,7 +334,7 @@ def agree_tied(model: nn.Module, plan: Plan) -> Plan:
     agree by splitting both names; what is left (a holder with no whole style of that layout,
     a group settling kept whole at this tp beside a twin it did not) is replicated: an entry
     of a whole style (``colwise_gather_output``, ``vocab_parallel``...) or a parameter entry
-    directly, a column or row layer with its inferred group (`tpkit.plan.settle.keep_whole`),
+    directly, a column or row layer with its inferred group (`tpkit.settle.settle.keep_whole`),
     each with a note. A transformers entry in no inferred group cannot be replicated alone
     (its partner would get a split input) and is left to validation, as a user's is."""
     owners: dict[int, list[str]] = {}

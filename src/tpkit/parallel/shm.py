@@ -3,7 +3,7 @@
 gloo's all-reduce of a decode step's few KiB costs ~1 ms on a loaded CPU host (a TCP round trip
 plus hand-offs to gloo's worker thread on every rank), and ~2 ms for a training step's 200 KiB of
 bfloat16 activations; a block issues 2 forward and 2 backward. When every rank of a gloo group runs
-on one host, the collectives of tpkit's layers on plain CPU tensors (`tpkit.dist.comm`: forward and
+on one host, the collectives of tpkit's layers on plain CPU tensors (`tpkit.parallel.comm`: forward and
 backward, with or without grad) go through a shared-memory buffer instead: each rank writes its
 part to its slot, posts one byte to every peer's pipe, waits for the peers' bytes, and sums (or
 takes the max, or gathers) the slots in rank order, so every rank gets the same bits. A tensor
@@ -22,7 +22,7 @@ Safety, in order:
   for the whole group, on every rank.
 - Every later choice depends only on what is the same on every rank of a TP group: the tensor's
   device, type, dtype, byte size and layout (TP ranks hold the same shapes), the op, and whether
-  torch.compile is tracing (a traced graph calls `tpkit.dist.comm`'s ``tpkit::`` ops, which decide
+  torch.compile is tracing (a traced graph calls `tpkit.parallel.comm`'s ``tpkit::`` ops, which decide
   when they run, as here). `set_shm_enabled` must be called on every rank alike.
 - Calls happen in program order, as gloo's must: the same on every rank. Under autograd that
   holds too: the engine runs a CPU graph's backward on the thread that called ``backward()``, in
@@ -51,7 +51,7 @@ from torch.distributed import ProcessGroup
 
 from tpkit import config
 from tpkit.compat import group_timeout
-from tpkit.dist.timeouts import tpkit_timeout
+from tpkit.parallel.timeouts import tpkit_timeout
 
 __all__ = [
     "OP_NAMES",
@@ -396,7 +396,7 @@ def _channel_for(
 def shm_ready(group_name: str) -> bool:
     """Whether the group named ``group_name`` has agreed on shared memory and the path is on: no
     collective, a dict lookup that torch.compile can trace (a compiled graph then calls the
-    ``tpkit::`` ops of `tpkit.dist.comm`, which decide again, eagerly, on every call)."""
+    ``tpkit::`` ops of `tpkit.parallel.comm`, which decide again, eagerly, on every call)."""
     return _READY.get(group_name, False) and _STATE["on"]
 
 

@@ -28,11 +28,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tpkit.plan.experts import EXPERT_ATTRS
-from tpkit.plan.spec import matches
+from tpkit.plan.catalogue import style_spec
+from tpkit.plan.spec import Plan, Source, matches
+from tpkit.sources.experts import EXPERT_ATTRS
 
 __all__ = [
     "ExpertEntry",
+    "check_expert_sizes",
+    "chunk_sizes",
+    "expert_targets",
+    "place_experts",
     "config_ep_patterns",
     "expert_count",
     "expert_modules",
@@ -132,10 +137,14 @@ def config_ep_patterns(model: nn.Module) -> list[str]:
     return out
 
 
-def expert_modules(model: nn.Module) -> tuple[dict[str, ExpertEntry], dict[str, str]]:
-    """Every routed experts module of ``model`` (outermost first; nothing inside a taken one),
-    and, for each module with an expert count that EP leaves alone, why."""
-    named = config_ep_patterns(model)
+def expert_modules(
+    model: nn.Module, ep_plan: list[str] | None = None
+) -> tuple[dict[str, ExpertEntry], dict[str, str]]:
+    """Every experts module of ``model`` EP can place (outermost first; nothing inside a taken
+    one), and, for each module a plan names that EP leaves alone, why. ``ep_plan``: more
+    module patterns named for EP (a ``DistributedConfig(ep_plan=...)``'s), beside the model's
+    own ``base_model_ep_plan``: they too must keep the contract the probe checks."""
+    named = [*config_ep_patterns(model), *(ep_plan or [])]
     entries: dict[str, ExpertEntry] = {}
     notes: dict[str, str] = {}
     probed: dict[tuple, str] = {}  # one probe per kind of module, not per layer
@@ -253,10 +262,10 @@ def probe_grouped(mod: nn.Module, e: int, blocks: bool) -> str:
                 rows = x[sum(sizes[:lo]) : sum(sizes[:hi])]
                 extra = () if blocks else (sizes[lo:hi],)
                 parts.append(_run(mod, local, {a: hi - lo for a in attrs}, rows, *extra))
+            total = torch.cat(parts)
         except Exception as exc:  # noqa: BLE001 - any failure means "not this contract"
             why = f"probe failed: {type(exc).__name__}: {str(exc)[:120]}"
             continue
-        total = torch.cat(parts)
         if full.shape == total.shape and bool(
             (full - total).abs().max() <= 1e-4 * max(1.0, float(full.abs().max()))
         ):
@@ -271,6 +280,7 @@ def probe_routed(mod: nn.Module, e: int) -> str:
     experts, a few times, on the CPU."""
     params = dict(mod.named_parameters())
     why = "its forward is not (hidden, expert ids, routing weights) -> per-token sum of pairs"
+    ran = False
     for width in _width(mod, params):
         shapes = _probe_shapes(params, e, width, expert_params(mod, e))
         if shapes is None:
@@ -279,10 +289,12 @@ def probe_routed(mod: nn.Module, e: int) -> str:
         try:
             ok = _probe_once(mod, pe, width, shape_of, scale, expert_params(mod, e))
         except Exception as exc:  # noqa: BLE001 - any failure means "not this contract"
-            why = f"probe failed: {type(exc).__name__}: {str(exc)[:120]}"
+            if not ran:  # a width that runs says more than one that does not
+                why = f"probe failed: {type(exc).__name__}: {str(exc)[:120]}"
             continue
         if ok:
             return ""
+        ran = True
         why = "the halves of its experts do not add up to the whole (a probe on random weights)"
     return why
 
@@ -375,3 +387,139 @@ def _swapped(mod: nn.Module, weights: dict[str, torch.Tensor], attrs: dict[str, 
     finally:
         for store, key, value in reversed(saved):
             store[key] = value
+
+
+def chunk_sizes(n: int, parts: int) -> list[int]:
+    """torch.chunk's sizes of ``n`` over ``parts`` (DTensor's ``Shard``): the experts each EP
+    rank holds."""
+    chunk = -(-n // parts)
+    return [max(0, min(chunk, n - r * chunk)) for r in range(parts)]
+
+
+def _style_and_args(entry: ExpertEntry) -> tuple[str, dict]:
+    args = {
+        "num_experts": entry.num_experts,
+        "params": list(entry.params),
+        "count_attrs": list(entry.count_attrs),
+    }
+    if entry.kind == "routed":
+        return "ep_experts", args
+    return "ep_grouped_experts", {**args, "blocks": entry.kind == "blocks"}
+
+
+def _generic(name: str) -> str:
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def place_experts(
+    model: nn.Module, plan: Plan, entries: dict[str, ExpertEntry] | None = None
+) -> Plan:
+    """``plan`` with each experts module EP places (``entries``, by default `expert_modules`)
+    given its EP style (``ep_experts`` / ``ep_grouped_experts``, its numbers as arguments;
+    one pattern per kind, ``*`` for layer indices, where it names exactly those modules), and
+    every entry, fix-up, note and group that named only it or what is under it taken out: the
+    tensor step leaves those modules alone, so a split of their experts' widths (DBRX's
+    ``ffn_hidden_size`` divided by tp) must not be applied either."""
+    entries = expert_modules(model)[0] if entries is None else dict(entries)
+    targets = plan.resolve(model)
+    for _ in range(2):  # an experts module whose TP group reaches outside it stays with TP
+        inside = lambda n: any(n == e or n.startswith(f"{e}.") for e in entries)  # noqa: E731
+        hits: dict[str, list[bool]] = {}
+        for t in targets:
+            hits.setdefault(t.pattern, []).append(inside(t.name))
+        torn = [n for n in entries if _torn(plan, hits, n, model)]
+        if not torn:
+            break
+        for n in torn:
+            entries.pop(n)
+    if not entries:
+        return plan
+    out = Plan()
+    for pattern in plan:
+        if hits.get(pattern) and all(hits[pattern]):
+            continue
+        out.set(pattern, plan[pattern], plan.source(pattern), plan.args.get(pattern))
+    names = [n for n, _ in model.named_modules()]
+    for key, fix in plan.fixups.items():
+        matched = [n for n in names if matches(key, n)]
+        if not matched or not any(inside(n) for n in matched):
+            out.fixups[key] = dict(fix)
+        else:  # a pattern over EP'd and other modules: kept for the others, by name
+            out.fixups.update({n: dict(fix) for n in matched if not inside(n)})
+    out.notes.update({k: v for k, v in plan.notes.items() if k not in hits or not all(hits[k])})
+    out.groups.extend(g for g in plan.groups if any(p in out for p in g.modules))
+    by_pattern: dict[str, list[ExpertEntry]] = {}
+    for name, entry in entries.items():
+        by_pattern.setdefault(_generic(name), []).append(entry)
+    for pattern, group in by_pattern.items():
+        kinds = {_style_and_args(e)[0] + repr(_style_and_args(e)[1]) for e in group}
+        covered = {n for n in names if matches(pattern, n)} == {e.name for e in group}
+        for e in group if len(kinds) > 1 or not covered else group[:1]:
+            style, args = _style_and_args(e)
+            key = e.name if len(kinds) > 1 or not covered else pattern
+            source = Source.CONFIG if e.source == "config" else Source.INFERRED
+            out.set(key, style, source, args)
+    return out
+
+
+def _torn(plan: Plan, hits: dict[str, list[bool]], name: str, model: nn.Module) -> bool:
+    """Does a TP group of ``plan`` hold both a pattern naming only what is in or under the
+    experts module ``name`` and one naming modules elsewhere (JetMoE's attention experts,
+    split by heads with the key/value projection beside them)? Placing such experts whole
+    would leave the rest of their group split for heads they no longer split."""
+    for group in plan.groups:
+        mine = [
+            p
+            for p in group.modules
+            if hits.get(p) and all(hits[p]) and any(matches(p, n) for n in _under(model, name))
+        ]
+        if mine and any(hits.get(p) and not all(hits[p]) for p in group.modules):
+            return True
+    return False
+
+
+def _under(model: nn.Module, name: str) -> list[str]:
+    """``name`` and the module and parameter names under it."""
+    module = model.get_submodule(name)
+    out = [name]
+    out += [f"{name}.{n}" for n, _ in module.named_modules() if n]
+    out += [f"{name}.{n}" for n, _ in module.named_parameters()]
+    return out
+
+
+def expert_targets(model: nn.Module, plan: Plan) -> dict[str, tuple[str, dict]]:
+    """Module name -> (EP style, its arguments) of every module ``plan`` gives an EP style."""
+    return {
+        t.name: (t.style, plan.args_for(t.pattern))
+        for t in plan.resolve(model)
+        if t.kind == "module" and style_spec(t.style).axis == "ep"
+    }
+
+
+def check_expert_sizes(model: nn.Module, plan: Plan, ep: int) -> None:
+    """Every size problem of placing ``plan``'s experts over ``ep`` ranks, as one ValueError
+    (raised on every rank alike, before any collective): an expert count that leaves a rank
+    no expert (torch.chunk of E over ep leaves the last ranks empty), and experts stored as
+    blocks of rows (``[E * F, H]``) that ep does not divide (a chunk would cut an expert)."""
+    problems = []
+    for name, (_, args) in expert_targets(model, plan).items():
+        e = int(args["num_experts"])
+        sizes = chunk_sizes(e, ep)
+        if min(sizes) == 0:
+            fits = [d for d in range(1, e + 1) if min(chunk_sizes(e, d)) > 0]
+            problems.append(
+                f"{name}: {e} experts over ep={ep} gives ranks {sizes} experts (torch.chunk), "
+                f"so a rank would hold none; use an ep_size among {fits}"
+            )
+            continue
+        params = dict(model.get_submodule(name).named_parameters())
+        blocks = [n for n in args.get("params", ()) if n in params and params[n].shape[0] > e]
+        if blocks and e % ep:
+            problems.append(
+                f"{name}: {blocks[0]} stores its {e} experts as blocks of rows; ep={ep} does not "
+                f"divide {e}, so a rank's chunk would cut an expert; use an ep_size dividing {e}"
+            )
+    if problems:
+        raise ValueError(
+            "expert parallelism cannot place these experts:\n  " + "\n  ".join(problems)
+        )

@@ -13,7 +13,7 @@ gloo's ~1 ms per small collective, which the shared-memory path below removes.
   logits). Handles torch.chunk-style uneven splits (e.g. GPT-2's 50257-token vocabulary).
 
 Every all-reduce and all-gather here (forward and backward, with or without grad) of a plain
-contiguous CPU tensor on a one-host gloo group takes the shared-memory path (`tpkit.dist.shm`: measured 2-15x
+contiguous CPU tensor on a one-host gloo group takes the shared-memory path (`tpkit.parallel.shm`: measured 2-15x
 faster than gloo, from a decode step's KiB to tens of MiB) unless
 ``torch.distributed.all_reduce`` / ``all_gather`` has been replaced by a wrapper (a profiler, a
 test's counter): then they go through the wrapper so it sees every collective. Wrap on every rank
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from tpkit.compat import resolve_process_group
-from tpkit.dist.shm import OP_NAMES, shm_all_gather, shm_all_reduce, shm_gather_last, shm_ready
+from tpkit.parallel.shm import OP_NAMES, shm_all_gather, shm_all_reduce, shm_gather_last, shm_ready
 
 __all__ = ["all_gather_parts", "all_reduce_", "copy_to_tp", "gather_from_tp", "reduce_from_tp"]
 
@@ -49,7 +49,7 @@ def all_reduce_(
     t: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
 ) -> torch.Tensor:
     """All-reduce ``t`` over ``group`` and return the result: in place through shared memory
-    where that applies (`tpkit.dist.shm`: one host, gloo, a plain contiguous CPU tensor, SUM or MAX),
+    where that applies (`tpkit.parallel.shm`: one host, gloo, a plain contiguous CPU tensor, SUM or MAX),
     else through the process group; always the process group while ``dist.all_reduce`` is
     wrapped. Use the returned tensor: while torch.compile traces, it is a new one (the graph calls
     the ``tpkit::all_reduce`` op, so a compiled model keeps the fast path)."""
@@ -84,7 +84,7 @@ def _compiled_fast(x: torch.Tensor, group: ProcessGroup) -> bool:
 
 
 # The shared-memory collectives as custom ops, opaque to torch.compile: a traced graph cannot
-# run tpkit.dist.shm's pipes and buffers, but it can call these, and each call decides as an eager one.
+# run tpkit.parallel.shm's pipes and buffers, but it can call these, and each call decides as an eager one.
 @torch.library.custom_op("tpkit::all_reduce", mutates_args=())
 def _all_reduce_op(x: torch.Tensor, group_name: str, op: str) -> torch.Tensor:
     return all_reduce_(x.contiguous().clone(), resolve_process_group(group_name), _OPS[op])

@@ -16,7 +16,7 @@ unsharded values:
   exact at any tp), unless it pairs:
   convolutions whose channels reach another convolution only through per-channel ops
   (activations, pooling, BatchNorm, GroupNorm and grouped convolutions tp divides) are split
-  like a column/row pair instead, one all-reduce per pair (`tpkit.plan.convs`), transposed
+  like a column/row pair instead, one all-reduce per pair (`tpkit.sources.convs`), transposed
   convolutions included.
 
 Weights and matmul work are still divided by tp; each layer costs one collective, so this is the
@@ -37,11 +37,11 @@ from collections.abc import Collection, Mapping
 from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
-from tpkit.plan.attention import mha_splits
-from tpkit.plan.convs import CONVS, conv_pairs, not_gathered, shared_params, splittable_conv
-from tpkit.plan.experts import fused_experts
 from tpkit.plan.layout import kind_of, out_width, param_layouts
 from tpkit.plan.spec import Plan
+from tpkit.sources.attention import mha_splits
+from tpkit.sources.convs import CONVS, conv_pairs, not_gathered, shared_params, splittable_conv
+from tpkit.sources.experts import fused_experts
 
 __all__ = ["MIN_PER_RANK", "SOURCE", "fallback_plan", "splits_anything"]
 
@@ -72,7 +72,7 @@ def fallback_plan(
     ``tp_size`` (2 when unknown) decides which layers are too small to split;
     ``read_outside`` names layers a trace saw computed with outside their own forward (a
     weight read directly elsewhere sees only this rank's part), which stay whole. Convolution
-    pairs (`tpkit.plan.convs`) are found on a fake forward with ``example`` (the trace inputs,
+    pairs (`tpkit.sources.convs`) are found on a fake forward with ``example`` (the trace inputs,
     else made up) and take the paired styles; a model that cannot be traced pairs none."""
     tp = tp_size if tp_size and tp_size > 1 else 2
     shared = shared_params(model) - _tied_tables(model, tp)
@@ -153,7 +153,7 @@ _ROW_STYLES = ("colwise_gather_output", "vocab_parallel")
 
 def _experts_styles(mod: nn.Module, tp: int, shared: set[int]) -> tuple[dict, str | None]:
     """({parameter: style}, None) for transformers' fused experts to split along each
-    expert's intermediate width (`tpkit.plan.experts.fused_experts`: their input whole, their
+    expert's intermediate width (`tpkit.sources.experts.fused_experts`: their input whole, their
     output a partial sum all-reduced, so exact whatever code runs around them, as a gathered
     layer is); ({}, why) for fused experts left whole; ({}, None) for any other module. Left
     whole: modules with parameters inside the experts (no trace says they read only the
@@ -199,7 +199,7 @@ def _style(mod: nn.Module, tp: int, shared: set[int]) -> tuple[str | None, str |
     if kind in _CONVS:
         # a grouped one too: each rank's rows padded to whole groups, its input narrowed to
         # them (`tpkit.plan.layout.GroupedRows`), exact whether or not tp divides the groups;
-        # depthwise and too few rows per rank decided as for `tpkit.plan.convs`' gathers
+        # depthwise and too few rows per rank decided as for `tpkit.sources.convs`' gathers
         why = not_gathered(mod, tp)
         return (None, why) if why else ("conv_colwise_gather", None)
     bag = kind == "bag"

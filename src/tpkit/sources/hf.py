@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from tpkit.plan.inputs import input_embeddings, output_embeddings
 from tpkit.plan.spec import Plan, Source, matches
+from tpkit.trace.inputs import input_embeddings, output_embeddings
 
 __all__ = ["hf_plan"]
 

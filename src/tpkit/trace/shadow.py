@@ -73,8 +73,8 @@ def keep_value(fake: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
     a placeholder count, GLM-ASR's valid frames) then reads these values under `ShadowValues`
     instead of zeros, which would not match the shapes of the other inputs. Returns ``fake``.
     Float inputs are never kept: their values steer no shape, and a large one would hold
-    memory for nothing. Here, not in `tpkit.plan.inputs`, so that the made-up inputs can count
-    an audio's placeholders under `ShadowValues` (`tpkit.plan.inputs` imports this module)."""
+    memory for nothing. Here, not in `tpkit.trace.inputs`, so that the made-up inputs can count
+    an audio's placeholders under `ShadowValues` (`tpkit.trace.inputs` imports this module)."""
     floating = given.is_floating_point() or given.is_complex()
     if not floating and given.device.type != "meta":
         _GIVEN[fake] = given.detach().cpu()
@@ -162,7 +162,7 @@ class ShadowValues(TorchFunctionMode):
 
     def _shadowed(self, t: torch.Tensor) -> bool:
         """Whether ``t`` has a value; an input whose values the forward was given
-        (`tpkit.plan.inputs.keep_value`: ids, an image grid) gets them on first sight."""
+        (`tpkit.trace.inputs.keep_value`: ids, an image grid) gets them on first sight."""
         value = given_value(t)
         if value is not None and t not in self.shadow:
             self._set(t, value)

@@ -3,7 +3,7 @@
 Each problem becomes one line of a single ``ValueError`` that names the module, the numbers and
 the fix, so a bad configuration is one clear error on all ranks instead of a reshape crash in
 forward or a hang in a collective. Pure: nothing here changes the plan or the model (derivation
-settles what it may change, `tpkit.plan.settle`), and nothing communicates.
+settles what it may change, `tpkit.settle.settle`), and nothing communicates.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from tpkit.plan.catalogue import style_spec
-from tpkit.plan.dryrun import dry_run
-from tpkit.plan.inputs import output_embeddings
-from tpkit.plan.kvheads import head_counts
 from tpkit.plan.layout import param_layouts
-from tpkit.plan.settle import constraints, head_constraints
 from tpkit.plan.spec import Plan, Source
-from tpkit.plan.trace import repeated_blocks, trace
+from tpkit.settle.dryrun import dry_run
+from tpkit.settle.kvheads import head_counts
+from tpkit.settle.settle import constraints, head_constraints
+from tpkit.trace.inputs import output_embeddings
+from tpkit.trace.trace import repeated_blocks, trace
 
 __all__ = ["checkpoint_problems", "head_constraints", "problems", "validate"]
 
@@ -216,7 +216,7 @@ _GATHERED_PAIR_STYLES = ("colwise_gather_output", "rowwise_split_input")
 
 
 def _sequence_parallel_problems(model: nn.Module, plan: Plan) -> list[str]:
-    """Why sequence parallelism cannot apply to this model (see `tpkit.training.sequence_parallel`)."""
+    """Why sequence parallelism cannot apply to this model (see `tpkit.parallel.sequence`)."""
     out = []
     name = type(model).__name__
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):

@@ -119,7 +119,7 @@ def collective_frame(tb) -> tuple[str | None, str]:
     that led there); (None, "") when the traceback never entered torch.distributed.
 
     The caller named is the last frame outside torch and tpkit before the collective (the
-    user's ``model(x)`` or ``save_checkpoint(...)`` line), not tpkit's own dist/comm.py frame."""
+    user's ``model(x)`` or ``save_checkpoint(...)`` line), not tpkit's own parallel/comm.py frame."""
     frames = traceback.extract_tb(tb) if tb is not None else []
     torch_dir = os.path.join("torch", "distributed", "")
     first = next((i for i, f in enumerate(frames) if torch_dir in f.filename), None)
@@ -159,7 +159,7 @@ class _ReportHook:
 def install_timeout_report() -> None:
     """Chain a ``sys.excepthook`` that, after the usual traceback, prints `timeout_report` for an
     uncaught collective timeout (torchrun scripts). Idempotent; called where tpkit brings up a
-    group (`tpkit.dist.mesh.init_distributed`, `tpkit.dist.mesh.build_mesh`). ``tpkit.launch``
+    group (`tpkit.parallel.mesh.init_distributed`, `tpkit.parallel.mesh.build_mesh`). ``tpkit.launch``
     and the worker pool catch a rank's exception and add the report themselves."""
     if not getattr(sys.excepthook, "_tpkit_timeout_report", False):
         sys.excepthook = _ReportHook(sys.excepthook)

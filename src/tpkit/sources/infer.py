@@ -1,4 +1,4 @@
-"""Infer a `Plan` for a model that ships none, from its dataflow (`tpkit.plan.trace`).
+"""Infer a `Plan` for a model that ships none, from its dataflow (`tpkit.trace.trace`).
 
 From the trace's tags:
 
@@ -9,7 +9,7 @@ From the trace's tags:
   non-row consumer, the stream) or is sliced unevenly along its features (Falcon's multi-query
   ``query_key_value``) is not split that way, nor is its row partner: when both are plain
   linears the pair is *gathered* (the column's output all-gathered, the row splitting its whole
-  input: `tpkit.plan.gathered`), else it stays replicated; the plan notes why;
+  input: `tpkit.settle.gathered`), else it stays replicated; the plan notes why;
 - the output of a column linear split into k equal parts along its features (GPT-2 ``c_attn`` ->
   q|k|v, fused gate_up -> gate|up) gets a *packed* style that splits each part; a split *after*
   a per-head reshape (BLOOM / GPT-NeoX ``query_key_value``, Falcon GQA) is per-head interleaved
@@ -38,9 +38,9 @@ From the trace's tags:
   ``tail_grad_allreduce`` with the rest's width: each rank's gradient for it is partial.
 
 Each column/row pair is a *group* (`tpkit.plan.spec.Group`) with the counts that must divide
-tp (features, heads); settling (`tpkit.plan.settle`) gathers an inferred group that does not
+tp (features, heads); settling (`tpkit.settle.settle`) gathers an inferred group that does not
 divide, or keeps it whole with a note, and a group whose split the model's code cannot run (a
-dry run on fake tensors) likewise (`tpkit.plan.settle.fewest_replicated`).
+dry run on fake tensors) likewise (`tpkit.settle.settle.fewest_replicated`).
 
 The passes share one `Draft`: what the trace says (nodes, pairs) and what the passes decide so
 far (styles, style arguments, fix-ups, notes, groups); each pass takes it and fills it in.
@@ -55,19 +55,19 @@ from typing import Any
 
 from torch import nn
 
-from tpkit.plan.attention import functional_splits, mha_splits
-from tpkit.plan.convs import conv_pairs, shared_params, splittable_conv
-from tpkit.plan.dryrun import dry_run
-from tpkit.plan.experts import expert_groups
-from tpkit.plan.fake import REAL_TRACE_MAX_PARAMS
 from tpkit.plan.fixups import HEAD_ATTRS, WIDTH_ATTRS
-from tpkit.plan.gathered import gathered_pairs
-from tpkit.plan.inputs import input_embeddings, output_embeddings
 from tpkit.plan.layout import in_width, kind_of, param_layouts
-from tpkit.plan.settle import fewest_replicated
 from tpkit.plan.spec import Group, Plan, Source
-from tpkit.plan.ssm import ssm_groups
-from tpkit.plan.trace import STREAM, Node, has_mixed_blocks, same_type_blocks, trace
+from tpkit.settle.dryrun import dry_run
+from tpkit.settle.gathered import gathered_pairs
+from tpkit.settle.settle import fewest_replicated
+from tpkit.sources.attention import functional_splits, mha_splits
+from tpkit.sources.convs import conv_pairs, shared_params, splittable_conv
+from tpkit.sources.experts import expert_groups
+from tpkit.sources.ssm import ssm_groups
+from tpkit.trace.fake import REAL_TRACE_MAX_PARAMS
+from tpkit.trace.inputs import input_embeddings, output_embeddings
+from tpkit.trace.trace import STREAM, Node, has_mixed_blocks, same_type_blocks, trace
 
 __all__ = ["Draft", "generic_name", "infer_plan"]
 
@@ -82,7 +82,7 @@ class Draft:
     and ``why`` holds why a module stays whole until it is styled after all (then its reason
     is dropped)."""
 
-    info: dict[str, Any]  # the trace (`tpkit.plan.trace.trace`)
+    info: dict[str, Any]  # the trace (`tpkit.trace.trace.trace`)
     styles: dict[str, str] = field(default_factory=dict)  # module or parameter -> style
     args: dict[str, dict] = field(default_factory=dict)  # module -> style arguments
     fixups: dict[str, dict] = field(default_factory=dict)  # owner -> per-rank fix-ups
@@ -340,7 +340,7 @@ def _tables(model: nn.Module, draft: Draft) -> None:
             continue
         if name not in draft.info.get("module_inputs", {name: None}):
             continue  # never run by the trace: how its weight is read is unknown
-        # a functional table (`tpkit.plan.trace`: F.embedding on its own weight) says the same
+        # a functional table (`tpkit.trace.trace`: F.embedding on its own weight) says the same
         if getattr(mod, "max_norm", None) is not None or getattr(mod, "sparse", False):
             continue
         if counts.get(id(mod.weight), 0) > 1 or mod.weight.numel() < TABLE_SHARE * total:
@@ -544,7 +544,7 @@ def _sharded(model: nn.Module, plan: Plan) -> int:
 
 def _infer_once(model: nn.Module, example_inputs) -> Plan:
     """`infer_plan` for one reading of the stream: the passes over one `Draft`, then settled at
-    tp=2 where the model's code cannot run the split (`tpkit.plan.settle.fewest_replicated`)."""
+    tp=2 where the model's code cannot run the split (`tpkit.settle.settle.fewest_replicated`)."""
     draft = Draft(_trace_for_inference(model, example_inputs))
     _vocabulary(model, draft)
     draft.candidates = _row_candidates(draft.nodes, draft.exclude)
@@ -579,7 +579,7 @@ _MIN_CONV_CHANNELS = 64
 
 
 def _conv_pairs(model: nn.Module, draft: Draft, example_inputs) -> None:
-    """Convolution pairs (`tpkit.plan.convs`: a conformer's pointwise -> GLU -> depthwise ->
+    """Convolution pairs (`tpkit.sources.convs`: a conformer's pointwise -> GLU -> depthwise ->
     BatchNorm -> pointwise) among the convolutions no other pass claimed, one group each.
     Only next to other splits: a model with nothing else to split takes the per-layer
     fallback, which pairs the same convolutions and gathers the rest."""
@@ -610,7 +610,7 @@ def _conv_pairs(model: nn.Module, draft: Draft, example_inputs) -> None:
 
 
 def _attention(model: nn.Module, draft: Draft) -> None:
-    """``nn.MultiheadAttention`` split by heads (`tpkit.plan.attention`): its projections are
+    """``nn.MultiheadAttention`` split by heads (`tpkit.sources.attention`): its projections are
     bare parameters the trace does not see as layers; then modules calling torch's
     ``multi_head_attention_forward`` on their child linears (WavLM); one group each."""
     styles, groups, why = mha_splits(model, shared_params(model), set(draft.styles))

@@ -2,9 +2,9 @@
 Python-side reads of values.
 
 On split features each rank would compute such an op on its own part of the features: a wrong
-number with no error. The trace (`tpkit.plan.trace`) asks `reduced_dims` of every call on a
+number with no error. The trace (`tpkit.trace.trace`) asks `reduced_dims` of every call on a
 linear's output, and a pair whose features are read across runs in the gathered form
-(`tpkit.plan.gathered`). Per-head ops after the reshape to heads read whole heads, which a rank
+(`tpkit.settle.gathered`). Per-head ops after the reshape to heads read whole heads, which a rank
 holds, so they are left alone by the trace, not here.
 """
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tpkit.compat import tree_map
-from tpkit.plan.inputs import keep_value, synthesize_inputs
+from tpkit.trace.inputs import keep_value, synthesize_inputs
 
 __all__ = [
     "REAL_TRACE_MAX_PARAMS",
@@ -62,7 +62,7 @@ def trace_one_row(model: nn.Module):
 
 
 def example_inputs(model: nn.Module) -> tuple[tuple, dict]:
-    """Made-up trace inputs (`tpkit.plan.inputs.synthesize_inputs`) at the trace's sizes."""
+    """Made-up trace inputs (`tpkit.trace.inputs.synthesize_inputs`) at the trace's sizes."""
     return synthesize_inputs(model, trace_batch(model), TRACE_SEQ)
 
 

@@ -1,6 +1,8 @@
-"""Apply a validated plan on the TP mesh: torch's ``parallelize_module`` with tpkit's styles.
+"""Tensor parallelism applied: a validated plan on the TP mesh, through torch's
+``parallelize_module`` with tpkit's styles, then what rides on it (`apply_tensor_parallel`:
+sequence-parallel hooks, per-rank dropout streams, the vocab-parallel loss).
 
-In order: parameter entries first (an expert tensor sharded by its own entry), then one style
+`apply_plan`, in order: parameter entries first (an expert tensor sharded by its own entry), then one style
 object per named module and ``Replicate()`` for every other module with parameters (mixed plain
 and DTensor parameters break ``clip_grad_norm_``, FSDP2 and DCP), all through one
 ``parallelize_module`` call; then the parent swaps for children read directly, the plan's
@@ -19,9 +21,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from tpkit.dist.comm import copy_to_tp
+from tpkit.parallel.comm import copy_to_tp
+from tpkit.parallel.fsdp import strided_owners
+from tpkit.parallel.mesh import sync_rng
+from tpkit.parallel.sequence import SequenceParallel
+from tpkit.parallel.shm import prepare_shm
 from tpkit.plan import Plan, param_layout
+from tpkit.plan.catalogue import style_spec
 from tpkit.plan.fixups import apply_fixups
+from tpkit.plan.layout import tp_regions
 from tpkit.styles import (
     ParentSwap,
     ReplicateStyle,
@@ -32,15 +40,58 @@ from tpkit.styles import (
     style_of,
 )
 from tpkit.styles.base import LocalReplicated
+from tpkit.training.loss import enable_loss_parallel
+from tpkit.training.rng import install_region_rng
 
-__all__ = ["StyleOptions", "apply_plan", "tied_groups"]
+__all__ = ["StyleOptions", "apply_plan", "apply_tensor_parallel", "tied_groups"]
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    plan: Plan,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    mixed_dtype: torch.dtype | None = None,
+) -> None:
+    """rng sync -> shm -> apply -> sp -> rng -> loss: the TP group's RNG made one, the
+    same-host shared-memory path decided (now, so a first call under torch.compile finds it
+    too), the styles built with their final options, then the sequence-parallel hooks, the
+    per-rank dropout streams and the vocab-parallel loss. ``mixed_dtype``: FSDP2's parameter
+    dtype, for the modules whose strided parameters it leaves out (`strided_owners`)."""
+    sync_rng(tp_mesh)
+    if tp_mesh.device_type == "cpu":
+        prepare_shm(tp_mesh.get_group())
+    sp = SequenceParallel(model, plan, tp_mesh) if sequence_parallel else None
+    compute = dict.fromkeys(strided_owners(model, plan), mixed_dtype) if mixed_dtype else {}
+    options = StyleOptions(
+        sp=sp.style_sp if sp is not None else {},
+        loss_parallel=loss_parallel,
+        compute_dtype=compute,
+    )
+    apply_plan(model, plan, tp_mesh, options)
+    if sp is not None:
+        sp.install(model)
+    install_region_rng(model, _rng_regions(model, plan, sp), tp_mesh.get_local_rank())
+    if loss_parallel:
+        enable_loss_parallel(model)
+
+
+def _rng_regions(model: nn.Module, plan: Plan, sp: SequenceParallel | None) -> dict[str, list]:
+    """Where dropout must differ across TP ranks: with SP every block (its activations are
+    sequence chunks); otherwise each tensor-parallel region, up to its row-parallel layer."""
+    if sp is not None:
+        names = {id(m): n for n, m in model.named_modules()}
+        return {names[id(b)]: [] for b in sp.blocks}
+    return tp_regions(model, plan)
 
 
 @dataclass
 class StyleOptions:
     """What tensor_parallel's options change in individual styles, decided before they exist.
 
-    ``sp``: module name -> its block's sequence-parallel state (`tpkit.training.sequence_parallel`);
+    ``sp``: module name -> its block's sequence-parallel state (`tpkit.parallel.sequence`);
     ``loss_parallel``: the head's logits go to the loss vocab-sharded; ``compute_dtype``: module
     name -> the dtype its local parameters are cast to (FSDP2 mixed precision for parameters it
     leaves out)."""
@@ -81,6 +132,13 @@ def apply_plan(
     ties = tied_groups(model)
     modules = dict(model.named_modules())
     targets = plan.resolve(model)
+    # modules another axis's step places (whole experts on the EP mesh): left alone here, with
+    # everything under them
+    elsewhere = [t.name for t in targets if t.kind == "module" and style_spec(t.style).axis != "tp"]
+    if elsewhere:
+        inside = lambda n: any(n == e or n.startswith(f"{e}.") for e in elsewhere)  # noqa: E731
+        targets = [t for t in targets if not inside(t.name)]
+        modules = {n: m for n, m in modules.items() if not inside(n)}
     for t in targets:
         if t.kind == "param":  # before the module styles, which keep DTensors as they are
             owner, _, pname = t.name.rpartition(".")

@@ -10,7 +10,7 @@ This is vLLM's layout. The attention module's code is told it has one KV head pe
 (``set`` fix-ups: ``num_key_value_groups`` = local query heads).
 
 Pure: it rewrites plan entries, fix-ups and inferred groups for one tp size. When to is
-`tpkit.plan.settle`'s (`settle_heads`).
+`tpkit.settle.settle`'s (`settle_heads`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ whole otherwise) and no other module reads its parameters.
 
 A module that calls torch's ``multi_head_attention_forward`` itself on its child linears'
 weights (WavLM's attention, whose gated relative position bias is the call's per-head mask)
-is found by the trace (`tpkit.plan.trace`: the call's separate q / k / v and output weights)
+is found by the trace (`tpkit.trace.trace`: the call's separate q / k / v and output weights)
 and split likewise: ``mha_functional`` on it, ``colwise`` on q, k, v, ``rowwise`` on out.
 
 Users' own transformers built from ``nn.TransformerEncoderLayer`` / ``DecoderLayer`` hold these,
@@ -25,13 +25,11 @@ from torch.nn.utils.parametrize import is_parametrized
 
 from tpkit.plan.spec import Group
 
-__all__ = ["FUNCTIONAL_STYLE", "MHA_STYLE", "SELF_CONTAINED", "functional_splits", "mha_splits"]
+__all__ = ["FUNCTIONAL_STYLE", "MHA_STYLE", "functional_splits", "mha_splits"]
 
 MHA_STYLE = "mha_heads"
 #: a module that calls torch's ``multi_head_attention_forward`` on its child linears (WavLM)
 FUNCTIONAL_STYLE = "mha_functional"
-#: styles whose module is one region, whole in and whole out: the dry run runs it whole
-SELF_CONTAINED = frozenset({MHA_STYLE, FUNCTIONAL_STYLE})
 
 
 def mha_splits(

@@ -7,7 +7,7 @@ input). If the model's code still runs, the plan fits it: nothing is allocated, 
 communicated, so derivation and settling can try plans freely (transformers' plan, the inferred
 one, one with a group gathered or left whole) and validation can check a user's entries. A
 failure names the first error. The dry run only answers "does this plan run at tp?"; what to do
-when it does not is `tpkit.plan.settle`'s.
+when it does not is `tpkit.settle.settle`'s.
 
 Running is not enough: a reshape can fit a shard and still cut it in the wrong place. CodeGen's
 ``qkv_proj`` output is 4 fixed groups of [q | v | k] (``mp_num``), viewed as
@@ -32,16 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tpkit.compat import FakeTensorMode
-from tpkit.plan.attention import SELF_CONTAINED
 from tpkit.plan.catalogue import style_spec
-from tpkit.plan.fake import (
-    REAL_TRACE_MAX_PARAMS,
-    fake_friendly_experts,
-    fake_inputs,
-    meta_state,
-    quiet_fake_tensors,
-    real_state,
-)
 from tpkit.plan.fixups import apply_fixups
 from tpkit.plan.layout import (
     chunk_offset,
@@ -53,9 +44,17 @@ from tpkit.plan.layout import (
     param_layout,
     param_layouts,
 )
-from tpkit.plan.settle import lay_out
-from tpkit.plan.shadow import ShadowValues, needs_values
 from tpkit.plan.spec import Plan
+from tpkit.settle.settle import lay_out
+from tpkit.trace.fake import (
+    REAL_TRACE_MAX_PARAMS,
+    fake_friendly_experts,
+    fake_inputs,
+    meta_state,
+    quiet_fake_tensors,
+    real_state,
+)
+from tpkit.trace.shadow import ShadowValues, needs_values
 
 __all__ = ["dry_run"]
 
@@ -71,7 +70,7 @@ def dry_run(model: nn.Module, plan: Plan, example: tuple | Mapping | None, tp: i
     """None when ``model`` runs with ``plan`` at ``tp`` on fake tensors (rank 0's shard shapes,
     fix-ups applied; the last rank's too when a split is uneven), else the error in brief. A
     model whose code needs real values (a data-dependent branch) is dry-run again with made-up
-    routing values (`tpkit.plan.shadow`), then on its real weights with zero shards when it is
+    routing values (`tpkit.trace.shadow`), then on its real weights with zero shards when it is
     small, and otherwise counts as passing: nothing can be learned without running it."""
     for rank in (0, tp - 1) if _uneven(model, plan, tp) else (0,):
         error = _dry_run_modes(model, plan, example, tp, rank)
@@ -110,7 +109,7 @@ def _shard_shapes(model: nn.Module, plan: Plan, tp: int, rank: int = 0) -> dict[
     layouts = param_layouts(model, plan)
     # an attention split by heads is one self-contained region (whole in, whole out): its
     # forward runs as it is, on whole weights, with its out_proj's
-    whole = tuple(f"{t.name}." for t in plan.resolve(model) if t.style in SELF_CONTAINED)
+    whole = tuple(f"{t.name}." for t in plan.resolve(model) if style_spec(t.style).self_contained)
     shapes = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         layout = layouts[name][1]

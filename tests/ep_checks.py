@@ -361,3 +361,53 @@ def split_parity(
         "experts": len(styles),
         "dispatch": sorted({type(s.dispatcher()).__name__ for s in styles.values()}),
     }
+
+
+def ep_save_and_load(root: str) -> dict[str, Any]:
+    """Run on every rank (world 2): a tiny Qwen3-MoE split at ep=2 (tp=2) saved with
+    ``save_pretrained`` and loaded by plain transformers (rank 0) and by `tpkit.from_pretrained`
+    with ``DistributedConfig(tp_size=2, ep_size=2)``; a DCP checkpoint saved at ep=2 loaded at
+    tp=2 without EP, and one saved without EP loaded at ep=2: max |logits diff| of each against
+    the unsharded model, and the loaded model's share of the expert weights."""
+    from pathlib import Path
+
+    import transformers
+    from transformers.distributed import DistributedConfig
+
+    import tpkit
+    from tests.tiny import inputs
+    from tpkit.io.checkpoint import load_checkpoint, save_checkpoint
+
+    ref = tiny_moe("qwen3_moe").eval()
+    x = inputs(ref, "causal-lm")
+    with torch.no_grad():
+        want = ref(**x).logits
+
+    def diff(m: torch.nn.Module) -> float:
+        with torch.no_grad():
+            return (m(**x).logits - want).abs().max().item()
+
+    root_path = Path(root)
+    out: dict[str, Any] = {}
+    model = tpkit.tensor_parallel(copy.deepcopy(ref), ep_size=2)
+    model.save_pretrained(root_path / "hf")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        plain = transformers.AutoModelForCausalLM.from_pretrained(root_path / "hf").eval()
+        out["plain_transformers"] = diff(plain)
+    loaded = tpkit.from_pretrained(
+        root_path / "hf", distributed_config=DistributedConfig(tp_size=2, ep_size=2)
+    )
+    out["from_pretrained"] = diff(loaded)
+    out["from_pretrained_held"] = _expert_share(loaded)
+    out["loaded_from"] = loaded._tpkit.loaded_from
+    save_checkpoint(root_path / "dcp_ep2", model)
+    other = tiny_moe("qwen3_moe", {"initializer_range": 0.5}).eval()  # other weights
+    no_ep = tpkit.tensor_parallel(other, tp_size=2)
+    load_checkpoint(root_path / "dcp_ep2", no_ep)
+    out["dcp_ep2_to_tp2"] = diff(no_ep)
+    save_checkpoint(root_path / "dcp_tp2", no_ep)
+    again = tpkit.tensor_parallel(tiny_moe("qwen3_moe", {"initializer_range": 0.5}), ep_size=2)
+    load_checkpoint(root_path / "dcp_tp2", again)
+    out["dcp_tp2_to_ep2"] = diff(again)
+    return out

@@ -233,12 +233,15 @@ def from_pretrained(
     return _pretrained.from_pretrained(path, device_ids=device_ids, **named, **kwargs)
 
 
-def explain(plan: Any, model: nn.Module | None = None, tp_size: int = 1) -> str:
+def explain(
+    plan: Any, model: nn.Module | None = None, tp_size: int = 1, ep_size: int = 1
+) -> str:
     """A plan as a table: without a model, its entries; with one, what ``tpkit plan`` prints
-    (parameters, styles, global -> local shapes, bytes per rank, collectives). For a
+    (parameters, styles, global -> local shapes, bytes per rank, collectives; the experts of a
+    plan placed by expert parallelism split by experts over ``ep_size`` ranks). For a
     `ModelHandle` (``tpkit.explain(model)``) the plan its workers applied."""
     from tpkit.plan.table import explain as explain_plan
 
     if isinstance(plan, ModelHandle):
         return plan.explain()
-    return explain_plan(plan, model, tp_size)
+    return explain_plan(plan, model, tp_size, ep_size)

@@ -79,14 +79,19 @@ def collapse_layers(message: str) -> str:
     )
 
 
-def _planned(path: str, model_cls: str | None, plan_arg, tp: int):
-    """(model on meta, derived plan, the validation error or None): no process group."""
+def _planned(path: str, model_cls: str | None, plan_arg, tp: int, ep: int = 1):
+    """(model on meta, derived plan, the validation error or None): no process group. At
+    ``ep`` > 1 the experts modules are placed as `tensor_parallel(ep_size=ep)` places them."""
     from tpkit.io.build import build_on_meta
     from tpkit.plan import derive_plan, validate
+    from tpkit.sources.expert_placement import check_expert_sizes, place_experts
 
     model = build_on_meta(path, model_cls)
     plan = derive_plan(model, plan_arg or "auto", tp)  # groups tp does not divide: noted
     try:
+        if ep > 1:
+            plan = place_experts(model, plan)
+            check_expert_sizes(model, plan, ep)
         validate(model, plan, tp)
     except ValueError as exc:
         return model, plan, exc
@@ -98,16 +103,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     _check_tp(args.tp)
     folder = _checkpoint_dir(args.model, need_weights=False)
-    model, plan, error = _planned(str(folder), args.model_cls, args.plan, args.tp)
+    model, plan, error = _planned(str(folder), args.model_cls, args.plan, args.tp, args.ep)
     if error is not None:  # the table would only list shapes that cannot exist
         print(collapse_layers(str(error)), file=sys.stderr)
         return 1
-    if args.tp == 1:
+    if args.tp == 1 and args.ep == 1:
         print("tp_size=1: one rank holds the whole model; nothing is split, no collectives run.")
-        print("Try --tp 2 to see the plan.")
+        print("Try --tp 2 to see the plan (--ep 2 for an MoE's experts placed whole).")
         return 0
-    print(explain(plan, model, tp_size=args.tp))
-    print(f"\ntp_size={args.tp}: valid")
+    print(explain(plan, model, tp_size=args.tp, ep_size=args.ep))
+    said = f"tp_size={args.tp}" + (f", ep_size={args.ep}" if args.ep > 1 else "")
+    print(f"\n{said}: valid")
     return 0
 
 
@@ -239,6 +245,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="explain the TP plan of a model (meta device, seconds)")
     p.add_argument("model", help="checkpoint directory, its config.json, or a hub id")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size to explain")
+    p.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size: an MoE's experts placed whole"
+    )
     p.add_argument("--plan", help="a YAML plan merged over the automatic one")
     p.add_argument("--model-cls", help="transformers class name, e.g. LlamaForCausalLM")
     p.set_defaults(fn=cmd_plan)

@@ -411,3 +411,78 @@ def ep_save_and_load(root: str) -> dict[str, Any]:
     load_checkpoint(root_path / "dcp_tp2", again)
     out["dcp_tp2_to_ep2"] = diff(again)
     return out
+
+
+def ep_trainer_losses(out: str, ep: int | None, **options: Any) -> dict[int, float]:
+    """The HF Trainer's losses by step on the tiny Qwen3-MoE (router aux loss in the loss),
+    the model split by ``tensor_parallel(ep_size=ep)`` (None: unsharded, one process), 3 AdamW
+    steps of a global batch of 4 with gradient clipping. (Later steps drift apart at 1e-5 by
+    Adam alone, tensor parallelism's too: its first step moves every weight by about lr x the
+    sign of its gradient, so float noise in a gradient near zero moves that weight by up to lr;
+    a top-k routing near a tie then flips.)"""
+    from transformers import Trainer
+
+    import tpkit
+    from tests.test_integrations_trainer import (
+        ToyLM,
+        losses,
+        reset_accelerate,
+        training_args,
+    )
+    from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
+
+    patch_trainer()
+    reset_accelerate()
+    try:
+        model = tiny_moe("qwen3_moe", {"output_router_logits": True}).train()
+        if ep is not None:
+            model = tpkit.tensor_parallel(model, ep_size=ep, **options)
+        args = training_args(out, 4, save_strategy="no", max_steps=3)
+        trainer = Trainer(model=model, args=args, train_dataset=ToyLM())
+        trainer.train()
+        return losses(trainer)
+    finally:
+        unpatch_trainer()
+        reset_accelerate()
+
+
+def ep_lora(target: str) -> dict[str, Any]:
+    """Run on every rank (world 2): LoRA on ``target`` ("attention": q_proj and v_proj, beside
+    experts placed by EP; "experts": peft's ``target_parameters`` on the experts' weights) of
+    the tiny Qwen3-MoE at ep=2 against the same adapters on the unsharded model: max |diff|
+    of the logits and of the adapters' gradients, or the error the combination raises."""
+    import peft
+
+    import tpkit
+    from tests.tiny import inputs
+    from tpkit.integrations.peft import get_peft_model
+
+    if target == "attention":
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    else:
+        config = peft.LoraConfig(
+            r=4, target_modules=[], target_parameters=["mlp.experts.down_proj"],
+            init_lora_weights=False,
+        )  # fmt: skip
+    base = tiny_moe("qwen3_moe")
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(copy.deepcopy(base), config)
+    try:
+        torch.manual_seed(1)
+        model = get_peft_model(tpkit.tensor_parallel(copy.deepcopy(base), ep_size=2), config)
+    except Exception as exc:  # noqa: BLE001 - reported: what holds for adapters on experts
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    x = inputs(base, "causal-lm")
+    outs = []
+    for m in (ref, model):
+        y = m(**x).logits
+        (y * y.detach().sign()).sum().backward()
+        outs.append(y.detach())
+    want = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+    grad = 0.0
+    for n, p in model.named_parameters():
+        if p.requires_grad and n in want:
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            grad = max(grad, (g - want[n].grad).abs().max().item())
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+    return {"logits": (outs[0] - outs[1]).abs().max().item(), "grad": grad, "n": trainable}

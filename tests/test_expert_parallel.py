@@ -202,3 +202,83 @@ def test_what_ep_cannot_do_is_refused_before_any_collective(ranks2):
     for said in ranks2.run(split_refusals, timeout=120):
         assert "no experts module expert parallelism can place" in said[0], said
         assert "ep_implementation='all_reduce' needs" in said[1], said
+
+
+def test_save_pretrained_from_pretrained_and_dcp(ranks2, tmp_path):
+    """save_pretrained at ep=2 loads in plain transformers; from_pretrained with
+    DistributedConfig(tp_size=2, ep_size=2) reads each rank's own experts (slices, not
+    transformers' full load) from the per-expert keys transformers saved; DCP checkpoints
+    reshard between ep=2 and no EP, both ways."""
+    from tests.ep_checks import ep_save_and_load
+
+    results = ranks2.run(ep_save_and_load, str(tmp_path), timeout=300)
+    assert results[0]["plain_transformers"] <= 1e-5, results
+    for r in results:
+        assert r["from_pretrained"] <= 1e-5 and r["from_pretrained_held"] == 0.5, r
+        assert r["loaded_from"] == "slices", r
+        assert r["dcp_ep2_to_tp2"] <= 1e-5 and r["dcp_tp2_to_ep2"] <= 1e-5, r
+
+
+def test_trainer_losses_match_single_process(ranks2, tmp_path):
+    from tests.ep_checks import ep_trainer_losses
+    from tests.test_integrations_trainer import single_process
+
+    want = single_process(ep_trainer_losses, str(tmp_path / "ref"), None)
+    assert sorted(want) == [1, 2, 3], want
+    for got in ranks2.run(ep_trainer_losses, str(tmp_path / "ep"), 2, timeout=300):
+        for step, loss in want.items():
+            assert abs(got[step] - loss) <= 1e-5 * abs(loss), (got, want)
+
+
+def test_lora_beside_experts_and_refused_on_them(ranks2):
+    """LoRA on the attention of an EP model matches the same adapters unsharded; adapters on
+    the experts' weights (peft's target_parameters) are refused by tpkit's peft integration,
+    with the reason, under EP as under TP."""
+    from tests.ep_checks import ep_lora
+
+    for r in ranks2.run(ep_lora, "attention", timeout=300):
+        assert r["logits"] <= 1e-5 and r["grad"] <= 1e-4 and r["n"] == 8, r
+    for r in ranks2.run(ep_lora, "experts", timeout=300):
+        assert "LoRA adapters only" in r.get("error", ""), r
+
+
+POOL_SCRIPT = """
+import json, sys
+sys.path.insert(0, {root!r})
+import torch
+import tpkit
+from tests.ep_checks import tiny_moe
+ref = tiny_moe("qwen3_moe").eval()
+model = tpkit.tensor_parallel(tiny_moe("qwen3_moe").eval(), ep_size=2)
+x = torch.randint(3, 101, (2, 9), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    diff = (model(input_ids=x).logits - ref(input_ids=x).logits).abs().max().item()
+kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+same = torch.equal(model.generate(x[:, :5], **kw), ref.generate(x[:, :5], **kw))
+table = tpkit.explain(model)
+model.close()
+print("RESULT", json.dumps({{"type": type(model).__name__, "diff": diff, "same": same,
+                            "ep": "ep_experts" in table}}))
+"""
+
+
+def test_the_notebook_pool_places_experts(tmp_path):
+    """Outside torchrun, tensor_parallel(model, ep_size=2) starts 2 workers (ep ranks at least)
+    that load the model's per-expert checkpoint keys as slices: logits, greedy tokens equal."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    (tmp_path / "script.py").write_text(POOL_SCRIPT.format(root=root))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "script.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    r = json.loads(lines[-1][len("RESULT ") :])
+    assert r["type"] == "ModelHandle" and r["diff"] <= 1e-5 and r["same"] and r["ep"], r

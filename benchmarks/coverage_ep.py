@@ -7,9 +7,10 @@ Enumerates every family `benchmarks.coverage` knows (causal LM, seq2seq, image-t
 dense (`tests.ep_checks.moe_on`: ``first_k_dense_replace``, ``mlp_only_layers``, ... by field
 name), and on 2 gloo ranks compares the first output and every gradient of the model split by
 expert parallelism with the unsharded model's, in three layouts: ep=2 over ranks that hold the
-same batch (all-reduce dispatch, and all-to-all of disjoint row slices), and ep=2 over ranks
-that hold a batch each (all-to-all between them; an expert weight's gradient then sums both
-batches and is compared divided by 2). A row is at EP parity when all three hold
+same batch (``tensor_parallel(model, ep_size=2)``: tp=2 with the experts over the same two
+ranks, all-reduce dispatch; and ``ep_implementation="all_to_all"``: disjoint row slices
+exchanged), and ep=2 over ranks that hold a batch each (``tp_size=1``: dp=2 with FSDP2 on the
+dense weights, all-to-all between the batches). A row is at EP parity when all three hold
 (|diff| <= 1e-5 x max(1, max |value|)); the others say why (no experts module EP can place:
 the probe's reason; a failure: its message).
 
@@ -34,8 +35,12 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 RESULTS = Path(__file__).parent / "results"
 TOL = 1e-5
-#: (ep, batch group, ep_implementation) of each layout a row is checked in
-LAYOUTS = ((2, 2, "auto"), (2, 2, "all_to_all"), (2, 1, "auto"))
+#: the `tpkit.tensor_parallel` options of each layout a row is checked in
+LAYOUTS = (
+    {"ep_size": 2},
+    {"ep_size": 2, "ep_implementation": "all_to_all"},
+    {"ep_size": 2, "tp_size": 1},
+)
 
 
 def moe_architectures(only: list[str] | None = None) -> list[tuple[str, str, str]]:
@@ -74,7 +79,7 @@ def build_moe(model_type: str, class_name: str):
 def ep_check(model_type: str, class_name: str, family: str) -> dict:
     """Run on both ranks: the architecture's experts modules (kinds, sources) and its parity
     in every `LAYOUTS`; an unsharded forward that fails is said so before any collective."""
-    from tests.ep_checks import compare_ep, first_output
+    from tests.ep_checks import compare_split, first_output
     from tests.tiny_inputs import family_inputs
     from tpkit.sources.expert_placement import expert_modules
 
@@ -98,9 +103,14 @@ def ep_check(model_type: str, class_name: str, family: str) -> dict:
         row["why"] = f"unsharded reference forward fails: {type(exc).__name__}: {exc}"[:300]
         return row
     row["layouts"] = []
-    for ep, batch, impl in LAYOUTS:
-        r = compare_ep(ref, x, ep, batch, impl)
-        r["layout"] = f"ep={ep} batch={batch} {impl}"
+    for options in LAYOUTS:
+        try:
+            r = compare_split(ref, x, **options)
+        except Exception as exc:  # noqa: BLE001 - the same on every rank: said in the row
+            row["why"] = f"{_layout(options)}: {type(exc).__name__}: {exc}"[:300]
+            row.pop("layouts")
+            return row
+        r["layout"] = _layout(options)
         r["ok"] = bool(
             r["out"] <= TOL * max(1.0, r["out_scale"])
             and r["grad"] <= TOL * max(1.0, r["scale"])
@@ -108,6 +118,10 @@ def ep_check(model_type: str, class_name: str, family: str) -> dict:
         )
         row["layouts"].append(r)
     return row
+
+
+def _layout(options: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in options.items())
 
 
 def run(only: list[str] | None, out_dir: Path, timeout: float) -> dict:
@@ -152,7 +166,7 @@ def _short(text: str) -> str:
 def _status(row: dict) -> str:
     layouts = row.get("layouts")
     if not layouts:
-        return "no ep"
+        return "error" if row.get("experts_modules") else "no ep"
     if all(r["ok"] for r in layouts):
         return "parity"
     bad = next(r for r in layouts if not r["ok"])
@@ -170,7 +184,7 @@ def summarize(rows: list[dict], seconds: float) -> dict:
         "ep_parity": len(ok),
         "ep_parity_share": round(len(ok) / max(1, len(rows)), 3),
         "without_ep_plan_at_parity": sum(1 for r in ok if r.get("sources") == ["inferred"]),
-        "layouts": [f"ep={e} batch={b} {i}" for e, b, i in LAYOUTS],
+        "layouts": [_layout(o) for o in LAYOUTS],
         "seconds": round(seconds, 1),
     }
 
@@ -185,7 +199,7 @@ def markdown(summary: dict, rows: list[dict]) -> str:
         f"- **at EP parity in every layout: {s['ep_parity']} ({s['ep_parity_share']:.1%})**; "
         f"of those without a transformers `base_model_ep_plan` (placement inferred): "
         f"{s['without_ep_plan_at_parity']}",
-        f"- layouts: {', '.join(s['layouts'])} (batch = ranks holding the same tokens)",
+        f"- layouts (`tpkit.tensor_parallel` options, 2 ranks): {'; '.join(s['layouts'])}",
         f"- wall time: {s['seconds']} s",
         "",
         "| architecture | class | family | EP | experts modules | kind | source | out diff | "

@@ -185,71 +185,49 @@ def compare_ep(
     }
 
 
-def _out(model: torch.nn.Module, x: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-    out = model(**x, output_router_logits=True)
-    return out.logits, getattr(out, "aux_loss", None)
+def compare_split(ref: torch.nn.Module, x: dict, seed: int = 1234, **options: Any) -> dict:
+    """Run on every rank: a copy of ``ref`` split by ``tpkit.tensor_parallel(**options)``
+    against ``ref`` on inputs ``x`` (the same on every rank): `compare_ep`'s figures."""
+    import tpkit
+    from tpkit.parallel.expert import expert_styles
 
-
-def ep_parity(
-    model_type: str,
-    ep: int,
-    batch: int = 1,
-    implementation: str = "auto",
-    overrides: dict | None = None,
-    train: bool = True,
-) -> dict[str, Any]:
-    """Run on every rank: the tiny model split by `expert_parallel` against the unsharded one on
-    the same inputs: max |diff| of logits, aux loss and every gradient (an expert weight's
-    gradient is the average over the ep / batch batches of its EP group, all alike here),
-    the share of expert weight elements this rank holds, and the dispatch used."""
-    from tests.tiny import inputs
-    from tpkit.parallel.expert import expert_parallel
-
-    ref = tiny_moe(model_type, overrides)
-    ref.train(train)
-    model = copy.deepcopy(ref)
-    ep_mesh, batch_mesh = meshes(ep, batch)
-    styles = expert_parallel(model, ep_mesh, batch_mesh=batch_mesh, implementation=implementation)
-    x = inputs(ref, "causal-lm")
-    w = None
-    outs = []
+    model = tpkit.tensor_parallel(copy.deepcopy(ref), **options)
+    outs, w = [], None
     for m in (ref, model):
-        logits, aux = _out(m, x)
-        w = (
-            torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))
-            if w is None
-            else w
-        )
-        loss = (logits * w).sum() + (aux if aux is not None else 0) * 3
-        loss.backward()
-        outs.append((logits.detach(), aux))
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        y = first_output(m(**x))
+        if w is None:
+            w = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+        (y * w).sum().backward()
+        outs.append(y.detach())
     want = dict(ref.named_parameters())
     grad = scale = 0.0
-    held = total = 0
     missing = []
     for name, p in model.named_parameters():
         if (p.grad is None) != (want[name].grad is None):
             missing.append(name)
-            continue
-        if isinstance(p, DTensor):
-            total += p.numel()
-            held += p.to_local().numel()
-        if p.grad is None:
-            continue
-        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        grad = max(grad, (g - want[name].grad).abs().max().item())
-        scale = max(scale, want[name].grad.abs().max().item())
-    aux = [a for _, a in outs]
+        elif p.grad is not None and p.numel():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            grad = max(grad, (g - want[name].grad).abs().max().item())
+            scale = max(scale, want[name].grad.abs().max().item())
+    styles = expert_styles(model)
     return {
-        "logits": (outs[0][0] - outs[1][0]).abs().max().item(),
-        "aux": (aux[0] - aux[1]).abs().item() if aux[0] is not None else None,
+        "out": (outs[0] - outs[1]).abs().max().item(),
+        "out_scale": outs[0].abs().max().item(),
         "grad": grad,
         "scale": scale,
-        "missing": missing,
-        "held": held / max(1, total),
+        "missing": missing[:3],
+        "held": _expert_share(model),
         "experts": len(styles),
+        "kinds": sorted({s.name for s in styles.values()}),
         "dispatch": sorted({type(s.dispatcher()).__name__ for s in styles.values()}),
     }
+
+
+def _out(model: torch.nn.Module, x: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    out = model(**x, output_router_logits=True)
+    return out.logits, getattr(out, "aux_loss", None)
 
 
 def ep_greedy(model_type: str, **options: Any) -> bool:

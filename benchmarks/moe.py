@@ -8,8 +8,11 @@ saved once and loaded by every layout, each in its own torchrun group (`LAYOUTS`
   rank (all-reduce dispatch: both ranks hold the batch);
 - ``tpkit_tp2``: ``tpkit.from_pretrained(ckpt, tp_size=2)``: every expert split along its
   intermediate width (each rank runs all 8 experts at half width);
-- ``transformers_ep2``: ``from_pretrained(ckpt, distributed_config=DistributedConfig(ep_size=2))``;
-- ``plain``: the model in one process with 2 intra-op threads (the same 2 cores).
+- ``transformers_ep2``: ``from_pretrained(ckpt, distributed_config=DistributedConfig(tp_size=2,
+  ep_size=2))``;
+- ``plain``: the model in one process with 2 intra-op threads (the same 2 cores), and with 1
+  (``plain_1thread``: on a busy 2-core machine, 2 OpenMP threads spin against the other load
+  and lose 50x; measured here, so both are shown).
 
 Per layout: the forward (batch x seq tokens, no grad), a training step (forward, backward and
 AdamW on the causal-LM loss with the router aux loss) and greedy decode (tokens/s), medians of
@@ -52,8 +55,9 @@ MOE = dict(
 LAYOUTS = {
     "tpkit_ep2": (2, "tpkit ep=2 (tp=2 attention, 4 whole experts per rank)"),
     "tpkit_tp2": (2, "tpkit tp=2 (every expert split in width)"),
-    "transformers_ep2": (2, "transformers DistributedConfig(ep_size=2)"),
+    "transformers_ep2": (2, "transformers DistributedConfig(tp_size=2, ep_size=2)"),
     "plain": (1, "one process, 2 threads"),
+    "plain_1thread": (1, "one process, 1 thread"),
 }
 
 
@@ -93,9 +97,9 @@ def _load(name: str, path: Path, dtype: torch.dtype):
     if name == "transformers_ep2":
         from transformers.distributed import DistributedConfig
 
-        config = DistributedConfig(ep_size=2)
+        config = DistributedConfig(tp_size=2, ep_size=2)
         return tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, distributed_config=config)
-    torch.set_num_threads(2)  # the same 2 cores the 2-rank layouts use
+    torch.set_num_threads(1 if name == "plain_1thread" else 2)  # 2: the 2-rank layouts' cores
     return tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 

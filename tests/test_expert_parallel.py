@@ -52,6 +52,14 @@ def test_parity_ep4_tp2(ranks4):
     assert all(x["held"] == 0.25 for x in r) and r[0]["dispatch"] == ["AllToAllDispatch"], r
 
 
+def test_parity_replicas_without_fsdp(ranks4):
+    """sharded=False: the expert weights' 2 replicas averaged by a gradient hook (the dense
+    replicas are the caller's to average; here every rank has the same batch)."""
+    r = ranks4.run(split_parity, "qwen3_moe", ep_size=2, tp_size=2, sharded=False, timeout=180)
+    _ok(r)
+    assert all(x["held"] == 0.5 for x in r), r
+
+
 @pytest.mark.parametrize(
     ("model_type", "overrides"),
     [("qwen3_moe", {"num_experts": 5}), ("jetmoe", {}), ("llama4_text", {})],

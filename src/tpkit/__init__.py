@@ -233,9 +233,7 @@ def from_pretrained(
     return _pretrained.from_pretrained(path, device_ids=device_ids, **named, **kwargs)
 
 
-def explain(
-    plan: Any, model: nn.Module | None = None, tp_size: int = 1, ep_size: int = 1
-) -> str:
+def explain(plan: Any, model: nn.Module | None = None, tp_size: int = 1, ep_size: int = 1) -> str:
     """A plan as a table: without a model, its entries; with one, what ``tpkit plan`` prints
     (parameters, styles, global -> local shapes, bytes per rank, collectives; the experts of a
     plan placed by expert parallelism split by experts over ``ep_size`` ranks). For a

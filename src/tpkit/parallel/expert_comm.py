@@ -265,13 +265,14 @@ class AllReduceDispatch:
         mine = self.owner.to(index.device)[index] == self.rank
         tok, k = mine.nonzero(as_tuple=True)
         local = self.local_id.to(index.device)[index[tok, k]].unsqueeze(-1)
-        state = (tok * index.shape[1] + k, index.shape)
-        return Dispatched(hidden[tok], local, weights[tok, k].unsqueeze(-1), state)
+        return Dispatched(hidden[tok], local, weights[tok, k].unsqueeze(-1), (tok, index.shape[0]))
 
     def combine(self, out: torch.Tensor, d: Dispatched) -> torch.Tensor:
-        where, (rows, top_k) = d.state
-        pairs = out.new_zeros((rows * top_k, out.shape[-1])).index_copy(0, where, out)
-        return reduce_from_tp(pairs.view(rows, top_k, -1).sum(1), self.group)
+        """Each token's pairs added in k order (``nonzero`` lists them by token, then k), as
+        the unsharded experts sum them; then the ranks' partial sums."""
+        tok, rows = d.state
+        partial = out.new_zeros((rows, out.shape[-1])).index_add(0, tok, out)
+        return reduce_from_tp(partial, self.group)
 
 
 def _gather_blocks(x: torch.Tensor, sizes: list[int], group: ProcessGroup) -> torch.Tensor:

@@ -213,13 +213,14 @@ class ExpertParallelStyle(TPStyle):
                 f"{type(module).__name__}: {flat.shape[0]} token rows but expert ids for "
                 f"{index.shape[0]}."
             )
-        d = self.dispatcher().dispatch(flat, index, weights)
+        dispatch = self.dispatcher()
+        d = dispatch.dispatch(flat, index, weights)
         tokens, ids, w = d.tokens.contiguous(), d.index.to(index.dtype), d.weights
         dummy = tokens.shape[0] == 0  # stay in the graph: one row, expert 0, dropped after
         if dummy:
             tokens, w = tokens.sum(0, keepdim=True), w.sum(0, keepdim=True)
             ids = ids.new_zeros((1, 1))
-        self._calls.append((d, self.dispatcher(), shape, dummy))
+        self._calls.append((d, dispatch, shape, dummy))
         self._swap_local(module)
         return _put(args, kwargs, dict(zip(keys, (tokens, ids, w.contiguous()))))
 

@@ -10,7 +10,7 @@ NPROC ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tpkit-installed-$(TORCH_VERSION)$(if $(CONSTRAINTS),-pinned,-latest)
 
-.PHONY: install test demo lint format bench docs clean
+.PHONY: install test test-quick demo lint format bench docs clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,14 @@ TEST_WORKERS ?= 2
 
 test: install
 	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
+
+# The inner loop: the house rules, the plan data, the sizes and the styles (single process), and
+# one split of each kind on 2 ranks, in about two minutes; `make test` before a commit.
+QUICK ?= tests/test_docs.py tests/test_plan_spec.py tests/test_parallel_dims.py tests/test_config.py \
+	tests/test_styles.py tests/test_settle.py tests/test_extensions.py tests/test_parallelize.py
+
+test-quick: install
+	$(BIN)/python -m pytest -q -n $(NPROC) --dist loadfile $(QUICK)
 
 demo: install
 	PATH="$(abspath $(BIN)):$$PATH" bash launch/torchrun.sh --nproc $(NPROC) examples/demo.py

@@ -43,7 +43,7 @@ class Suite:
     train_model: bool = False  # launched runs use the --train-size preset, not --size
 
 
-_MODULES = ("forward", "step", "generate", "comm", "memory", "load", "train", "moe")
+_MODULES = ("forward", "step", "generate", "comm", "memory", "load", "train", "moe", "longseq")
 
 
 def all_suites() -> dict[str, Suite]:

@@ -401,7 +401,7 @@ def ep_trainer_losses(out: str, ep: int | None, **options: Any) -> dict[int, flo
     from transformers import Trainer
 
     import tpkit
-    from tests.test_integrations_trainer import (
+    from tests.test_trainer import (
         ToyLM,
         losses,
         reset_accelerate,

@@ -229,7 +229,7 @@ def test_save_pretrained_from_pretrained_and_dcp(ranks2, tmp_path):
 
 def test_trainer_losses_match_single_process(ranks2, tmp_path):
     from tests.ep_checks import ep_trainer_losses
-    from tests.test_integrations_trainer import single_process
+    from tests.test_trainer import single_process
 
     want = single_process(ep_trainer_losses, str(tmp_path / "ref"), None)
     assert sorted(want) == [1, 2, 3], want

@@ -188,7 +188,7 @@ def test_patch_then_unpatch_all_restores_every_original():
         """
     )
     assert "IDEMPOTENT True" in out, out
-    assert "GROUPS {'trainer': 13, 'peft': " in out and "'accelerate': 1}" in out, out
+    assert "GROUPS {'trainer': 15, 'peft': " in out and "'accelerate': 1}" in out, out
     holders = next(line for line in out.splitlines() if line.startswith("HOLDERS"))
     assert int(holders.split()[1]) >= 3 and holders.endswith("True"), out
     assert "CALLED True (4, 5)" in out, out

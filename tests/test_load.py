@@ -219,7 +219,7 @@ def check_convert_and_load_recipe(name: str) -> dict:
     ref = build(name)
     with init_empty_weights(include_buffers=False):
         model = type(ref)(ref.config)
-    model = tpkit.tensor_parallel(model)
+    model = tpkit.tensor_parallel(model, fill_later=True)
     full_sd = ref.state_dict()
     keys = list(full_sd)
     missing = None

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tests.models import batch, build, full
-from tests.test_integrations_peft import LLAMA_TARGETS, lora_config
+from tests.test_peft import LLAMA_TARGETS, lora_config
 
 TOL = 1e-5
 ORDERS = ["peft_first", "tpkit_first"]

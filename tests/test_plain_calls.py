@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tests.models import batch, build, full
-from tests.test_integrations_peft import _copy_adapters, _lora_grads, _safetensors, lora_config
+from tests.test_peft import _copy_adapters, _lora_grads, _safetensors, lora_config
 
 TOL = 1e-5
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,7 +178,7 @@ def _plain_trainer(out: str, tp: int | None) -> dict:
     from transformers import Trainer, TrainingArguments
 
     import tpkit
-    from tests.test_integrations_trainer import ToyLM, losses, reset_accelerate
+    from tests.test_trainer import ToyLM, losses, reset_accelerate
 
     _fresh_user()
     reset_accelerate()
@@ -212,7 +212,7 @@ def check_plain_trainer(out: str) -> dict:
 
 
 def test_plain_trainer_on_cpu(ranks2, tmp_path):
-    from tests.test_integrations_trainer import single_process
+    from tests.test_trainer import single_process
 
     ref = single_process(_plain_trainer, str(tmp_path / "ref"), None)["losses"]
     assert sorted(ref) == [1, 2, 3] and len(set(ref.values())) > 1, ref
@@ -252,7 +252,7 @@ def check_accelerate_loading(ckpt: str, **tp_kwargs) -> dict:
             with accelerate.init_empty_weights():
                 model = AutoModelForCausalLM.from_config(ref.config)
             model.tie_weights()
-            model = tpkit.tensor_parallel(model, **tp_kwargs)
+            model = tpkit.tensor_parallel(model, fill_later=True, **tp_kwargs)
         device_map = tpkit.infer_sharded_device_map(model)
         accelerate.load_checkpoint_in_model(model, ckpt, device_map=device_map)
         with torch.no_grad():

@@ -31,6 +31,7 @@ from tpkit.io.checkpoint import export_checkpoint, load_checkpoint, save_checkpo
 from tpkit.io.dcp import UnsafeCheckpointError
 from tpkit.io.save import save_tensor_parallel
 from tpkit.io.shards import convert_state_dict, infer_sharded_device_map, load_local_state_dict
+from tpkit.parallel.context.apply import gather_sequence
 from tpkit.parallel.dims import ParallelDims
 from tpkit.parallel.mesh import build_mesh, dist_env, get_mesh, init_distributed
 from tpkit.plan import Plan, PlanLike, StyleSpec, derive_plan, validate
@@ -67,6 +68,7 @@ __all__ = [
     "explain",
     "export_checkpoint",
     "from_pretrained",
+    "gather_sequence",
     "get_mesh",
     "infer_sharded_device_map",
     "init_distributed",
@@ -92,6 +94,7 @@ def tensor_parallel(
     dp_replicate_size: int | None = None,
     dp_shard_size: int | None = None,
     cp_size: int | None = None,
+    cp_attention: str = "auto",
     ep_size: int | None = None,
     ep_implementation: str | None = None,
     distributed_config: Any = None,
@@ -102,6 +105,7 @@ def tensor_parallel(
     loss_parallel: bool = False,
     param_dtype: torch.dtype | None = None,
     example_inputs: tuple | Mapping | None = None,
+    fill_later: bool = False,
 ) -> nn.Module:
     """Split ``model`` over the ranks of its tensor-parallel group, in place, and return it.
 
@@ -117,7 +121,14 @@ def tensor_parallel(
             (``dp_shard_size``), or plain replicas with ``sharded=False``.
         dp_replicate_size: HSDP's replicas (outermost; across nodes).
         dp_shard_size: FSDP2's axis; default what the other sizes leave of the world.
-        cp_size: context parallelism (the sequence split over ranks).
+        cp_size: context parallelism: each batch's sequence split over this many ranks
+            (zigzag chunks), attention over the whole context (`tpkit.parallel.context`).
+            Every rank passes the whole batch and gets the whole batch's loss; per-token
+            outputs are the rank's tokens (`tpkit.gather_sequence` puts them in order).
+        cp_attention: how attention sees the rest of the sequence under CP: ``"allgather"``
+            (keys and values gathered), ``"ring"`` (passed around the ring, online softmax),
+            ``"ulysses"`` (all-to-all to heads), or ``"auto"`` (all-gather; the ring for
+            long sequences).
         ep_size: expert parallelism: whole experts of every MoE layer placed on ranks, each
             routed token sent to its experts' ranks (a multiple of tp_size dividing
             dp_shard_size x tp_size, as transformers'; expert weights FSDP-sharded over the
@@ -146,6 +157,11 @@ def tensor_parallel(
             a forward the inputs tpkit makes up from the model (`tpkit.trace.inputs`) do not
             fit; without them, a model that cannot be traced is split per layer, exactly
             (`tpkit.sources.fallback`).
+        fill_later: the model is on the meta device on purpose and its weights are put in after
+            the split (training from scratch: ``to_empty`` and an init; `load_local_state_dict`;
+            accelerate's ``load_checkpoint_in_model``). Without it a model with parameters on
+            meta is refused, on every rank before any collective: built empty and never loaded,
+            it cannot run (`tpkit.from_pretrained` loads after its own split).
 
     A model tpkit already split is returned as it is (or refused when asked for another layout).
     Outside torchrun (world size 1) the model is returned unchanged (moved to ``device_ids[0]``
@@ -158,6 +174,7 @@ def tensor_parallel(
         dp_replicate_size=dp_replicate_size,
         dp_shard_size=dp_shard_size,
         cp_size=cp_size,
+        cp_attention=cp_attention,
         ep_size=ep_size,
         ep_implementation=ep_implementation,
         distributed_config=distributed_config,
@@ -168,6 +185,7 @@ def tensor_parallel(
         loss_parallel=loss_parallel,
         param_dtype=param_dtype,
         example_inputs=example_inputs,
+        fill_later=fill_later,
     )
     if (handle := _pool_tensor_parallel(model, device_ids, options)) is not None:
         return handle  # outside torchrun, 2+ devices: a live model on worker processes

@@ -27,6 +27,8 @@ from tpkit.guards.debug import install_input_checks
 from tpkit.guards.generation import install_generate_guard
 from tpkit.io.save import install_save_pretrained
 from tpkit.log import get_logger
+from tpkit.parallel.context.apply import apply_context_parallel
+from tpkit.parallel.context.checks import check_context
 from tpkit.parallel.dims import SIZE_KEYWORDS, ParallelDims, launch_hint
 from tpkit.parallel.expert import apply_expert_parallel, expert_data_parallel
 from tpkit.parallel.fsdp import apply_fsdp
@@ -90,11 +92,16 @@ def split(
     done = _already_parallel(model, o, dims)
     if done is not None:
         return done
+    if not (o.fill_later or _building_empty()):
+        _refuse_never_loaded(model)
     if dims.single_process:
         _log_single_process_once()
         return model.to(dims.device) if device_ids else model
-    sharded = dims.dp > 1 if o.sharded is None else o.sharded
+    # cp ranks hold the same parameters: FSDP shards over dp_shard x cp (torchtitan's dp_shard_cp)
+    sharded = dims.dp * dims.cp > 1 if o.sharded is None else o.sharded
     _refuse_axes_not_built(dims, sharded)
+    if dims.cp > 1:
+        check_context(model, o.cp_attention, o.sequence_parallel, dims.cp, dims.tp)
     adapted: list[tuple[SplitExtension, Any]] = []
     try:  # no collective yet: a refusal puts back what the extensions adapted
         for e in every:
@@ -113,7 +120,7 @@ def split(
             model,
             the_plan,
             dims.tp,
-            dp_size=dims.dp,
+            dp_size=dims.dp * dims.cp,  # the ranks FSDP shards over
             sharded=sharded,
             sequence_parallel=o.sequence_parallel,
             loss_parallel=o.loss_parallel,
@@ -128,7 +135,7 @@ def split(
     tp_mesh = tp_submesh(mesh)
     install_random_init(mesh)  # init after the split draws the unsharded values
     expert_mesh = _expert_mesh(dims)
-    fsdp_later = sharded and dims.dp > 1
+    fsdp_later = sharded and dims.dp * dims.cp > 1
     with torch_registration():
         _move(model, dims.device)
         if dims.tp > 1:
@@ -151,6 +158,9 @@ def split(
             )
             if not fsdp_later:  # with FSDP its step does it (`apply_pending_fsdp`)
                 expert_data_parallel(model, expert_mesh, fsdp=False)
+        if dims.cp > 1:
+            cp_mesh = get_mesh(mesh, "cp")
+            apply_context_parallel(model, cp_mesh, o.cp_attention, average_grads=not fsdp_later)
     model._tpkit = TPState(
         mesh=mesh,
         tp_mesh=tp_mesh,
@@ -232,9 +242,9 @@ def _expert_mesh(dims: ParallelDims) -> DeviceMesh | None:
 
 
 def _refuse_axes_not_built(dims: ParallelDims, sharded: bool) -> None:
-    """Axes whose parallelism this build does not apply yet: one clear error, before any
+    """Axes (or pairs of axes) this build does not apply: one clear error, before any
     collective, instead of a model that silently ignores them."""
-    if dims.dp_replicate > 1 and dims.dp_shard == 1 and sharded:
+    if dims.dp_replicate > 1 and dims.dp_shard * dims.cp == 1 and sharded:
         raise ValueError(
             f"dp_replicate_size={dims.dp_replicate} with dp_shard_size=1: pass sharded=False "
             "for plain replicas, or a dp_shard_size > 1 for HSDP."
@@ -244,12 +254,31 @@ def _refuse_axes_not_built(dims: ParallelDims, sharded: bool) -> None:
             f"ep_size={dims.ep} with cp_size={dims.cp}: expert and context parallelism are not "
             "built together yet; pass one of them."
         )
-    for axis, what in (("cp", "context parallelism"),):
-        if getattr(dims, axis) > 1:
-            raise ValueError(
-                f"{axis}_size={getattr(dims, axis)}: {what} is not applied by this tpkit build; "
-                f"pass {axis}_size=1 (or leave it out)."
-            )
+
+
+def _building_empty() -> bool:
+    """Inside ``accelerate.init_empty_weights()``: the model is built empty to be filled after
+    the split (the old ``tensor_parallel`` package's documented flow, which scripts still use),
+    so its meta parameters are meant."""
+    return nn.Module.register_parameter is not _TORCH_REGISTRATION[0]
+
+
+def _refuse_never_loaded(model: nn.Module) -> None:
+    """A model with parameters on meta that nobody will fill: one clear error on every rank
+    (each built the same model) before the process group and mesh, instead of a split that
+    takes a dozen collectives and a first forward that then refuses it (`refuse_meta`).
+    ``fill_later=True``, or a call inside accelerate's ``init_empty_weights()``, says the weights come
+    after the split."""
+    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if meta:
+        raise ValueError(
+            f"{type(model).__name__} has {len(meta)} parameter(s) on the meta device (e.g. "
+            f"{', '.join(meta[:3])}): built empty and never loaded, it cannot run. Load it with "
+            "tpkit.from_pretrained(path) (it splits on meta, then reads each rank's slices), or "
+            "pass fill_later=True to put the weights in after the split yourself "
+            "(model.to_empty(device=...) and its init to train from scratch, "
+            "tpkit.load_local_state_dict, accelerate's load_checkpoint_in_model)."
+        )
 
 
 def _install_guards(model: nn.Module, tp: int, tp_mesh: DeviceMesh) -> None:
@@ -263,14 +292,15 @@ def _install_guards(model: nn.Module, tp: int, tp_mesh: DeviceMesh) -> None:
 
 def apply_pending_fsdp(model: nn.Module) -> nn.Module:
     """Apply the FSDP2 step `split` left for later (nothing when there is none): over the data
-    axes of the mesh, dp_shard alone (FSDP) or dp_replicate x dp_shard (HSDP)."""
+    axes of the mesh, dp_shard (x cp) alone (FSDP) or dp_replicate x dp_shard (x cp) (HSDP):
+    cp ranks hold the same parameters, so FSDP shards over them too."""
     state = getattr(model, "_tpkit", None)
     if state is not None and state.pending_fsdp is not None:
         (param_dtype,) = state.pending_fsdp
         state.pending_fsdp = None
         if state.expert_mesh is not None:  # first: the dense FSDP leaves expert weights out
             expert_data_parallel(model, state.expert_mesh, fsdp=True, param_dtype=param_dtype)
-        dp_mesh = get_mesh(state.mesh, "dp_replicate", "dp_shard")
+        dp_mesh = get_mesh(state.mesh, "dp_replicate", "dp_shard_cp")
         apply_fsdp(model, dp_mesh, param_dtype=param_dtype)
     return model
 

@@ -150,7 +150,8 @@ def _split_and_stream(
     quant = None
     if quantization_config is not None:
         quant = QuantizedLoad(model, quantization_config)
-    model = split(model, device_ids, options, extensions=(quant,) if quant is not None else ())
+    later = dataclasses.replace(options, fill_later=True)  # the slices are read next
+    model = split(model, device_ids, later, extensions=(quant,) if quant is not None else ())
     device = rank_device(model)
     move_buffers(model, device)
     stream_buffers(model, index, keys, fresh, device)

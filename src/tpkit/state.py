@@ -35,6 +35,8 @@ class TPOptions:
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None
     cp_size: int | None = None
+    #: context parallelism's attention: "auto", "allgather", "ring" or "ulysses"
+    cp_attention: str = "auto"
     ep_size: int | None = None
     #: how routed pairs reach their experts under expert parallelism (transformers' spelling):
     #: "auto", "all_to_all" or "all_reduce" (`tpkit.styles.expert.IMPLEMENTATIONS`)
@@ -51,6 +53,7 @@ class TPOptions:
     loss_parallel: bool = False
     param_dtype: torch.dtype | None = None
     example_inputs: tuple | Mapping | None = None
+    fill_later: bool = False
 
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> TPOptions:

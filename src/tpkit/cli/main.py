@@ -99,21 +99,36 @@ def _planned(path: str, model_cls: str | None, plan_arg, tp: int, ep: int = 1):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from tpkit.parallel.context.checks import describe
     from tpkit.plan import explain
 
     _check_tp(args.tp)
+    if args.cp < 1:
+        raise UsageError(f"--cp must be >= 1, got {args.cp}.")
     folder = _checkpoint_dir(args.model, need_weights=False)
     model, plan, error = _planned(str(folder), args.model_cls, args.plan, args.tp, args.ep)
     if error is not None:  # the table would only list shapes that cannot exist
         print(collapse_layers(str(error)), file=sys.stderr)
         return 1
-    if args.tp == 1 and args.ep == 1:
+    context = None
+    if args.cp > 1:
+        try:
+            context = describe(model, args.cp, args.cp_attention, args.tp)
+        except ValueError as exc:
+            print(str(exc), file=sys.stderr)
+            return 1
+    if args.tp == 1 and args.ep == 1 and context is None:
         print("tp_size=1: one rank holds the whole model; nothing is split, no collectives run.")
         print("Try --tp 2 to see the plan (--ep 2 for an MoE's experts placed whole).")
         return 0
+    if args.tp == 1 and args.ep == 1:
+        print(f"tp_size=1: the weights are not split.\n\n{context}")
+        return 0
     print(explain(plan, model, tp_size=args.tp, ep_size=args.ep))
+    if context is not None:
+        print(f"\n{context}")
     said = f"tp_size={args.tp}" + (f", ep_size={args.ep}" if args.ep > 1 else "")
-    print(f"\n{said}: valid")
+    print(f"\n{said}{f', cp_size={args.cp}' if context else ''}: valid")
     return 0
 
 
@@ -250,6 +265,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--plan", help="a YAML plan merged over the automatic one")
     p.add_argument("--model-cls", help="transformers class name, e.g. LlamaForCausalLM")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size to explain")
+    p.add_argument(
+        "--cp-attention",
+        default="auto",
+        choices=["auto", "allgather", "ring", "ulysses"],
+        help="how attention sees the whole sequence under --cp",
+    )
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser(

@@ -17,8 +17,9 @@ all-gather each, then the hook removes itself), which catches the common mistake
 differently, each loading its own batch, sequence lengths that differ: gloo would abort the
 process inside its all-reduce) at no cost to a training or decode loop.
 
-A model built on meta and never loaded (``tensor_parallel`` of a meta model is legitimate: it is
-then filled by ``to_empty`` and an init, or by a load) is refused where a meta tensor would reach
+A model built on meta and never loaded (``tensor_parallel`` refuses a meta model unless told its
+weights come after the split, ``fill_later=True``: then ``to_empty`` and an init, or a load, fill
+it; `tpkit.parallelize.split`) is refused where a meta tensor would reach
 a forward, before any collective of that forward, on every rank alike (each rank built the same
 model): the first forward's hook (registered first among the model's pre-hooks), every forward
 under TPKIT_DEBUG, and `check_inputs` itself, which ``generate``'s guard calls after moving the

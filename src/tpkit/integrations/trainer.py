@@ -57,6 +57,12 @@ What Trainer and accelerate need, and what this module does about it:
   dp (no FSDP) gets a per-parameter hook that averages its local gradient over the dp group at
   the end of each accumulation window, as DDP would (``model._tpkit_dp_sync`` marks it; core code
   that reduces dp gradients itself can set that flag to turn the hook off).
+- **cp > 1.** ``ParallelismConfig(cp_size=...)`` makes accelerate wrap each step in torch's
+  ``context_parallel`` (no CPU kernel; it splits the batch in place) after hooks that drop every
+  self-attention mask, and Trainer insist on SDPA. For a tpkit CP model both are replaced: the
+  step runs in `tpkit.parallel.context.ContextParallel.trainer_mode` and the model splits the
+  batch accelerate gave the whole cp group, once. The loss is then this rank's share, as the
+  Trainer's arithmetic expects (it multiplies by its process count and averages gradients).
 - **evaluate / predict.** TP partners hold the same predictions: they are gathered over the dp
   group only, so the last short batch is trimmed right and nothing is repeated ``tp_size`` times.
   ``num_input_tokens_seen`` is counted once per TP group for the same reason.
@@ -86,6 +92,7 @@ from tpkit.integrations.trainer_checkpoints import (
     patched_save,
     patched_save_optimizer_and_scheduler,
 )
+from tpkit.parallel.context.apply import context_of
 from tpkit.parallel.fsdp import average_over_dp, is_fsdp
 from tpkit.parallel.mesh import get_mesh
 from tpkit.state import tp_state, wrapper_chain
@@ -102,6 +109,7 @@ def patch_trainer() -> None:
     parallelize are untouched: every patched method hands them to the original. Each patch goes
     through `tpkit.integrations.patching` (original recorded, tested versions checked).
     """
+    from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import Trainer
 
@@ -114,6 +122,7 @@ def patch_trainer() -> None:
         versions="accelerate",
         group="trainer",
     )
+    wrap(Accelerator, "_prepare_cp", _prepare_cp, versions="accelerate", group="trainer")
 
 
 def unpatch_trainer() -> None:
@@ -298,9 +307,9 @@ def _track_num_input_tokens(original):
         before = self.state.num_input_tokens_seen
         original(self, inputs)
         state = tp_state(self.model)
-        if state is not None:  # the gather summed each TP group's (identical) count tp times
+        if state is not None:  # the gather summed each tp x cp block's (identical) count
             seen = self.state.num_input_tokens_seen - before
-            self.state.num_input_tokens_seen = before + seen // state.tp_size
+            self.state.num_input_tokens_seen = before + seen // (state.tp_size * state.dims.cp)
 
     return _track_num_input_tokens
 
@@ -317,23 +326,51 @@ def _build_accelerator_args(original):
             return args
         from accelerate import ParallelismConfig
 
-        tp, dp = state.tp_size, _model_dp(state)
+        tp, dp, cp = state.tp_size, _model_dp(state), state.dims.cp
         pc = args.get("parallelism_config")
         if pc is None:
-            args["parallelism_config"] = ParallelismConfig(tp_size=tp, dp_shard_size=dp)
+            args["parallelism_config"] = ParallelismConfig(tp_size=tp, dp_shard_size=dp, cp_size=cp)
             return args
         pc_dp = pc.dp_shard_size * pc.dp_replicate_size
-        if pc.tp_size != tp or pc_dp != dp or pc.cp_size != 1 or pc.sp_size != 1:
+        if pc.tp_size != tp or pc_dp != dp or pc.cp_size != cp or pc.sp_size != 1:
+            has = f"tp_size={tp}, dp_size={dp}" + (f", cp_size={cp}" if cp > 1 else "")
+            use = f"tp_size={tp}, dp_shard_size={dp}" + (f", cp_size={cp}" if cp > 1 else "")
             raise ValueError(
                 f"TrainingArguments.parallelism_config (tp_size={pc.tp_size}, dp_shard_size="
                 f"{pc.dp_shard_size}, dp_replicate_size={pc.dp_replicate_size}, cp_size={pc.cp_size}, "
-                f"sp_size={pc.sp_size}) does not describe the tpkit model (tp_size={tp}, dp_size={dp}). "
-                f"Use ParallelismConfig(tp_size={tp}, dp_shard_size={dp}) or leave it unset and tpkit "
-                "fills it in; a wrong tp_size would give the ranks of one TP group different batches."
+                f"sp_size={pc.sp_size}) does not describe the tpkit model ({has}). Use "
+                f"ParallelismConfig({use}) or leave it unset and tpkit fills it in; a wrong tp_size "
+                "or cp_size would give the ranks of one TP or CP group different batches."
             )
         return args
 
     return _build_accelerator_args
+
+
+def _prepare_context_parallel_inputs(original):
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        # Trainer's version insists on sdpa and hands the batch to torch's context_parallel
+        # (which splits it in place); a tpkit model splits the whole batch in its own forward
+        cp = context_of(model)
+        if cp is None:
+            return original(self, model, inputs)
+        return cp.trainer_mode, inputs
+
+    return _prepare_context_parallel_inputs
+
+
+def _prepare_cp(original):
+    def _prepare_cp(self, *args):
+        # accelerate's: torch's context_parallel (no CPU kernel) and hooks that drop every
+        # self-attention mask. A tpkit CP model splits its batch itself: accelerate's
+        # maybe_context_parallel then only marks the Trainer's convention (no second split).
+        found = next((context_of(a) for a in args if isinstance(a, nn.Module)), None)
+        if found is None:
+            return original(self, *args)
+        self._cp_context = lambda **_: found.trainer_mode()
+        return args
+
+    return _prepare_cp
 
 
 def _validate_accelerator(original):
@@ -366,6 +403,7 @@ _TRAINER_PATCHES = (
     ("evaluation_loop", _evaluation_loop, True),
     ("_defer_fsdp_gradient_reduction", _defer_fsdp_gradient_reduction, False),
     ("_track_num_input_tokens", _track_num_input_tokens, False),
+    ("_prepare_context_parallel_inputs", _prepare_context_parallel_inputs, False),
     ("_save", patched_save, True),
     ("_save_optimizer_and_scheduler", patched_save_optimizer_and_scheduler, True),
     ("_load_from_checkpoint", patched_load_from_checkpoint, True),

@@ -13,6 +13,8 @@ Each parallelism, applied in mesh order by `tpkit.parallelize.split`:
 
     tensor.py    tensor parallelism: the plan's styles on the TP mesh, with what rides on it
     expert.py    expert parallelism: whole experts per rank of the EP mesh, tokens sent to them
+    context/     context parallelism: a model's batch split along the sequence over "cp"
+                 (a folder of its own: apply, batch, layout, attention, ring, checks)
     sequence.py  sequence parallelism: norms and dropout split along the sequence (Megatron-SP)
     fsdp.py      FSDP2 / HSDP over the data axes, after TP (torchtitan's order)
 """

@@ -82,7 +82,8 @@ def sizes_of(parallel_config: Any) -> dict[str, int]:
     if get("sp_size") not in (None, 1):
         raise ValueError(
             f"{type(parallel_config).__name__}(sp_size={get('sp_size')}): tpkit runs Ulysses "
-            "sequence parallelism as a kind of context parallelism; pass cp_size instead."
+            "sequence parallelism as a kind of context parallelism; pass cp_size (with "
+            "cp_attention='ulysses') instead."
         )
     names = {
         "tp_size": "tp_size",

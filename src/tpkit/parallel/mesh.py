@@ -211,19 +211,31 @@ def get_mesh(mesh: DeviceMesh, *names: str) -> DeviceMesh | None:
     ``"dp"`` as one dimension), or None when none of them is (every one of size 1).
 
     A mesh tpkit built has every axis of size > 1; a user's mesh may leave any out, and may call
-    dp_shard "dp" (`mesh_sizes`). Unknown names are a ValueError naming the known ones."""
+    dp_shard "dp" (`mesh_sizes`); a flattened name whose axes it has apart is flattened here (a
+    collective: every rank asks in the same order). Unknown names are a ValueError."""
     have = tuple(mesh.mesh_dim_names or ("tp",))
     for n in names:
         if n not in AXES and n not in FLATTENED:
             raise ValueError(f"unknown mesh axis {n!r}; tpkit's axes are {AXES + tuple(FLATTENED)}")
+    user_dp = "dp" in have and "dp_replicate" not in have  # a user's ("dp", "tp") mesh
+
+    def present(axis: str) -> list[str]:
+        if axis in have:
+            return [axis]
+        return ["dp"] if axis == "dp_shard" and user_dp else []
+
     picked: list[str] = []
     for n in names:
         if n in have or (n in FLATTENED and _has(mesh, n)):
             picked.append(n)
-        elif n == "dp_shard" and "dp" in have and "dp_replicate" not in have:
-            picked.append("dp")  # a user's ("dp", "tp") mesh
-        elif n in FLATTENED:  # not flattened: its one axis that is on, if any
-            picked += [p for p in FLATTENED[n] if p in have]
+        elif n in FLATTENED:  # a user's mesh, not flattened: its axes that are on, if any
+            axes = [q for p in FLATTENED[n] for q in present(p) if q not in picked]
+            if len(axes) > 1:  # one FSDP/CP dimension, as build_mesh makes it (every rank)
+                mesh[tuple(axes)]._flatten(n)
+                axes = [n]
+            picked += axes
+        else:
+            picked += present(n)
     if not picked:
         return None
     if mesh.ndim == 1 and mesh.mesh_dim_names is None:

@@ -30,7 +30,7 @@ from tpkit.settle.complete import (
     note_whole_params,
 )
 from tpkit.settle.dryrun import dry_run
-from tpkit.settle.gathered import gather_reduced_pairs
+from tpkit.settle.gathered import drop_fixups_of_gathered_owners, gather_reduced_pairs
 from tpkit.settle.settle import head_constraints, settle, settle_heads
 from tpkit.sources.fallback import fallback_plan, splits_anything
 from tpkit.sources.hf import hf_plan
@@ -105,6 +105,7 @@ def derive_plan(
             out = _source_plan(model, plan, example_inputs, tp_size)
         else:
             out = _base_plan(model, example_inputs).merged(_user_plan(plan))
+            drop_fixups_of_gathered_owners(model, out)  # the user gathered what feeds them
         gather_reduced_pairs(model, out, example_inputs)  # reductions over split features
         out = complete_tied_layers(model, out, example_inputs)
         out = complete_grad_allreduce(model, out, example_inputs)

@@ -60,6 +60,10 @@ def build(spec: tuple) -> tuple[Any, Any]:
         model = parallelize(model, None, TPOptions.of(kwargs))
     if training is not None:
         model.train(training)
+    from tpkit.parallel.context.apply import context_of
+
+    if (cp := context_of(model)) is not None:
+        cp.whole_outputs = True  # the caller holds the model, not a rank: whole logits back
     return model, info
 
 

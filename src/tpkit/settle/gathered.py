@@ -39,7 +39,13 @@ from tpkit.plan.layout import kind_of
 from tpkit.plan.spec import Group, Plan, matches
 from tpkit.trace.trace import STREAM, Node, generic, trace
 
-__all__ = ["GATHERED", "gather_group", "gather_reduced_pairs", "gathered_pairs"]
+__all__ = [
+    "GATHERED",
+    "drop_fixups_of_gathered_owners",
+    "gather_group",
+    "gather_reduced_pairs",
+    "gathered_pairs",
+]
 
 #: what a group's split styles become when it is gathered
 GATHERED = {"colwise": "colwise_gather_output", "rowwise": "rowwise_split_input"}
@@ -190,6 +196,33 @@ def gather_reduced_pairs(model: nn.Module, plan: Plan, example: Any = None) -> l
         _drop_fixups(model, plan, {m.rsplit(".", 1)[0] for m in members if "." in m})
         changed.extend(sorted(members))
     return changed
+
+
+def drop_fixups_of_gathered_owners(model: nn.Module, plan: Plan) -> list[str]:
+    """Drop (in place) the fix-ups of every module whose code sees whole activations because
+    the plan gathers the column outputs feeding it: some layer inside it gathers its output
+    (``colwise_gather_output``) and none inside leaves an output split or expects a split input.
+    A user's plan does this over the auto plan's fix-ups (BLOOM's ``query_key_value`` gathered:
+    the attention reshapes 3 x all its heads, so dividing ``num_heads`` breaks the reshape and
+    slicing ``alibi`` would pair heads with other heads' slopes). Returns the modules whose
+    fix-ups were dropped."""
+    if not plan.fixups:
+        return []
+    specs = {t.name: (t.kind, style_spec(t.style)) for t in plan.resolve(model)}
+    names = [n for n, _ in model.named_modules()]
+    owners: set[str] = set()
+    for key in plan.fixups:
+        for owner in (n for n in names if matches(key, n)):
+            inside = [v for m, v in specs.items() if m.startswith(f"{owner}.") or not owner]
+            gathered = any(k == "module" and s.collective == "all_gather" for k, s in inside)
+            split = any(
+                s.role in ("column", "row", "channel") or (k != "module" and s.shard is not None)
+                for k, s in inside
+            )
+            if gathered and not split:
+                owners.add(owner)
+    _drop_fixups(model, plan, owners)
+    return sorted(owners)
 
 
 def _drop_fixups(model: nn.Module, plan: Plan, owners: set[str]) -> None:

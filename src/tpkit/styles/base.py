@@ -146,16 +146,25 @@ def _grouped_mm_fallback(module: nn.Module) -> str:
     """torch's CPU grouped_mm needs every row of its operands to be a multiple of 16 bytes; a
     shard narrower than that (an intermediate width of 12 at tp=4 in float32: 3 values per rank),
     or a whole expert weight as odd (transformers' Mixtral tester: 37 wide, which fails
-    unsharded too), makes it raise mid-forward. Such a module gets its own copy of its config
-    that says ``batched_mm`` (the same products, per expert): the fix in words, or ""."""
+    unsharded too), makes it raise mid-forward (or, for a shard of 38 rows, in its backward).
+    Such a module gets its own copy of its config that says ``batched_mm`` (the same products,
+    per expert): the fix in words, or "". Experts on another implementation at the split
+    (``eager``, ``batched_mm``) keep it in their own copy too, so a later
+    ``set_experts_implementation("grouped_mm")`` on the model, which rewrites the shared config,
+    never puts them on grouped_mm's refused strides (the first forward, the backward or a
+    ``generate`` after the switch would raise)."""
     config = getattr(module, "config", None)  # any object: IDEFICS keeps a float there
-    if getattr(config, "__dict__", {}).get(_IMPL) != "grouped_mm":
+    impl = getattr(config, "__dict__", {}).get(_IMPL)
+    experts = hasattr(module, "is_concatenated") and hasattr(module, "has_gate")  # transformers'
+    if impl != "grouped_mm" and not (experts and impl is not None):
         return ""
     for p in module._parameters.values():
         if p is not None and p.ndim == 3:
             local = p._local_tensor if isinstance(p, DTensor) else p
             if any(n * local.element_size() % 16 for n in local.shape[-2:]):
                 module.config = copy.copy(config)
+                if impl != "grouped_mm":
+                    return ""  # pinned to what it runs now
                 module.config.__dict__[_IMPL] = "batched_mm"
                 return "batched_mm (grouped_mm needs 16-byte rows)"
     return ""

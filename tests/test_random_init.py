@@ -85,7 +85,7 @@ def check_llama_from_scratch(name: str, how: str, tp_kwargs: dict) -> dict:
     ref_next = torch.randn(7)
 
     torch.manual_seed(0)
-    model = tpkit.tensor_parallel(_meta(name), **tp_kwargs)
+    model = tpkit.tensor_parallel(_meta(name), fill_later=True, **tp_kwargs)
     model.to_empty(device="cpu")
     _initialise(model, how)
     next_draw = torch.randn(7)
@@ -276,7 +276,7 @@ def check_user_reset_parameters() -> dict:
     torch.manual_seed(0)
     with torch.device("meta"):
         ref = _UserModel()
-    model = tpkit.tensor_parallel(copy.deepcopy(ref), plan=USER_PLAN)
+    model = tpkit.tensor_parallel(copy.deepcopy(ref), plan=USER_PLAN, fill_later=True)
     draws = []
     for m in (ref, model):
         m.to_empty(device="cpu")

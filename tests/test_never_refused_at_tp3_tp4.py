@@ -1,4 +1,4 @@
-"""Never refuse at tp=3 and tp=4 (issue 28): what tests/test_never_refuse.py checks at tp=2.
+"""Never refuse at tp=3 and tp=4 (issue 28): what tests/test_never_refused.py checks at tp=2.
 
 CodeGen's ``qkv_proj`` output is 4 fixed groups of [q | v | k] (``mp_num = 4``) whatever the
 heads. At tp=3 each rank's third of it is 4/3 of a group, so transformers' plan (and the
@@ -28,7 +28,7 @@ TOL = 1e-5
 CODEGEN = ("codegen", "CodeGenForCausalLM")
 #: 12 heads of 16 (3 per fixed qkv group): every head count divides tp=3, the groups do not
 CODEGEN_SIZES = {"n_head": 12, "n_embd": 192}
-#: tests/test_never_refuse.py's builders: traced on made-up inputs, and per-layer fallback
+#: tests/test_never_refused.py's builders: traced on made-up inputs, and per-layer fallback
 TRACED = ["vit", "llama_layer"]  # (Whisper: as vit here, 4x the time)
 FALLBACK = ["untraceable", "conv_seq", "conv2d_bias"]
 CASES = ["codegen", *TRACED, *FALLBACK]
@@ -52,7 +52,7 @@ def run_cases(names: list[str]) -> dict[str, dict | str]:
     """Run on every rank: each case's parity against the unsharded model, or its traceback
     (so one failing case does not hide the others)."""
     from tests.parity import tiny_parity
-    from tests.test_never_refuse import parity
+    from tests.test_never_refused import parity
 
     out: dict[str, dict | str] = {}
     times = out.setdefault("seconds", {})

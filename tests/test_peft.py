@@ -329,7 +329,7 @@ def _trainer_losses(out: str, tp: int | None) -> dict:
     from accelerate import ParallelismConfig
     from transformers import Trainer
 
-    from tests.test_integrations_trainer import ToyLM, losses, reset_accelerate, training_args
+    from tests.test_trainer import ToyLM, losses, reset_accelerate, training_args
     from tpkit.integrations import peft as tp_peft
     from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
 
@@ -355,7 +355,7 @@ def check_trainer(out: str) -> dict[int, float]:
 
 
 def test_trainer_lora_tp2_matches_single_process(ranks2, tmp_path):
-    from tests.test_integrations_trainer import single_process
+    from tests.test_trainer import single_process
 
     ref = single_process(_trainer_losses, str(tmp_path / "ref"), None)
     assert sorted(ref) == list(range(1, STEPS + 1)), ref

@@ -209,8 +209,8 @@ def check_mismatched_head(path: str) -> dict:
 
 
 def check_meta_never_loaded(how: str) -> dict:
-    """A Llama built on meta, split, then run without loading: the error and the collectives
-    the call made before it."""
+    """A Llama built on meta, split with ``fill_later=True`` (the weights to come), then run
+    without loading: the error and the collectives the call made before it."""
     from accelerate import init_empty_weights
 
     import tpkit
@@ -220,7 +220,7 @@ def check_meta_never_loaded(how: str) -> dict:
     try:
         with init_empty_weights():
             model = tf.LlamaForCausalLM(tf.LlamaConfig(**ATTN))
-        model = tpkit.tensor_parallel(model, tp_size=2)
+        model = tpkit.tensor_parallel(model, tp_size=2, fill_later=True)
     finally:
         os.environ.pop("TPKIT_DEBUG", None)
     x = batch(ATTN["vocab_size"])

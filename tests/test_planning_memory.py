@@ -31,7 +31,7 @@ CAP_BYTES = 6 * 10**9
 _SCRIPT = """
 import json, sys
 sys.path.insert(0, {root!r})
-from tests.test_reliability_memory import plan_on_meta
+from tests.test_planning_memory import plan_on_meta
 print(json.dumps(plan_on_meta(*{args!r})))
 """
 
@@ -123,7 +123,7 @@ def split_on_meta(name: str, layers: int) -> dict[str, float]:
     unlimited = hard == resource.RLIM_INFINITY
     resource.setrlimit(resource.RLIMIT_AS, (limit if unlimited else min(limit, hard), hard))
     try:
-        split = tpkit.tensor_parallel(model)
+        split = tpkit.tensor_parallel(model, fill_later=True)
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     sharded = sum(1 for p in split.parameters() if p.placements[0].is_shard())

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.models import batch, build, full
-from tests.test_integrations_peft import lora_config
+from tests.test_peft import lora_config
 
 TOL = 1e-5
 ORDERS = ["peft_first", "tpkit_first"]

@@ -97,6 +97,7 @@ def tensor_parallel(
     cp_attention: str = "auto",
     ep_size: int | None = None,
     ep_implementation: str | None = None,
+    ep_plan: Mapping[str, str] | None = None,
     distributed_config: Any = None,
     plan: PlanLike = "auto",
     mesh: DeviceMesh | None = None,
@@ -132,11 +133,14 @@ def tensor_parallel(
         ep_size: expert parallelism: whole experts of every MoE layer placed on ranks, each
             routed token sent to its experts' ranks (a multiple of tp_size dividing
             dp_shard_size x tp_size, as transformers'; expert weights FSDP-sharded over the
-            dp_shard x tp / ep ranks that hold the same experts). See docs/expert_parallel.md.
+            dp_shard x tp / ep ranks that hold the same experts). See docs/expert-parallel.md.
         ep_implementation: how tokens reach their experts: ``"all_to_all"`` (tokens
             exchanged, variable counts), ``"all_reduce"`` (every rank of the EP group holds the
             same tokens, ep == tp: each runs its own experts' pairs, the outputs summed), or
             ``"auto"`` (the default: all-reduce where ep == tp, all-to-all otherwise).
+        ep_plan: experts modules to place beside those the model's ``base_model_ep_plan``
+            names or tpkit's probe finds, in transformers' format
+            (``{"model.layers.*.mlp.experts": "ep_dispatch_experts"}``).
         distributed_config: a transformers ``DistributedConfig`` or an accelerate
             ``ParallelismConfig``, read for the sizes above (`tpkit.parallel.dims.sizes_of`).
         plan: ``"auto"`` (transformers plan, else inferred), ``"config"``, ``"infer"``, or a
@@ -177,6 +181,7 @@ def tensor_parallel(
         cp_attention=cp_attention,
         ep_size=ep_size,
         ep_implementation=ep_implementation,
+        ep_plan=ep_plan,
         distributed_config=distributed_config,
         plan=plan,
         mesh=mesh,

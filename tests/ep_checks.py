@@ -141,7 +141,7 @@ def compare_ep(
     weight's gradient is the average over the ep / batch batches of its EP group, all alike
     here), the largest reference values, parameters with a gradient on one side only, the
     share of expert-parallel weight elements this rank holds and the dispatches used."""
-    from tpkit.parallel.expert import expert_parallel
+    from tpkit.parallel.expert.apply import expert_parallel
 
     model = copy.deepcopy(ref)
     ep_mesh, batch_mesh = meshes(ep, batch)
@@ -189,7 +189,7 @@ def compare_split(ref: torch.nn.Module, x: dict, seed: int = 1234, **options: An
     """Run on every rank: a copy of ``ref`` split by ``tpkit.tensor_parallel(**options)``
     against ``ref`` on inputs ``x`` (the same on every rank): `compare_ep`'s figures."""
     import tpkit
-    from tpkit.parallel.expert import expert_styles
+    from tpkit.parallel.expert.apply import expert_styles
 
     model = tpkit.tensor_parallel(copy.deepcopy(ref), **options)
     outs, w = [], None
@@ -271,7 +271,7 @@ def ep_train_steps(model_type: str, steps: int = 2, **options: Any) -> list[tupl
 
 def _expert_share(model: torch.nn.Module) -> float:
     """The share of the expert weights' elements this rank holds."""
-    from tpkit.parallel.expert import expert_styles
+    from tpkit.parallel.expert.apply import expert_styles
 
     held = total = 0
     for name in expert_styles(model):
@@ -299,7 +299,7 @@ def split_parity(
     its own batch (the unsharded gradients then the mean over the dp batches, its logits and
     aux loss this rank's batch's), else every rank the same one."""
     import tpkit
-    from tpkit.parallel.expert import expert_styles
+    from tpkit.parallel.expert.apply import expert_styles
 
     ref = tiny_moe(model_type, overrides)
     model = tpkit.tensor_parallel(copy.deepcopy(ref), **options)

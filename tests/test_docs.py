@@ -28,7 +28,7 @@ ROOMS = (*ANALYSIS, "styles", "quant", "integrations", "cli", "parallel", "train
 # what the analysis may import beyond the standard library (yaml: Plan.from_yaml parses plans)
 PLAN_THIRD_PARTY = {"torch", "yaml"}
 # the parallel runtime (the floor under every parallelism) and the parallelisms themselves
-RUNTIME = ("dims", "mesh", "timeouts", "comm", "shm", "expert_comm")
+RUNTIME = ("dims", "mesh", "timeouts", "comm", "shm", "expert.comm")
 # the layers, lowest first: an import goes to a lower layer, or sideways inside one room
 LAYERS = (
     ("floor", ("tpkit.compat", "tpkit.config", "tpkit.log")),
@@ -238,7 +238,7 @@ def test_styles_import_only_plan_comm_and_compat():
         "tpkit.plan",
         "tpkit.styles",
         "tpkit.parallel.comm",
-        "tpkit.parallel.expert_comm",
+        "tpkit.parallel.expert.comm",
         "tpkit.compat",
     )
 

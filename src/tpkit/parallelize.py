@@ -30,7 +30,7 @@ from tpkit.log import get_logger
 from tpkit.parallel.context.apply import apply_context_parallel
 from tpkit.parallel.context.checks import check_context
 from tpkit.parallel.dims import SIZE_KEYWORDS, ParallelDims, launch_hint
-from tpkit.parallel.expert import apply_expert_parallel, expert_data_parallel
+from tpkit.parallel.expert.apply import apply_expert_parallel, expert_data_parallel
 from tpkit.parallel.fsdp import apply_fsdp
 from tpkit.parallel.mesh import (
     build_expert_mesh,

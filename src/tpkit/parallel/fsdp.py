@@ -135,7 +135,7 @@ def apply_fsdp(
     gradient averaged over dp by a hook as it is produced.
     """
     # and parameters whose dp averaging another step installed (expert weights under expert
-    # parallelism without replicas to shard over: `tpkit.parallel.expert.expert_data_parallel`)
+    # parallelism without replicas to shard over: `tpkit.parallel.expert.apply.expert_data_parallel`)
     ignored = {
         p for p in model.parameters() if strided_1d(p) or getattr(p, "_tpkit_dp_averaged", False)
     }

@@ -3,14 +3,14 @@
 `ExpertParallelStyle` (``ep_experts``) is applied on the expert-parallel (EP) mesh, not the TP
 mesh. Every parameter under the module whose first dim counts experts (``[E, ...]``, or DBRX's
 ``[E * F, H]``) is split along it, ``Shard(0)``: rank r holds whole experts, torch.chunk sizes of
-E (`tpkit.parallel.expert_comm.ExpertPlacement`). Any other parameter under it stays replicated,
+E (`tpkit.parallel.expert.comm.ExpertPlacement`). Any other parameter under it stays replicated,
 its gradient summed over the EP group (each rank backpropagates its own pairs only).
 
 The module keeps its class and ``forward``. Its call ``(hidden [.., H], index [T, K], weights
 [T, K])`` is rewritten by the forward pre-hook into this rank's pairs: their tokens, their local
 expert ids (``[R, 1]``) and routing weights, with the module's expert count attributes set to
 its local count and its parameters swapped for the local experts; the forward hook sends the
-weighted pair outputs back and sums them per token (`tpkit.parallel.expert_comm`). The model's
+weighted pair outputs back and sums them per token (`tpkit.parallel.expert.comm`). The model's
 own code computes every pair, with its own weights, exactly as it does unsharded.
 
 A rank that receives no pair runs its experts on one dummy row built from the (empty) received
@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from tpkit.parallel.expert_comm import (
+from tpkit.parallel.expert.comm import (
     AllReduceDispatch,
     AllToAllDispatch,
     Dispatched,

@@ -212,6 +212,21 @@ def test_what_ep_cannot_do_is_refused_before_any_collective(ranks2):
         assert "ep_implementation='all_reduce' needs" in said[1], said
 
 
+def test_tpkit_plan_shows_the_expert_placement(tmp_path, capsys):
+    """``tpkit plan --ep 2`` places the experts as ``tensor_parallel(ep_size=2)`` does; with
+    ``--cp`` it is refused as the split refuses it."""
+    from tpkit.cli.main import main
+
+    tiny_moe("qwen3_moe").save_pretrained(tmp_path / "q")
+    assert main(["plan", str(tmp_path / "q"), "--tp", "2", "--ep", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ep_experts" in out and "tp_size=2, ep_size=2: valid" in out, out
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", str(tmp_path / "q"), "--tp", "2", "--ep", "2", "--cp", "2"])
+    assert exit_.value.code == 2
+    assert "--ep with --cp" in capsys.readouterr().err
+
+
 def test_save_pretrained_from_pretrained_and_dcp(ranks2, tmp_path):
     """save_pretrained at ep=2 loads in plain transformers; from_pretrained with
     DistributedConfig(tp_size=2, ep_size=2) reads each rank's own experts (slices, not

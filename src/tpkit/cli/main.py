@@ -103,8 +103,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tpkit.plan import explain
 
     _check_tp(args.tp)
-    if args.cp < 1:
-        raise UsageError(f"--cp must be >= 1, got {args.cp}.")
+    if args.cp < 1 or args.ep < 1:
+        raise UsageError(f"--cp and --ep must be >= 1, got --cp {args.cp} --ep {args.ep}.")
+    if args.cp > 1 and args.ep > 1:  # as tensor_parallel refuses them
+        raise UsageError(
+            "--ep with --cp: expert and context parallelism are not built together yet."
+        )
     folder = _checkpoint_dir(args.model, need_weights=False)
     model, plan, error = _planned(str(folder), args.model_cls, args.plan, args.tp, args.ep)
     if error is not None:  # the table would only list shapes that cannot exist

@@ -51,6 +51,7 @@ _MODULES = (
     "memory",
     "load",
     "train",
+    "moe",
     "longseq",
     "checkpoints",
 )

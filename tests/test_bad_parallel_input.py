@@ -178,9 +178,22 @@ REFUSALS: dict[str, tuple[Callable[[], Callable[[], object]], str]] = {
         _split(tp_size=2, cp_size=3),
         "cp_size=3 x tp_size=2 = 6 ranks, but the world size is 4",
     ),
-    "ep_on": (
-        _split("qwen3_moe", tp_size=2, dp_size=2, ep_size=2),
-        "ep_size=2: expert parallelism is not applied by this tpkit build",
+    "ep_with_cp": (
+        _split("qwen3_moe", tp_size=2, cp_size=2, ep_size=2),
+        "ep_size=2 with cp_size=2: expert and context parallelism are not built together yet",
+    ),
+    "ep_without_experts": (
+        _split("llama", tp_size=2, dp_size=2, ep_size=2),
+        "ep_size=2: LlamaForCausalLM has no experts module expert parallelism can place",
+    ),
+    "ep_all_reduce_over_two_batches": (
+        _split("qwen3_moe", tp_size=1, dp_size=4, ep_size=2, ep_implementation="all_reduce"),
+        "ep_implementation='all_reduce' needs every rank of an expert-parallel group to hold "
+        "the same tokens (ep_size == tp_size); got ep_size=2, tp_size=1",
+    ),
+    "ep_unknown_implementation": (
+        _split("qwen3_moe", tp_size=2, dp_size=2, ep_size=2, ep_implementation="deepep"),
+        "ep_implementation='deepep': use one of",
     ),
     "ep_not_a_multiple_of_tp": (
         _split("qwen3_moe", tp_size=2, dp_size=2, ep_size=3),

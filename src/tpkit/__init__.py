@@ -104,6 +104,8 @@ def tensor_parallel(
     cp_size: int | None = None,
     cp_attention: str = "auto",
     ep_size: int | None = None,
+    ep_implementation: str | None = None,
+    ep_plan: Mapping[str, str] | None = None,
     distributed_config: Any = None,
     plan: PlanLike = "auto",
     mesh: DeviceMesh | None = None,
@@ -142,7 +144,17 @@ def tensor_parallel(
             (keys and values gathered), ``"ring"`` (passed around the ring, online softmax),
             ``"ulysses"`` (all-to-all to heads), or ``"auto"`` (all-gather; the ring for
             long sequences).
-        ep_size: expert parallelism (whole experts placed on ranks).
+        ep_size: expert parallelism: whole experts of every MoE layer placed on ranks, each
+            routed token sent to its experts' ranks (a multiple of tp_size dividing
+            dp_shard_size x tp_size, as transformers'; expert weights FSDP-sharded over the
+            dp_shard x tp / ep ranks that hold the same experts). See docs/expert-parallel.md.
+        ep_implementation: how tokens reach their experts: ``"all_to_all"`` (tokens
+            exchanged, variable counts), ``"all_reduce"`` (every rank of the EP group holds the
+            same tokens, ep == tp: each runs its own experts' pairs, the outputs summed), or
+            ``"auto"`` (the default: all-reduce where ep == tp, all-to-all otherwise).
+        ep_plan: experts modules to place beside those the model's ``base_model_ep_plan``
+            names or tpkit's probe finds, in transformers' format
+            (``{"model.layers.*.mlp.experts": "ep_dispatch_experts"}``).
         distributed_config: a transformers ``DistributedConfig`` or an accelerate
             ``ParallelismConfig``, read for the sizes above (`tpkit.parallel.dims.sizes_of`).
         plan: ``"auto"`` (transformers plan, else inferred), ``"config"``, ``"infer"``, or a
@@ -191,6 +203,8 @@ def tensor_parallel(
         cp_size=cp_size,
         cp_attention=cp_attention,
         ep_size=ep_size,
+        ep_implementation=ep_implementation,
+        ep_plan=ep_plan,
         distributed_config=distributed_config,
         plan=plan,
         mesh=mesh,
@@ -269,12 +283,13 @@ def from_pretrained(
     return _pretrained.from_pretrained(path, device_ids=device_ids, **named, **kwargs)
 
 
-def explain(plan: Any, model: nn.Module | None = None, tp_size: int = 1) -> str:
+def explain(plan: Any, model: nn.Module | None = None, tp_size: int = 1, ep_size: int = 1) -> str:
     """A plan as a table: without a model, its entries; with one, what ``tpkit plan`` prints
-    (parameters, styles, global -> local shapes, bytes per rank, collectives). For a
+    (parameters, styles, global -> local shapes, bytes per rank, collectives; the experts of a
+    plan placed by expert parallelism split by experts over ``ep_size`` ranks). For a
     `ModelHandle` (``tpkit.explain(model)``) the plan its workers applied."""
     from tpkit.plan.table import explain as explain_plan
 
     if isinstance(plan, ModelHandle):
         return plan.explain()
-    return explain_plan(plan, model, tp_size)
+    return explain_plan(plan, model, tp_size, ep_size)

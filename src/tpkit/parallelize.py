@@ -32,12 +32,21 @@ from tpkit.log import get_logger
 from tpkit.parallel.context.apply import apply_context_parallel
 from tpkit.parallel.context.checks import check_context
 from tpkit.parallel.dims import SIZE_KEYWORDS, ParallelDims, launch_hint
+from tpkit.parallel.expert.apply import apply_expert_parallel, expert_data_parallel
 from tpkit.parallel.fsdp import apply_fsdp
 from tpkit.parallel.fsdp_plan import fsdp_problems
-from tpkit.parallel.mesh import build_mesh, get_mesh, init_distributed, tp_submesh
+from tpkit.parallel.mesh import (
+    build_expert_mesh,
+    build_mesh,
+    get_mesh,
+    init_distributed,
+    tp_submesh,
+)
 from tpkit.parallel.tensor import apply_tensor_parallel
-from tpkit.plan import check_plan_arg, validate
+from tpkit.plan import Plan, check_plan_arg, validate
+from tpkit.sources.expert_placement import check_expert_sizes, expert_modules, place_experts
 from tpkit.state import TPOptions, TPState
+from tpkit.styles.expert import IMPLEMENTATIONS
 from tpkit.trace.analysis import Analysis
 from tpkit.training.init import install_random_init
 
@@ -116,6 +125,8 @@ def split(
             ranks=dims.world,
             analysis=analysis,
         )
+        if dims.ep > 1:  # whole experts per EP rank: their modules leave the tensor step's plan
+            the_plan = _place_experts(model, the_plan, dims, o)
         states = dict(adapted)
         contexts = [
             (e, c)
@@ -143,6 +154,7 @@ def split(
     mesh = o.mesh if o.mesh is not None else _world_mesh(dims)
     tp_mesh = tp_submesh(mesh)
     install_random_init(mesh)  # init after the split draws the unsharded values
+    expert_mesh = _expert_mesh(dims)
     fsdp_later = sharded and dims.dp * dims.cp > 1
     with torch_registration():
         _move(model, dims.device)
@@ -156,6 +168,16 @@ def split(
                 loss_parallel=o.loss_parallel,
                 mixed_dtype=mixed,
             )
+        if expert_mesh is not None:
+            apply_expert_parallel(
+                model,
+                the_plan,
+                expert_mesh["ep"],
+                batch_mesh=tp_mesh if dims.tp > 1 else None,
+                implementation=_ep_implementation(o),
+            )
+            if not fsdp_later:  # with FSDP its step does it (`apply_pending_fsdp`)
+                expert_data_parallel(model, expert_mesh, fsdp=False)
         if dims.cp > 1:
             cp_mesh = get_mesh(mesh, "cp")
             apply_context_parallel(model, cp_mesh, o.cp_attention, average_grads=not fsdp_later)
@@ -165,6 +187,7 @@ def split(
         plan=the_plan,
         dims=dims,
         pending_fsdp=fsdp if fsdp_later else None,
+        expert_mesh=expert_mesh,
     )
     for extension, context in contexts:
         extension.finish(model, context, tp_mesh)
@@ -184,16 +207,69 @@ def _world_mesh(dims: ParallelDims) -> DeviceMesh:
     )
 
 
+def _ep_implementation(o: TPOptions) -> str:
+    """``ep_implementation`` as asked: the keyword, else the ``DistributedConfig``'s, else
+    "auto"."""
+    if o.ep_implementation is not None:
+        return o.ep_implementation
+    return getattr(o.distributed_config, "ep_implementation", None) or "auto"
+
+
+def _place_experts(model: nn.Module, plan: Plan, dims: ParallelDims, o: TPOptions) -> Plan:
+    """The plan with each experts module EP places (`tpkit.sources.expert_placement`), every
+    problem an EP split can have checked here, before any collective: no experts module to
+    place, an expert count or layout ep does not fit, an ``ep_implementation`` that is not
+    one, or all-reduce asked where the EP group holds more than one batch."""
+    implementation = _ep_implementation(o)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"ep_implementation={implementation!r}: use one of {', '.join(IMPLEMENTATIONS)}."
+        )
+    if implementation == "all_reduce" and dims.ep != dims.tp:
+        raise ValueError(
+            f"ep_implementation='all_reduce' needs every rank of an expert-parallel group to hold "
+            f"the same tokens (ep_size == tp_size); got ep_size={dims.ep}, tp_size={dims.tp}. "
+            "Use 'all_to_all' or 'auto'."
+        )
+    entries, notes = expert_modules(model, _ep_plan_patterns(o))
+    if not entries:
+        said = "; ".join(f"{k}: {v}" for k, v in list(notes.items())[:3])
+        raise ValueError(
+            f"ep_size={dims.ep}: {type(model).__name__} has no experts module expert "
+            f"parallelism can place ({said or 'no module with an expert count and weights whose first dim counts experts'}); "
+            "pass ep_size=1, or make the experts one module called as (hidden, expert ids, "
+            "routing weights)."
+        )
+    plan = place_experts(model, plan, entries)
+    check_expert_sizes(model, plan, dims.ep)
+    return plan
+
+
+def _ep_plan_patterns(o: TPOptions) -> list[str]:
+    """The experts modules a ``DistributedConfig(ep_plan=...)`` names (transformers' format:
+    ``{"layers.*.mlp.experts": "ep_dispatch_experts", ...}``), as patterns of the model."""
+    ep_plan = {**(getattr(o.distributed_config, "ep_plan", None) or {}), **(o.ep_plan or {})}
+    return [k for k, v in ep_plan.items() if v == "ep_dispatch_experts"]
+
+
+def _expert_mesh(dims: ParallelDims) -> DeviceMesh | None:
+    """The expert mesh of ``dims`` (ep innermost, efsdp = dp_shard x tp / ep), or None at
+    ep = 1."""
+    if dims.ep == 1:
+        return None
+    efsdp = dims.dp_shard * dims.tp // dims.ep
+    return build_expert_mesh(dims.dp_replicate, efsdp, dims.ep, dims.device_type)
+
+
 def _refuse_axes_not_built(dims: ParallelDims) -> None:
-    """Axes whose parallelism this build does not apply yet: one clear error, before any
-    collective, instead of a model that silently ignores them. (dp_replicate > 1 with
+    """Pairs of axes this build does not apply together: one clear error, before any
+    collective, instead of a model that silently ignores one. (dp_replicate > 1 with
     dp_shard = 1 is HSDP over an (R, 1) data mesh: replicas whose gradients FSDP2 all-reduces.)"""
-    for axis, what in (("ep", "expert parallelism"),):
-        if getattr(dims, axis) > 1:
-            raise ValueError(
-                f"{axis}_size={getattr(dims, axis)}: {what} is not applied by this tpkit build; "
-                f"pass {axis}_size=1 (or leave it out)."
-            )
+    if dims.ep > 1 and dims.cp > 1:
+        raise ValueError(
+            f"ep_size={dims.ep} with cp_size={dims.cp}: expert and context parallelism are not "
+            "built together yet; pass one of them."
+        )
 
 
 def _building_empty() -> bool:
@@ -237,6 +313,10 @@ def apply_pending_fsdp(model: nn.Module) -> nn.Module:
     state = getattr(model, "_tpkit", None)
     if state is not None and state.pending_fsdp is not None:
         options, state.pending_fsdp = state.pending_fsdp, None
+        if state.expert_mesh is not None:  # first: the dense FSDP leaves expert weights out
+            expert_data_parallel(
+                model, state.expert_mesh, fsdp=True, param_dtype=options.param_dtype
+            )
         apply_fsdp(model, get_mesh(state.mesh, "dp_replicate", "dp_shard_cp"), options)
     return model
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tpkit.io.build import SkipMetaFills, instantiate, model_class
+from tpkit.io.expert_stream import expert_recipes, stream_experts
 from tpkit.io.hub import resolve_checkpoint
 from tpkit.io.load_kwargs import check_unused, sort_kwargs
 from tpkit.io.loading_info import LoadingInfo, LoadingPolicy, fresh_weights, loading_info
@@ -33,6 +34,7 @@ from tpkit.parallel.mesh import dist_env
 from tpkit.parallelize import apply_pending_fsdp, split
 from tpkit.plan.checks import checkpoint_problems
 from tpkit.quant import QuantizedLoad
+from tpkit.sources.expert_placement import expert_modules
 from tpkit.state import TPOptions
 
 __all__ = ["from_pretrained", "meta_model"]
@@ -86,7 +88,8 @@ def from_pretrained(
     fresh_names = policy.check(info, model, path)
     keys = {n: (None if n in fresh_names else k) for n, k in info.keys.items()}
     _check_against_model(model, index, keys, path)
-    if info.renamed:
+    recipes = _expert_recipes(model, index, info, options, device_ids, quantization_config)
+    if info.renamed and recipes is None:
         _warn_full_load(info.renamed, path)
         extra: dict[str, Any] = dict(download)
         if quantization_config is not None:
@@ -110,7 +113,7 @@ def from_pretrained(
     else:
         fresh = fresh_weights(model, fresh_names)
         model = _split_and_stream(
-            model, index, keys, fresh, quantization_config, options, device_ids, path
+            model, index, keys, fresh, quantization_config, options, device_ids, path, recipes
         )
         how, report = "slices", info.to_dict()
     if getattr(model, "_tpkit", None) is not None:
@@ -147,8 +150,21 @@ def meta_model(
     return _build(model_class(config, model_cls), config, _resolve_dtype(dtype, config), None)
 
 
+def _expert_recipes(model, index, info, options, device_ids, quantization_config):
+    """Per-expert checkpoint keys of the fused experts (`tpkit.io.expert_stream`) when every
+    weight the checkpoint does not store under its own name is one expert parallelism will
+    place (``ep_size`` > 1, found on the meta model as the split will find it): then each rank
+    reads only its own experts. None otherwise (transformers' full load)."""
+    if not info.renamed or quantization_config is not None or options.dims(device_ids).ep == 1:
+        return None
+    placed = expert_modules(model, list((options.ep_plan or {}).keys()))[0]
+    if not all(any(n.startswith(f"{e}.") for e in placed) for n in info.renamed):
+        return None
+    return expert_recipes(model, index, info.renamed)
+
+
 def _split_and_stream(
-    model, index, keys, fresh, quantization_config, options, device_ids, folder
+    model, index, keys, fresh, quantization_config, options, device_ids, folder, recipes=None
 ) -> nn.Module:
     """Split the model on meta, then read each rank's slices into its shards (quantizing the
     linears' slices as they are read when asked: `QuantizedLoad` takes part in the split as an
@@ -166,7 +182,11 @@ def _split_and_stream(
     stream_buffers(model, index, keys, fresh, device)
     if quant is not None:
         quant.stream(model, index, keys, device, fresh)
-    stream_params(model, index, keys, device, fresh)
+    if recipes:  # a rank's own experts, from their per-expert keys
+        left = stream_experts(model, index, recipes, device)
+        if left:
+            raise RuntimeError(f"tpkit: {left[0]} was expected to be split by experts; it is not.")
+    stream_params(model, index, keys, device, fresh, skip=set(recipes or ()))
     return model
 
 

@@ -72,6 +72,13 @@ class TPOptions:
     #: context parallelism's attention: "auto", "allgather", "ring" or "ulysses"
     cp_attention: str = "auto"
     ep_size: int | None = None
+    #: how routed pairs reach their experts under expert parallelism (transformers' spelling):
+    #: "auto", "all_to_all" or "all_reduce" (`tpkit.styles.expert.IMPLEMENTATIONS`)
+    ep_implementation: str | None = None
+    #: experts modules named for expert parallelism beside those the model's own
+    #: ``base_model_ep_plan`` names, in transformers' format (``{"layers.*.mlp.experts":
+    #: "ep_dispatch_experts", ...}``; parameter entries are implied by the module's)
+    ep_plan: Mapping[str, str] | None = None
     distributed_config: Any = None
     plan: PlanArg = "auto"
     mesh: DeviceMesh | None = None
@@ -160,6 +167,9 @@ class TPState:
     pending_fsdp: FSDPOptions | None = None
     #: how the weights arrived: "" (the model's own), "slices" or "transformers" (from_pretrained)
     loaded_from: str = ""
+    #: the expert mesh ``("dp_replicate", "efsdp", "ep")`` when experts are placed by expert
+    #: parallelism (`tpkit.parallel.mesh.build_expert_mesh`), else None
+    expert_mesh: DeviceMesh | None = None
 
     @property
     def tp_size(self) -> int:

@@ -89,18 +89,30 @@ def collapse_layers(message: str) -> str:
     )
 
 
-def _planned(path: str, model_cls: str | None, plan_arg, tp: int, loading: dict | None = None):
+def _planned(
+    path: str,
+    model_cls: str | None,
+    plan_arg,
+    tp: int,
+    loading: dict | None = None,
+    ep: int = 1,
+):
     """(model on meta, derived plan, the validation error or None): no process group.
-    ``loading``: the model built as ``from_pretrained`` with those keywords builds it."""
+    ``loading``: the model built as ``from_pretrained`` with those keywords builds it. At
+    ``ep`` > 1 the experts modules are placed as `tensor_parallel(ep_size=ep)` places them."""
     from tpkit.io.build import build_on_meta
     from tpkit.plan import derive_plan, validate
     from tpkit.pretrained import meta_model
+    from tpkit.sources.expert_placement import check_expert_sizes, place_experts
     from tpkit.trace.analysis import Analysis
 
     model = build_on_meta(path, model_cls) if loading is None else meta_model(path, **loading)
     analysis = Analysis(model)  # validation reuses the derivation's dry runs
     plan = derive_plan(model, plan_arg or "auto", tp, analysis=analysis)  # undivided: noted
     try:
+        if ep > 1:
+            plan = place_experts(model, plan)
+            check_expert_sizes(model, plan, ep)
         validate(model, plan, tp, analysis=analysis)
     except ValueError as exc:
         return model, plan, exc
@@ -112,11 +124,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tpkit.plan import explain
 
     _check_tp(args.tp)
-    if args.cp < 1:
-        raise UsageError(f"--cp must be >= 1, got {args.cp}.")
+    if args.cp < 1 or args.ep < 1:
+        raise UsageError(f"--cp and --ep must be >= 1, got --cp {args.cp} --ep {args.ep}.")
+    if args.cp > 1 and args.ep > 1:  # as tensor_parallel refuses them
+        raise UsageError(
+            "--ep with --cp: expert and context parallelism are not built together yet."
+        )
     folder = _checkpoint_dir(args.model, need_weights=False)
     loading = {"dtype": args.dtype, "model_cls": args.model_cls} if args.save else None
-    model, plan, error = _planned(str(folder), args.model_cls, args.plan, args.tp, loading)
+    model, plan, error = _planned(
+        str(folder), args.model_cls, args.plan, args.tp, loading, ep=args.ep
+    )
     if error is not None:  # the table would only list shapes that cannot exist
         print(collapse_layers(str(error)), file=sys.stderr)
         return 1
@@ -129,17 +147,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(str(exc), file=sys.stderr)
             return 1
-    if args.tp == 1 and context is None:
+    if args.tp == 1 and args.ep == 1 and context is None:
         print("tp_size=1: one rank holds the whole model; nothing is split, no collectives run.")
-        print("Try --tp 2 to see the plan.")
+        print("Try --tp 2 to see the plan (--ep 2 for an MoE's experts placed whole).")
         return 0
-    if args.tp == 1:
+    if args.tp == 1 and args.ep == 1:
         print(f"tp_size=1: the weights are not split.\n\n{context}")
         return 0
-    print(explain(plan, model, tp_size=args.tp))
+    print(explain(plan, model, tp_size=args.tp, ep_size=args.ep))
     if context is not None:
         print(f"\n{context}")
-    print(f"\ntp_size={args.tp}{f', cp_size={args.cp}' if context else ''}: valid")
+    said = f"tp_size={args.tp}" + (f", ep_size={args.ep}" if args.ep > 1 else "")
+    print(f"\n{said}{f', cp_size={args.cp}' if context else ''}: valid")
     return 0
 
 
@@ -288,6 +307,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="explain the TP plan of a model (meta device, seconds)")
     p.add_argument("model", help="checkpoint directory, its config.json, or a hub id")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size to explain")
+    p.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size: an MoE's experts placed whole"
+    )
     p.add_argument("--plan", help="a YAML plan merged over the automatic one")
     p.add_argument("--model-cls", help="transformers class name, e.g. LlamaForCausalLM")
     p.add_argument(

@@ -225,7 +225,8 @@ def _install_dp_grad_sync(model: nn.Module, state) -> None:
             average_over_dp(param.grad, dp_mesh)
 
     for param in model.parameters():
-        if param.requires_grad:
+        # one averaged elsewhere already (expert weights over their own replicas) is left out
+        if param.requires_grad and not getattr(param, "_tpkit_dp_averaged", False):
             param.register_post_accumulate_grad_hook(average)
     model._tpkit_dp_sync = True
 

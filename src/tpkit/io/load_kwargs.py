@@ -191,6 +191,15 @@ def _from_distributed_config(dist: Any) -> dict[str, Any]:
         out["mixed_precision"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
     if values.pop("enable_sequence_parallel", False):
         out["sequence_parallel"] = True
+    values.pop("enable_expert_parallel", None)  # transformers' mirror of ep_size > 1
+    ep = values.pop("ep_size", None)
+    ep_plan, ep_impl = values.pop("ep_plan", None), values.pop("ep_implementation", None)
+    if ep not in (None, 1):
+        out["ep_size"] = ep
+        if ep_impl not in (None, "auto"):
+            out["ep_implementation"] = ep_impl
+        if ep_plan:
+            out["ep_plan"] = dict(ep_plan)
     for name in _DIST_INERT:  # sizes: 1 / None is off; plans follow their size
         value = values.pop(name, None)
         if name.endswith("_size") and value not in (None, 1):
@@ -202,7 +211,8 @@ def _from_distributed_config(dist: Any) -> dict[str, Any]:
             "tpkit has no counterpart for (it maps tp_size, tp_plan -> plan, fsdp_size -> "
             "dp_shard_size and dp_replicate_size (FSDP2 / HSDP), fsdp_plan, fsdp_cpu_offload -> "
             "cpu_offload, fsdp_mixed_precision -> mixed_precision, enable_sequence_parallel -> "
-            "sequence_parallel; it has no pipeline or expert parallelism). Remove them."
+            "sequence_parallel, ep_size, ep_plan and ep_implementation; it has no pipeline "
+            "parallelism). Remove them."
         )
     return out
 

@@ -109,6 +109,8 @@ OPTIONS_AFTER_THE_PLAN = MappingProxyType(
         "cpu_offload": "FSDP2's CPUOffloadPolicy, after the split; fsdp_problems checks it",
         "reshard_after_forward": "FSDP2's setting, after the split",
         "fsdp_plan": "FSDP2's units (the model's modules, not the TP plan); fsdp_problems checks it",
+        "ep_implementation": "expert parallelism's dispatch, applied after the split",
+        "ep_plan": "which experts modules expert parallelism places, after the plan (stored or not)",
     }
 )
 

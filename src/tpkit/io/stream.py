@@ -130,10 +130,12 @@ def stream_params(
     keys: dict[str, str | None],
     device: torch.device,
     fresh: Mapping[str, torch.Tensor] | None = None,
+    skip: set[str] = frozenset(),
 ) -> None:
     """Read each (tied) parameter's local slice from ``index`` into a fresh shard on ``device``,
     in the parameter's dtype. ``keys``: first name of each parameter -> its checkpoint key;
-    a parameter in ``fresh`` (full values of a new weight) takes its slice from there."""
+    a parameter in ``fresh`` (full values of a new weight) takes its slice from there; one in
+    ``skip`` is read by another (`tpkit.io.expert_stream`: experts stored one per key)."""
     from tqdm.auto import tqdm
 
     fresh = fresh or {}
@@ -143,6 +145,8 @@ def stream_params(
     )
     for owners in bar:
         module, pname, full = owners[0]
+        if full in skip:
+            continue
         p = module._parameters[pname]
         placement, tp, rank = tp_coords(p)
         if full in fresh:

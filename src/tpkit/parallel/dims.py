@@ -299,6 +299,7 @@ class ParallelDims:
                 n *= given[key] or 1
             if given["dp_replicate_size"] is None and given["dp_shard_size"] is None:
                 n *= given["dp_size"] or 1
+            n = max(n, given["ep_size"] or 1)  # ep ranks at least (carved out of dp_shard x tp)
             if n > 1:
                 asked = " x ".join(f"{k}={v}" for k, v in given.items() if v and k != "ep_size")
                 raise ValueError(f"{asked} needs {n} processes. " + launch_hint(n))

@@ -157,7 +157,11 @@ def apply_fsdp(
     gradient averaged over dp by a hook as it is produced.
     """
     options = options or FSDPOptions()
-    ignored = {p for p in model.parameters() if strided_1d(p)}
+    # and parameters whose dp averaging another step installed (expert weights under expert
+    # parallelism: `tpkit.parallel.expert.apply.expert_data_parallel`)
+    ignored = {
+        p for p in model.parameters() if strided_1d(p) or getattr(p, "_tpkit_dp_averaged", False)
+    }
     average_grads_over_dp(ignored, dp_mesh)  # a frozen base (PEFT) has nothing to average
     kwargs = dict(
         mesh=dp_mesh,

@@ -28,9 +28,11 @@ from tpkit.parallel.timeouts import install_timeout_report, tpkit_timeout
 
 __all__ = [
     "AXES",
+    "EXPERT_AXES",
     "FLATTENED",
     "DistEnv",
     "barrier",
+    "build_expert_mesh",
     "build_mesh",
     "default_backend",
     "default_device_type",
@@ -164,6 +166,35 @@ def build_mesh(
     for group in _groups(mesh):
         if group is not default:  # the default group keeps what its creator chose
             # private but stable since torch 2.2; the only way to set a live group's timeout
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+    install_timeout_report()
+    _MESHES[key] = mesh
+    return mesh
+
+
+#: the expert mesh's dimensions, outermost first (`build_expert_mesh`)
+EXPERT_AXES = ("dp_replicate", "efsdp", "ep")
+
+
+def build_expert_mesh(
+    dp_replicate: int, efsdp: int, ep: int, device_type: str | None = None
+) -> DeviceMesh:
+    """The expert mesh: ``("dp_replicate", "efsdp", "ep")`` over the world in rank order, every
+    dimension present (size 1 allowed). ep is innermost: an EP group is ep contiguous ranks, a
+    TP group and the dp_shard ranks beside it (transformers' convention: ep a multiple of tp
+    dividing dp_shard x tp); efsdp = dp_shard x tp / ep ranks hold the same experts (FSDP2
+    shards them there), dp_replicate as on the world mesh. Cached and timed out as
+    `build_mesh`'s."""
+    device_type = device_type or default_device_type()
+    key = ("expert", device_type, dp_replicate, efsdp, ep)
+    mesh = _MESHES.get(key)
+    if mesh is not None and _mesh_alive(mesh):
+        return mesh
+    mesh = init_device_mesh(device_type, (dp_replicate, efsdp, ep), mesh_dim_names=EXPERT_AXES)
+    timeout = datetime.timedelta(seconds=tpkit_timeout())
+    default = dist.distributed_c10d._get_default_group()
+    for group in (mesh.get_group(d) for d in range(mesh.ndim)):
+        if group is not default:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
     install_timeout_report()
     _MESHES[key] = mesh

@@ -27,6 +27,7 @@ from tpkit.parallel.mesh import sync_rng
 from tpkit.parallel.sequence import SequenceParallel
 from tpkit.parallel.shm import prepare_shm
 from tpkit.plan import Plan, param_layout
+from tpkit.plan.catalogue import style_spec
 from tpkit.plan.fixups import apply_fixups
 from tpkit.plan.layout import tp_regions
 from tpkit.styles import (
@@ -131,6 +132,13 @@ def apply_plan(
     ties = tied_groups(model)
     modules = dict(model.named_modules())
     targets = plan.resolve(model)
+    # modules another axis's step places (whole experts on the EP mesh): left alone here, with
+    # everything under them
+    elsewhere = [t.name for t in targets if t.kind == "module" and style_spec(t.style).axis != "tp"]
+    if elsewhere:
+        inside = lambda n: any(n == e or n.startswith(f"{e}.") for e in elsewhere)  # noqa: E731
+        targets = [t for t in targets if not inside(t.name)]
+        modules = {n: m for n, m in modules.items() if not inside(n)}
     for t in targets:
         if t.kind == "param":  # before the module styles, which keep DTensors as they are
             owner, _, pname = t.name.rpartition(".")

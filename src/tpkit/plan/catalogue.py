@@ -63,6 +63,10 @@ class StyleSpec:
     #: by heads): the dry run runs it on whole weights, settling keeps its group as one
     self_contained: bool = False
     aliases: tuple[str, ...] = ()
+    #: the mesh axis whose step applies it: "tp" (the tensor step, on the TP mesh) or "ep" (the
+    #: expert step, on the expert-parallel mesh: whole experts per rank; the tensor step leaves
+    #: the module and everything under it alone)
+    axis: str = "tp"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -258,6 +262,22 @@ _BUILTIN = (
         collective="all_reduce",
         uneven_ok=True,
         aliases=("embedding_rowwise",),
+    ),
+    StyleSpec(
+        "ep_experts",
+        "whole",
+        "whole experts per EP rank: each routed (token, expert) pair computed on its expert's "
+        "rank (all-to-all, or all-reduce where the EP group holds one batch), summed per token",
+        collective="all_to_all",
+        axis="ep",
+    ),
+    StyleSpec(
+        "ep_grouped_experts",
+        "whole",
+        "whole experts per EP rank, their rows grouped by expert (JetMoE's grouped linears, "
+        "Llama-4's per-expert blocks): each expert's rows to its rank and back, or all-gathered",
+        collective="all_to_all",
+        axis="ep",
     ),
     StyleSpec(
         "moe_tp_experts",

@@ -16,15 +16,26 @@ from torch import nn
 
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.fixups import shard_width_fixups
-from tpkit.plan.layout import local_shape, param_layout, param_styles
+from tpkit.plan.layout import ParamLayout, local_shape, param_layout, param_styles
 from tpkit.plan.spec import Plan
 
-__all__ = ["collectives_per_forward", "explain", "human_bytes"]
+__all__ = ["collectives_per_forward", "expert_params", "explain", "human_bytes"]
+
+
+def expert_params(plan: Plan, model: nn.Module) -> dict[str, tuple[str, str]]:
+    """Full parameter name -> (EP style, source) for every parameter an experts module under
+    expert parallelism splits by experts (its entry's ``params`` argument)."""
+    out = {}
+    for t in plan.resolve(model):
+        if t.kind == "module" and style_spec(t.style).axis == "ep":
+            for rel in plan.args_for(t.pattern).get("params", ()):
+                out[f"{t.name}.{rel}"] = (t.style, t.source)
+    return out
 
 
 def _param_rows(plan: Plan, model: nn.Module) -> Iterable[tuple[str, nn.Module, str, object, str]]:
     """(full name, owning module, style, parameter, source) once per distinct parameter."""
-    styles = param_styles(model, plan)
+    styles = {**param_styles(model, plan), **expert_params(plan, model)}
     seen: set[int] = set()
     for mod_name, module in model.named_modules():
         for p_name, p in module.named_parameters(recurse=False):
@@ -42,16 +53,23 @@ def _generic(name: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", name)
 
 
-def explain(plan: Plan, model: nn.Module | None = None, tp_size: int = 1) -> str:
-    """Without a model: the plan's entries. With one: the table described in the module doc."""
+def explain(plan: Plan, model: nn.Module | None = None, tp_size: int = 1, ep_size: int = 1) -> str:
+    """Without a model: the plan's entries. With one: the table described in the module doc;
+    the weights of experts modules under expert parallelism split by experts over ``ep_size``
+    ranks (their whole experts: rank 0's share shown)."""
     if model is None:
         rows = [(p, s, "", plan.source(p)) for p, s in plan.items()]
         return _table(("pattern", "style", "", "source"), rows)
     rows: dict[tuple, list[str]] = {}
     total = per_rank = sharded = n_replicated = 0
     for full, module, style, p, source in _param_rows(plan, model):
-        layout = param_layout(style, full.rsplit(".", 1)[-1], p.ndim, module)
-        loc = local_shape(tuple(p.shape), layout, tp_size)
+        expert = style_spec(style).axis == "ep"
+        layout = (
+            ParamLayout(0)
+            if expert
+            else param_layout(style, full.rsplit(".", 1)[-1], p.ndim, module)
+        )
+        loc = local_shape(tuple(p.shape), layout, ep_size if expert else tp_size)
         nbytes = p.numel() * p.element_size()
         total += nbytes
         per_rank += nbytes * math.prod(loc) // max(1, p.numel())
@@ -67,10 +85,15 @@ def explain(plan: Plan, model: nn.Module | None = None, tp_size: int = 1) -> str
     ]
     n_sharded = sum(len(v) for v in rows.values())
     comms = collectives_per_forward(plan, model, tp_size)
+    if ep_size > 1:
+        n_ep = sum(1 for t in plan.resolve(model) if style_spec(t.style).axis == "ep")
+        if n_ep:
+            comms["all_to_all / all_reduce (expert dispatch)"] = n_ep
+    sizes = f"tp_size={tp_size}" + (f", ep_size={ep_size}" if ep_size > 1 else "")
     lines = [
         _table(("parameter", "style", "global -> local shape", "source"), table),
         "",
-        f"tp_size={tp_size}: {n_sharded} parameters sharded, {n_replicated} replicated; "
+        f"{sizes}: {n_sharded} parameters sharded, {n_replicated} replicated; "
         f"{100.0 * sharded / max(1, total):.1f}% of parameter bytes sharded",
         f"bytes per rank: {human_bytes(per_rank)} of {human_bytes(total)} "
         f"({per_rank / max(1, total):.3f} of the unsharded model)",
@@ -97,7 +120,8 @@ def collectives_per_forward(plan: Plan, model: nn.Module, tp_size: int = 2) -> d
     if tp_size <= 1:
         return counts
     for t in plan.resolve(model):
-        kind = style_spec(t.style).collective if t.kind == "module" else ""
+        spec = style_spec(t.style)
+        kind = spec.collective if t.kind == "module" and spec.axis == "tp" else ""
         if kind:
             counts[kind] = counts.get(kind, 0) + 1
     return counts

@@ -59,6 +59,9 @@ def pool_world(device_ids: Sequence | None, options: Any) -> int | None:
         asked *= given[key] or 1
     if given["dp_replicate_size"] is None and given["dp_shard_size"] is None:
         asked *= given["dp_size"] or 1
+    asked = max(
+        asked, given["ep_size"] or 1
+    )  # ep is carved out of dp_shard x tp: ep ranks at least
     world = max(len(device_ids or ()), asked)
     if device_ids and len(device_ids) > 1 and world != len(device_ids):
         raise ValueError(

@@ -4,6 +4,7 @@
     linear.py     colwise, packed colwise, gathered head, rowwise and its variants
     embedding.py  vocab-parallel embedding, per-head (column) embedding
     combined.py   modules split by their own entries (experts, all_reduce), partial gradients
+    expert.py     expert parallelism: whole experts per EP rank, tokens sent to them
     attention.py  nn.MultiheadAttention split by heads (its projections are bare parameters)
     conv.py       convolutions by channels: gathered, or paired colwise -> rowwise with the
                   BatchNorm / GroupNorm between them on the rank's channels
@@ -49,6 +50,7 @@ from tpkit.styles.embedding import (
     GatherColumnsEmbeddingStyle,
     VocabParallelStyle,
 )
+from tpkit.styles.expert import ExpertParallelStyle, GroupedExpertsStyle
 from tpkit.styles.linear import (
     ChannelwiseStyle,
     ColwiseStyle,
@@ -63,6 +65,8 @@ from tpkit.styles.linear import (
 )
 
 __all__ = [
+    "ExpertParallelStyle",
+    "GroupedExpertsStyle",
     "AllReduceStyle",
     "ChannelwiseStyle",
     "ColwiseEmbeddingStyle",

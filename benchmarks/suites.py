@@ -54,6 +54,7 @@ _MODULES = (
     "moe",
     "longseq",
     "checkpoints",
+    "hsdp_memory",
 )
 
 

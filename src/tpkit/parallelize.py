@@ -43,7 +43,7 @@ from tpkit.parallel.mesh import (
     tp_submesh,
 )
 from tpkit.parallel.tensor import apply_tensor_parallel
-from tpkit.plan import Plan, check_plan_arg, validate
+from tpkit.plan import check_plan_arg, validate
 from tpkit.sources.expert_placement import check_expert_sizes, expert_modules, place_experts
 from tpkit.state import TPOptions, TPState
 from tpkit.styles.expert import IMPLEMENTATIONS
@@ -114,6 +114,7 @@ def split(
         for e in every:
             if (a := e.adapt(model, o)) is not None:
                 adapted.append((e, a))
+        experts = _expert_entries(model, dims, o) if dims.ep > 1 else None  # no collective yet
         analysis = Analysis(model, o.example_inputs)  # one analysis: validation reuses its runs
         the_plan = plan_for(  # derive_plan's, or the same stored under its key; rank 0's
             model,
@@ -125,8 +126,9 @@ def split(
             ranks=dims.world,
             analysis=analysis,
         )
-        if dims.ep > 1:  # whole experts per EP rank: their modules leave the tensor step's plan
-            the_plan = _place_experts(model, the_plan, dims, o)
+        if experts is not None:  # whole experts per EP rank: out of the tensor step's plan
+            the_plan = place_experts(model, the_plan, experts)
+            check_expert_sizes(model, the_plan, dims.ep)
         states = dict(adapted)
         contexts = [
             (e, c)
@@ -215,11 +217,12 @@ def _ep_implementation(o: TPOptions) -> str:
     return getattr(o.distributed_config, "ep_implementation", None) or "auto"
 
 
-def _place_experts(model: nn.Module, plan: Plan, dims: ParallelDims, o: TPOptions) -> Plan:
-    """The plan with each experts module EP places (`tpkit.sources.expert_placement`), every
-    problem an EP split can have checked here, before any collective: no experts module to
-    place, an expert count or layout ep does not fit, an ``ep_implementation`` that is not
-    one, or all-reduce asked where the EP group holds more than one batch."""
+def _expert_entries(model: nn.Module, dims: ParallelDims, o: TPOptions) -> list:
+    """The experts modules EP places (`tpkit.sources.expert_placement`), and every problem an EP
+    split can have that the model alone shows, checked before any collective (the plan comes
+    from rank 0): no experts module to place, an ``ep_implementation`` that is not one, or
+    all-reduce asked where the EP group holds more than one batch. The expert counts and
+    layouts are checked against the plan (`check_expert_sizes`), the same plan on every rank."""
     implementation = _ep_implementation(o)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
@@ -240,9 +243,7 @@ def _place_experts(model: nn.Module, plan: Plan, dims: ParallelDims, o: TPOption
             "pass ep_size=1, or make the experts one module called as (hidden, expert ids, "
             "routing weights)."
         )
-    plan = place_experts(model, plan, entries)
-    check_expert_sizes(model, plan, dims.ep)
-    return plan
+    return entries
 
 
 def _ep_plan_patterns(o: TPOptions) -> list[str]:

@@ -285,7 +285,17 @@ def _code_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-_VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "_commit_hash")
+#: config fields no plan reads that ranks may hold apart: where it was saved from, and what
+#: ``save_pretrained`` writes into the config it saves (rank 0 saving alone sets
+#: ``architectures`` and ``dtype`` on its copy); the parameters' dtypes are keyed with the modules
+_VOLATILE_CONFIG = (
+    "_name_or_path",
+    "transformers_version",
+    "_commit_hash",
+    "architectures",
+    "dtype",
+    "torch_dtype",
+)
 _IMPLEMENTATIONS = ("_attn_implementation_internal", "_experts_implementation_internal")
 
 

@@ -142,15 +142,36 @@ def fsdp_units(
         if name is not None and not any(name == c or name.startswith(c + ".") for c in chosen):
             chosen[name] = False
     owners, skip = _owners(model), {id(p) for p in ignored}
+    pair = _tied_later(model, modules)
     ordered = sorted(chosen, key=lambda n: -n.count("."))
     units, claimed = [], set()
     for name in ordered:
         own = [p for p in modules[name].parameters() if id(p) not in claimed and id(p) not in skip]
         if not own or any(not _inside(o, name) for p in own for o in owners[id(p)]):
             continue  # nothing of its own, or a weight shared outside it (module docstring)
+        if len({_inside(t, name) for t in pair}) > 1:
+            continue  # one of the embeddings the config ties (maybe after the split: accelerate)
         claimed.update(id(p) for p in own)
         units.append(FSDPUnit(name, modules[name], chosen[name]))
     return units
+
+
+def _tied_later(model: nn.Module, modules: dict[str, nn.Module]) -> list[str]:
+    """The input and output embeddings' module names when the config ties them, tied yet or not:
+    a model built inside accelerate's ``init_empty_weights`` is tied by ``tie_weights()`` after
+    the split, and a weight in two FSDP units is untied by FSDP2's next unshard."""
+    config = getattr(model, "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else config
+    if not getattr(text, "tie_word_embeddings", False):
+        return []
+    try:
+        found = [model.get_input_embeddings(), model.get_output_embeddings()]
+    except (AttributeError, NotImplementedError):
+        return []
+    by_id = {id(m): n for n, m in modules.items()}
+    names = [by_id.get(id(m)) for m in found if m is not None]
+    return [n for n in names if n is not None] if len(names) == 2 else []
 
 
 def _owners(model: nn.Module) -> dict[int, list[str]]:

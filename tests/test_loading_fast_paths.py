@@ -1,13 +1,20 @@
-"""What makes `from_pretrained` fast changes no number: shards in huge pages, the meta build's
-fills skipped, the files prefetched while the model is split."""
+"""What makes `from_pretrained` fast changes no number: runs of the file mapped copy-on-write,
+shards in huge pages, the meta build's fills skipped, the files prefetched while the model is
+split."""
 
 from __future__ import annotations
 
 import torch
 import transformers as tf
 
+import hashlib
+import os
+
+from safetensors.torch import save_file
+
 from tests.models import ATTN, batch, build
 from tpkit.io import stream
+from tpkit.io.safetensors import CheckpointIndex
 from tpkit.io.build import SkipMetaFills
 from tpkit.io.stream import empty_shard, prefetch
 
@@ -23,6 +30,28 @@ def test_a_huge_page_shard_is_an_ordinary_tensor():
     assert t.is_shared() and torch.equal(t, clone)
     small = empty_shard((3, 4), torch.bfloat16, torch.device("cpu"))
     assert small.shape == (3, 4) and small.dtype == torch.bfloat16
+
+
+def test_a_run_of_the_file_is_mapped_copy_on_write(tmp_path):
+    f = tmp_path / "w.safetensors"
+    w = torch.arange(24, dtype=torch.float32).view(6, 4)
+    save_file({"a": torch.ones(3, dtype=torch.bfloat16), "w": w, "s": torch.tensor(2.0)}, f)
+    digest = hashlib.sha256(f.read_bytes()).hexdigest()
+    index = CheckpointIndex(f)
+    whole, rows = index.mapped("w"), CheckpointIndex(f).mapped("w", 0, [(2, 5)])
+    assert torch.equal(whole, w) and torch.equal(rows, w[2:5]) and index.mapped("s").item() == 2.0
+    assert whole.untyped_storage().nbytes() == os.path.getsize(f)  # a view of the file, not read
+    assert index.mapped("w") is None  # viewed once already: a second parameter gets its own copy
+    fresh = CheckpointIndex(f)
+    assert fresh.mapped("w", 1, [(0, 2)]) is None  # strided: read, never the whole tensor mapped
+    assert fresh.mapped("w", 0, [(0, 1), (3, 4)]) is None  # two runs: read
+    rows.mul_(10)  # written: its pages are copied, the file and other mappings keep their bytes
+    assert torch.equal(rows, w[2:5] * 10) and torch.equal(whole, w)
+    assert hashlib.sha256(f.read_bytes()).hexdigest() == digest
+    tmp = tmp_path / "new.safetensors"  # an atomic save over it: a new inode, the view unchanged
+    save_file({"a": torch.zeros(3, dtype=torch.bfloat16), "w": -w, "s": torch.tensor(0.0)}, tmp)
+    os.replace(tmp, f)
+    assert torch.equal(whole[:2], w[:2]) and torch.equal(CheckpointIndex(f).read("w"), -w)
 
 
 def test_the_meta_build_skips_only_what_writes_nothing():
@@ -61,11 +90,16 @@ def load_in_huge_pages(path: str, tp_size: int) -> dict:
     if dist.get_rank() == 0:
         build("llama").save_pretrained(path)
     dist.barrier()
-    saved, stream.HUGE_MIN_BYTES = stream.HUGE_MIN_BYTES, 1  # every shard mapped
+    file = os.path.join(path, "model.safetensors")
+    digest = hashlib.sha256(open(file, "rb").read()).hexdigest()
+    saved, stream.HUGE_MIN_BYTES = stream.HUGE_MIN_BYTES, 1  # every shard read in huge pages
     try:
         model = tpkit.from_pretrained(path, tp_size=tp_size)
     finally:
         stream.HUGE_MIN_BYTES = saved
+    size = os.path.getsize(file)
+    local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    mapped = sum(t.untyped_storage().nbytes() == size for t in local)
     ref = build("llama")
     x = batch(ref.config.vocab_size)
     out = model(input_ids=x, labels=x)
@@ -75,12 +109,17 @@ def load_in_huge_pages(path: str, tp_size: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt.step()  # in place on the mapped shards (or FSDP2's own copies)
     after = model(input_ids=x, labels=x).loss.item()
-    return {"diff": diff, "loss": out.loss.item(), "after": after}
+    dist.barrier()
+    same = hashlib.sha256(open(file, "rb").read()).hexdigest() == digest
+    return {"diff": diff, "loss": out.loss.item(), "after": after, "mapped": mapped, "same": same}
 
 
 def test_huge_page_shards_load_and_train(ranks2, tmp_path):
     for r in ranks2.run(load_in_huge_pages, str(tmp_path / "m"), 2):
         assert r["diff"] <= 1e-5 and r["after"] < r["loss"], r
+        # column-split weights, vocabulary-split embeddings and norms are views of the file;
+        # the step wrote to them and the file is as it was (copy-on-write)
+        assert r["mapped"] > 0 and r["same"], r
 
 
 def test_huge_page_shards_under_fsdp(ranks4, tmp_path):

@@ -106,6 +106,10 @@ class BinCheckpointIndex(CheckpointIndex):
                 f"e.g. {lost[0]!r} -> {weight_map[lost[0]]}."
             )
 
+    def mapped(self, key: str, dim: int = 0, ranges=None) -> None:
+        """Never a view: an unpickled file's tensors are not laid out as safetensors' runs."""
+        return None
+
     def read(
         self,
         key: str,

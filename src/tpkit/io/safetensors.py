@@ -7,6 +7,13 @@ This reader parses the header itself and ``pread``s only the byte ranges of the 
 into the destination shard where it can (a CPU tensor of the stored dtype) and otherwise through one
 reusable buffer of at most ``BLOCK_BYTES`` (strided slices, dtype conversion, GPU shards), so the
 peak is the shard plus one block, never a temporary copy of the tensor.
+
+A slice that is one run of bytes in the file (a whole tensor, or rows of the first dimension)
+and wanted on the CPU in its stored dtype need not be read at all: `CheckpointIndex.mapped`
+returns it as a view of the file mapped copy-on-write (``UntypedStorage.from_file(shared=False)``,
+what safetensors' own ``safe_open`` does), so its pages come from the page cache when first
+touched, are shared by every rank on the host, and are copied only if written. It maps whole
+pages of that run only: the rest of the file is never faulted in.
 """
 
 from __future__ import annotations
@@ -184,6 +191,8 @@ class CheckpointIndex:
                 "pytorch_model*.bin read without running code: see tpkit.io.hub)."
             )
         self.entries: dict[str, Entry] = {}
+        self._maps: dict[str, torch.Tensor] = {}  # file -> its bytes, mapped copy-on-write
+        self._handed: set[str] = set()  # keys `mapped` has viewed: a second view would alias
         # one reusable read buffer, grown to at most BLOCK_BYTES: allocating and freeing a block
         # per tensor fragments the heap (glibc raises its mmap threshold after the first free)
         self._scratch = torch.empty(0, dtype=torch.uint8)
@@ -211,6 +220,39 @@ class CheckpointIndex:
             return ()
         picked = sum(b - a for a, b in ranges) if ranges else e.shape[dim]
         return (*e.shape[:dim], picked, *e.shape[dim + 1 :])
+
+    def mapped(
+        self, key: str, dim: int = 0, ranges: list[tuple[int, int]] | None = None
+    ) -> torch.Tensor | None:
+        """Rows ``ranges`` along ``dim`` of ``key`` as a view of the file mapped copy-on-write,
+        in the stored dtype, when they are one run of bytes (whole, or one range of the first
+        non-trivial dimension) aligned for the dtype; None when they are not (then `read`), and
+        for a key viewed before: two parameters loaded from one key must not share memory.
+
+        Writing to the result copies the pages it writes (``MAP_PRIVATE``); the file is never
+        changed. The mapping lives as long as any tensor viewing it, so a file replaced by an
+        atomic save (a new inode, as `tpkit.io.atomic` writes) leaves it intact.
+        """
+        e = self.entries[key]
+        full = e.shape or (1,)
+        esize = torch.empty((), dtype=e.dtype).element_size()
+        if ranges and ranges != [(0, full[dim])]:
+            if len(ranges) != 1 or math.prod(full[:dim]) != 1:
+                return None  # strided: every page of the tensor would be faulted in
+            inner = math.prod(full[dim + 1 :])
+            start, count = ranges[0][0] * inner, (ranges[0][1] - ranges[0][0]) * inner
+        else:
+            start, count = 0, math.prod(full)
+        if count == 0 or (e.offset + start * esize) % esize or key in self._handed:
+            return None
+        self._handed.add(key)
+        data = self._maps.get(e.file)
+        if data is None:
+            nbytes = os.path.getsize(e.file)
+            storage = torch.UntypedStorage.from_file(e.file, shared=False, nbytes=nbytes)
+            data = self._maps[e.file] = torch.empty(0, dtype=torch.uint8).set_(storage)
+        at = e.offset + start * esize
+        return data[at : at + count * esize].view(e.dtype).view(self.local_shape(key, dim, ranges))
 
     def _block(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` (<= BLOCK_BYTES) of the reusable buffer, grown in powers of two."""

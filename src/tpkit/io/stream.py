@@ -6,7 +6,11 @@ them; `tpkit.io.shards` says which ranges), converted to the parameter's dtype a
 Nothing else is read and nothing the size of a tensor is allocated besides the shard, so a rank's
 peak is its shards plus one read block.
 
-Two things make it fast. CPU shards of `HUGE_MIN_BYTES` or more are allocated in transparent huge
+Three things make it fast. A slice that is one run of the file's bytes (whole tensors, rows of
+the first dimension: column-parallel weights, vocabulary-split embeddings, replicated norms) wanted
+on the CPU in its stored dtype is not read at all but mapped copy-on-write
+(`CheckpointIndex.mapped`): its pages come from the page cache at the first forward, shared by
+the ranks of a host, as transformers' own loads do. CPU shards of `HUGE_MIN_BYTES` or more are allocated in transparent huge
 pages (``madvise(MADV_HUGEPAGE)``, what torch's ``THP_MEM_ALLOC_ENABLE`` does for every
 allocation): reading into fresh memory is mostly page faults, one per 4 KiB page, and a 2 MiB
 page takes 512 times fewer (measured: 130 MiB read from the page cache in 0.027 s instead of
@@ -157,8 +161,12 @@ def stream_params(
             ranges = local_ranges(placement, p.shape[dim], tp, rank) if p.ndim else None
             key = keys[full]
             dtype = p.dtype if p.is_floating_point() else index.entries[key].dtype
-            local = empty_shard(index.local_shape(key, dim, ranges), dtype, device)
-            index.read(key, dim, ranges, out=local)
+            local = None
+            if device.type == "cpu" and dtype == index.entries[key].dtype:
+                local = index.mapped(key, dim, ranges)  # a run of the file: mapped, not read
+            if local is None:
+                local = empty_shard(index.local_shape(key, dim, ranges), dtype, device)
+                index.read(key, dim, ranges, out=local)
         new = set_local(module, pname, local)
         for mod, name, _ in owners[1:]:
             mod._parameters[name] = new

@@ -4,18 +4,18 @@ split."""
 
 from __future__ import annotations
 
-import torch
-import transformers as tf
-
 import hashlib
 import os
+from pathlib import Path
 
+import torch
+import transformers as tf
 from safetensors.torch import save_file
 
 from tests.models import ATTN, batch, build
 from tpkit.io import stream
-from tpkit.io.safetensors import CheckpointIndex
 from tpkit.io.build import SkipMetaFills
+from tpkit.io.safetensors import CheckpointIndex
 from tpkit.io.stream import empty_shard, prefetch
 
 
@@ -91,7 +91,7 @@ def load_in_huge_pages(path: str, tp_size: int) -> dict:
         build("llama").save_pretrained(path)
     dist.barrier()
     file = os.path.join(path, "model.safetensors")
-    digest = hashlib.sha256(open(file, "rb").read()).hexdigest()
+    digest = hashlib.sha256(Path(file).read_bytes()).hexdigest()
     saved, stream.HUGE_MIN_BYTES = stream.HUGE_MIN_BYTES, 1  # every shard read in huge pages
     try:
         model = tpkit.from_pretrained(path, tp_size=tp_size)
@@ -110,7 +110,7 @@ def load_in_huge_pages(path: str, tp_size: int) -> dict:
     opt.step()  # in place on the mapped shards (or FSDP2's own copies)
     after = model(input_ids=x, labels=x).loss.item()
     dist.barrier()
-    same = hashlib.sha256(open(file, "rb").read()).hexdigest() == digest
+    same = hashlib.sha256(Path(file).read_bytes()).hexdigest() == digest
     return {"diff": diff, "loss": out.loss.item(), "after": after, "mapped": mapped, "same": same}
 
 

@@ -14,6 +14,12 @@ them at that forward, so the load alone would flatter it). Systems:
 - ``transformers TP``: ``AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")``;
 - ``one process``: ``AutoModelForCausalLM.from_pretrained(path)``, one process, all cores.
 
+A second table times ``tpkit.tensor_parallel(model, plan="infer")`` of a model already in memory
+(loaded by transformers before the clock, ``TPKIT_PLAN_CACHE=off``: the plan is inferred from
+the model's dataflow, nothing read from a cache) against one forward of the split model over
+``FORWARD_SHAPE`` tokens (the ``make bench`` forward's batch x seq; median of 3 after one
+warm-up): the issue's "splitting costs no more than one forward".
+
 Rounds are interleaved (each round runs every system once, back to back, the order rotating);
 a system's figure is its best round (the least disturbed on a shared machine), and the ratios
 are of best times. tpkit's rows also say where its time went (the slowest rank's phases).
@@ -45,6 +51,8 @@ SIZES = {
 }  # fmt: skip
 TPKIT = ("tpkit, plan cached", "tpkit, first run", "tpkit, cache off")
 OTHERS = ("transformers TP", "one process")
+INFERRED = "tensor_parallel, inferred plan"
+FORWARD_SHAPE = (2, 64)
 PHASES = ("config", "plan", "split", "read", "forward")
 
 
@@ -95,6 +103,9 @@ def child(system: str, path: str) -> None:
         dist.init_process_group("gloo")
         dist.barrier()
     phases: dict[str, float] = {}
+    if system == INFERRED:
+        _inferred(path)
+        return
     if system.startswith("tpkit"):
         import tpkit.parallelize as par
 
@@ -132,6 +143,40 @@ def child(system: str, path: str) -> None:
         print("READY " + json.dumps(figures), flush=True)
 
 
+def _inferred(path: str) -> None:
+    """`INFERRED`: the split of a model in memory with an inferred plan, then forwards."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    import tpkit
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    for p in model.parameters():  # every page touched before the clock, as a trained model's
+        p.data.add_(0)
+    dist.barrier()
+    start = time.perf_counter()
+    model = tpkit.tensor_parallel(model, plan="infer")
+    split = time.perf_counter() - start
+    torch.manual_seed(0)
+    x = torch.randint(0, model.config.vocab_size, FORWARD_SHAPE)
+    times = []
+    with torch.no_grad():
+        for _ in range(4):
+            dist.barrier()
+            t = time.perf_counter()
+            model(input_ids=x, use_cache=False)
+            dist.barrier()
+            times.append(time.perf_counter() - t)
+    figures = {"ready_s": split, "split_call_s": split, "forward_s": sorted(times[1:])[1]}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, figures)
+    figures = {k: max(f[k] for f in every) for k in figures}
+    dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("READY " + json.dumps(figures), flush=True)
+
+
 # ---- the rounds ---------------------------------------------------------------------------------
 def _run(system: str, path: Path, tp: int, env: dict, src: Path) -> dict:
     python = sys.executable
@@ -166,7 +211,7 @@ def measure(args) -> dict:
     systems = list(TPKIT)
     if args.base_src:
         systems.append("tpkit @ base")
-    systems += list(OTHERS)
+    systems += [*OTHERS, INFERRED]
     if args.systems:
         systems = [s for s in systems if s in args.systems]
     out: dict = {"sizes": {}, "systems": systems}
@@ -185,7 +230,7 @@ def measure(args) -> dict:
                         env["TPKIT_PLAN_CACHE"] = str(warm)
                     elif system == "tpkit, first run":
                         env["TPKIT_PLAN_CACHE"] = str(work / f"miss-{size}-{r}")
-                    elif system in ("tpkit, cache off", "tpkit @ base"):
+                    elif system in ("tpkit, cache off", "tpkit @ base", INFERRED):
                         env["TPKIT_PLAN_CACHE"] = "off"
                         tree = Path(args.base_src) if system == "tpkit @ base" else src
                     figures = _run(system, path, args.tp, env, tree)
@@ -205,6 +250,19 @@ def summarise(result: dict) -> list[dict]:
         plain = best["one process"]["ready_s"] if "one process" in best else float("nan")
         for system in result["systems"]:
             f = best[system]
+            if system == INFERRED:
+                rows.append(
+                    {
+                        "size": size,
+                        "n_params": data["n_params"],
+                        "system": system,
+                        "split_call_s": f["split_call_s"],
+                        "forward_s": f["forward_s"],
+                        "vs_forward": f["split_call_s"] / f["forward_s"],
+                        "rounds_s": [r["split_call_s"] for r in data["runs"][system]],
+                    }
+                )
+                continue
             rows.append(
                 {
                     "size": size,
@@ -228,7 +286,22 @@ def markdown(rows: list[dict], meta: dict) -> str:
         + " |"
     )
     lines = [head, "|" + "---|" * (7 + len(PHASES))]
+    split = [
+        f"`tpkit.tensor_parallel(model, plan=\"infer\")` of a model in memory (plan cache off) "
+        f"÷ one forward of the split model over {FORWARD_SHAPE[0]} × {FORWARD_SHAPE[1]} tokens "
+        "(the slowest rank; best of the rounds; forward: median of 3 after a warm-up)",
+        "",
+        "| model | tensor_parallel s (best) | rounds s | forward s | ÷ one forward |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
+        if r["system"] == INFERRED:
+            rounds = ", ".join(f"{x:.2f}" for x in r["rounds_s"])
+            split.append(
+                f"| {r['size']} ({r['n_params'] / 1e6:.0f}M) | {r['split_call_s']:.3f} | {rounds} "
+                f"| {r['forward_s']:.3f} | {r['vs_forward']:.2f}× |"
+            )
+            continue
         phases = " | ".join("—" if r[p] is None else f"{r[p]:.3f}" for p in PHASES)
         rounds = ", ".join(f"{x:.2f}" for x in r["rounds_s"])
         lines.append(
@@ -238,6 +311,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
         )
     goals = ["", "| goal | model | figure | target | met |", "|---|---|---|---|---|"]
     for r in rows:
+        if r["system"] == INFERRED:
+            met = "yes" if r["vs_forward"] <= 1.0 else "**no**"
+            goals.append(
+                f"| tensor_parallel (inferred) ÷ one forward | {r['size']} | "
+                f"{r['vs_forward']:.2f} | <= 1.0 | {met} |"
+            )
         if r["system"] != "tpkit, plan cached":
             continue
         for what, value, target in (
@@ -252,11 +331,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"{meta['date']} · {meta['machine']} · tp={meta['tp']}, best of {meta['repeats']} "
             f"interleaved rounds, each a fresh process (imports and the process group before the "
             "clock) · rank 0 plans, the other ranks receive its plan",
-            "\n\n".join(__doc__.split("\n\n")[1:4]),
+            "\n\n".join(__doc__.split("\n\n")[1:5]),
             "Phases (tpkit, the slowest rank): `config` reading config.json, `plan` the plan "
             "(read from the cache, or derived), `split` the styles applied on meta, `read` the "
             "rank's slices read into its shards, `forward` the first 1 × 8 forward.",
             "\n".join(lines),
+            *(["\n".join(split)] if len(split) > 4 else []),
             "\n".join(goals),
         ]
     )

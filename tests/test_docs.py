@@ -28,7 +28,7 @@ ROOMS = (*ANALYSIS, "styles", "quant", "integrations", "cli", "parallel", "train
 # what the analysis may import beyond the standard library (yaml: Plan.from_yaml parses plans)
 PLAN_THIRD_PARTY = {"torch", "yaml"}
 # the parallel runtime (the floor under every parallelism) and the parallelisms themselves
-RUNTIME = ("dims", "mesh", "timeouts", "comm", "shm", "expert.comm")
+RUNTIME = ("dims", "mesh", "timeouts", "comm", "shm", "shard_memory", "expert.comm")
 # the layers, lowest first: an import goes to a lower layer, or sideways inside one room
 LAYERS = (
     ("floor", ("tpkit.compat", "tpkit.config", "tpkit.log")),
@@ -239,6 +239,7 @@ def test_styles_import_only_plan_comm_and_compat():
         "tpkit.styles",
         "tpkit.parallel.comm",
         "tpkit.parallel.expert.comm",
+        "tpkit.parallel.shard_memory",
         "tpkit.compat",
     )
 
@@ -247,7 +248,10 @@ def test_styles_import_only_plan_comm_and_compat():
             return None
         if any(_under(imp.module, a) for a in allowed):
             return None
-        return f"styles/ imports {imp.module} (only plan/, the runtime's collectives, compat.py)"
+        return (
+            f"styles/ imports {imp.module} (only plan/, the runtime's collectives and shard "
+            "memory, compat.py)"
+        )
 
     assert not _violations(rule), "\n".join(_violations(rule))
 

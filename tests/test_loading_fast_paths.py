@@ -13,10 +13,11 @@ import transformers as tf
 from safetensors.torch import save_file
 
 from tests.models import ATTN, batch, build
-from tpkit.io import stream
 from tpkit.io.build import SkipMetaFills
 from tpkit.io.safetensors import CheckpointIndex
-from tpkit.io.stream import empty_shard, prefetch
+from tpkit.io.stream import prefetch
+from tpkit.parallel import shard_memory
+from tpkit.parallel.shard_memory import empty_shard
 
 
 def test_a_huge_page_shard_is_an_ordinary_tensor():
@@ -92,11 +93,14 @@ def load_in_huge_pages(path: str, tp_size: int) -> dict:
     dist.barrier()
     file = os.path.join(path, "model.safetensors")
     digest = hashlib.sha256(Path(file).read_bytes()).hexdigest()
-    saved, stream.HUGE_MIN_BYTES = stream.HUGE_MIN_BYTES, 1  # every shard read in huge pages
+    saved, shard_memory.HUGE_MIN_BYTES = (
+        shard_memory.HUGE_MIN_BYTES,
+        1,
+    )  # every shard read in huge pages
     try:
         model = tpkit.from_pretrained(path, tp_size=tp_size)
     finally:
-        stream.HUGE_MIN_BYTES = saved
+        shard_memory.HUGE_MIN_BYTES = saved
     size = os.path.getsize(file)
     local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
     mapped = sum(t.untyped_storage().nbytes() == size for t in local)

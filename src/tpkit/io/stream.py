@@ -10,19 +10,15 @@ Three things make it fast. A slice that is one run of the file's bytes (whole te
 the first dimension: column-parallel weights, vocabulary-split embeddings, replicated norms) wanted
 on the CPU in its stored dtype is not read at all but mapped copy-on-write
 (`CheckpointIndex.mapped`): its pages come from the page cache at the first forward, shared by
-the ranks of a host, as transformers' own loads do. CPU shards of `HUGE_MIN_BYTES` or more are allocated in transparent huge
-pages (``madvise(MADV_HUGEPAGE)``, what torch's ``THP_MEM_ALLOC_ENABLE`` does for every
-allocation): reading into fresh memory is mostly page faults, one per 4 KiB page, and a 2 MiB
-page takes 512 times fewer (measured: 130 MiB read from the page cache in 0.027 s instead of
-0.072 s). And `prefetch` asks the kernel, when the index is opened, to read the files into the
+the ranks of a host, as transformers' own loads do. The other slices are read into shards in
+transparent huge pages (`tpkit.parallel.shard_memory.empty_shard`: 512 times fewer page
+faults). And `prefetch` asks the kernel, when the index is opened, to read the files into the
 page cache in the background (``POSIX_FADV_WILLNEED``), so that a cold checkpoint is read from
 disk while the model is built, planned and split, not after.
 """
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -35,32 +31,14 @@ from tpkit.compat import StridedShard
 from tpkit.io.safetensors import CheckpointIndex
 from tpkit.io.shards import local_ranges, local_slice, param_owners, set_local, tp_coords
 from tpkit.parallel.mesh import dist_env
+from tpkit.parallel.shard_memory import empty_shard
 
 __all__ = [
-    "HUGE_MIN_BYTES",
-    "empty_shard",
     "move_buffers",
     "prefetch",
     "stream_buffers",
     "stream_params",
 ]
-
-#: CPU shards of at least this many bytes go in transparent huge pages (2 MiB each)
-HUGE_MIN_BYTES = 4 << 20
-
-
-def empty_shard(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised tensor for a shard: on CPU and of `HUGE_MIN_BYTES` or more, backed by
-    its own anonymous mapping advised to use transparent huge pages (the tensor keeps the
-    mapping alive; memory is given back when the tensor goes); else ``torch.empty``."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    huge = getattr(mmap, "MADV_HUGEPAGE", None)
-    if device.type != "cpu" or nbytes < HUGE_MIN_BYTES or huge is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # THP off in this kernel: ordinary pages, still right
-        area.madvise(huge)
-    return torch.frombuffer(area, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def prefetch(files: Iterable[str | os.PathLike], budget_bytes: int | None = None) -> None:

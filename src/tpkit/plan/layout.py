@@ -24,6 +24,7 @@ __all__ = [
     "ParamLayout",
     "chunk_offset",
     "chunk_sizes",
+    "chunk_ranges",
     "grouped_rows_hooks",
     "in_width",
     "is_conv1d",
@@ -158,6 +159,15 @@ def chunk_sizes(size: int, parts: int) -> list[int]:
 def chunk_offset(size: int, parts: int, rank: int) -> int:
     """Where ``rank``'s chunk starts under `chunk_sizes`."""
     return min(size, rank * -(-size // parts))
+
+
+def chunk_ranges(size: int, parts: int, rank: int, split_factor: int = 1) -> list[tuple]:
+    """Half-open ranges along a dim of ``size`` that make up ``rank``'s chunk (concatenated):
+    one range, or one per packed part when ``split_factor`` parts are each split separately
+    (DTensor's ``_StridedShard``)."""
+    part = size // split_factor
+    off, n = chunk_offset(part, parts, rank), chunk_sizes(part, parts)[rank]
+    return [(k * part + off, k * part + off + n) for k in range(split_factor)]
 
 
 def local_shape(shape: tuple[int, ...], layout: ParamLayout, tp: int, rank: int = 0) -> tuple:

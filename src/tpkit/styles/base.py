@@ -34,8 +34,9 @@ from torch.distributed.tensor.placement_types import Placement
 
 from tpkit.compat import StridedShard
 from tpkit.parallel.comm import copy_to_tp
+from tpkit.parallel.shard_memory import empty_shard
 from tpkit.plan.catalogue import StyleSpec, bind, style_spec
-from tpkit.plan.layout import ParamLayout, param_layout
+from tpkit.plan.layout import ParamLayout, chunk_ranges, param_layout
 
 __all__ = [
     "RECORD",
@@ -89,6 +90,10 @@ def distribute_param(
     param = module._parameters[name]
     if isinstance(param, DTensor):
         return param
+    if src_data_rank is None and mesh.ndim == 1 and param.device.type != "meta":
+        new = nn.Parameter(_own_shard(param.detach(), layout, mesh), param.requires_grad)
+        module.register_parameter(name, new)
+        return new
     dt = distribute_tensor(
         param.detach(), mesh, [placement_for(layout)], src_data_rank=src_data_rank
     )
@@ -104,6 +109,30 @@ def distribute_param(
     new = nn.Parameter(dt, requires_grad=param.requires_grad)
     module.register_parameter(name, new)
     return new
+
+
+def _own_shard(t: torch.Tensor, layout: ParamLayout, mesh: DeviceMesh) -> DTensor:
+    """``t`` laid out as ``layout`` over a 1-D ``mesh``, this rank's shard cut from its own copy
+    into fresh memory, once. What ``distribute_tensor`` gives, without its cost: it makes every
+    rank's chunk contiguous (a copy of the whole weight for a column split) before keeping one,
+    and a kept view would pin the whole weight (or the file transformers mapped it from)."""
+    parts = [t]
+    if layout.sharded and mesh.size() > 1:
+        ranges = chunk_ranges(
+            t.shape[layout.dim], mesh.size(), mesh.get_local_rank(), layout.split_factor
+        )
+        parts = [t.narrow(layout.dim, a, b - a) for a, b in ranges]
+    shape = list(t.shape)
+    if layout.sharded:
+        shape[layout.dim] = sum(p.shape[layout.dim] for p in parts)
+    local = empty_shard(tuple(shape), t.dtype, t.device)  # in huge pages: 512x fewer faults
+    if len(parts) > 1:
+        torch.cat(parts, layout.dim, out=local)
+    else:
+        local.copy_(parts[0])
+    return DTensor.from_local(  # the global stride is the weight's, as distribute_tensor's
+        local, mesh, [placement_for(layout)], run_check=False, shape=t.shape, stride=t.stride()
+    )
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -287,7 +287,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     )
     lines = [head, "|" + "---|" * (7 + len(PHASES))]
     split = [
-        f"`tpkit.tensor_parallel(model, plan=\"infer\")` of a model in memory (plan cache off) "
+        f'`tpkit.tensor_parallel(model, plan="infer")` of a model in memory (plan cache off) '
         f"÷ one forward of the split model over {FORWARD_SHAPE[0]} × {FORWARD_SHAPE[1]} tokens "
         "(the slowest rank; best of the rounds; forward: median of 3 after a warm-up)",
         "",

@@ -6,6 +6,8 @@ dry run or reference run is one forward of it)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import transformers
@@ -173,6 +175,23 @@ def test_identical_layers_are_traced_and_dry_run_once():
     assert plan_key(plan) == plan_key(unfolded) and plan.notes == unfolded.notes
     assert folded.answers and folded.tally["stood"] == 5 * folded.tally["run"]
     assert plan["layers.*.up"] == "colwise" and plan["layers.*.down"] == "rowwise"
+
+
+def test_layers_alike_but_for_a_partial_made_per_layer_fold():
+    """transformers' GELUTanh (Gemma's activation) holds a ``functools.partial`` made per
+    instance: equal partials (the same function and arguments) leave layers alike, so a
+    26-layer Gemma-2 runs two layers' forwards, not 26; a partial with other arguments does not."""
+    from transformers.activations import GELUTanh
+
+    from tpkit.trace.fold import find_twins
+
+    model = _Stack()
+    for layer in model.layers:
+        layer.act = GELUTanh()
+    layers = list(model.layers.named_children())
+    assert len(find_twins(layers).rep) == 5
+    model.layers[3].act.act = functools.partial(nn.functional.gelu, approximate="none")
+    assert "3" not in find_twins(layers).rep and len(find_twins(layers).rep) == 4
 
 
 def test_a_layer_that_reads_its_index_is_its_own_kind():

@@ -77,10 +77,10 @@ def meta_state(model: nn.Module, fake, shapes: Mapping[int, tuple] | None = None
         for store, k, v in saved:
             if id(v) not in memo:
                 shape = (shapes or {}).get(id(v), tuple(v.shape))
-                meta = fake.from_tensor(torch.empty(shape, dtype=v.dtype, device="meta"))
-                memo[id(v)] = (
-                    nn.Parameter(meta, v.requires_grad) if isinstance(v, nn.Parameter) else meta
-                )
+                meta = torch.empty(shape, dtype=v.dtype, device="meta")
+                if isinstance(v, nn.Parameter):  # made a parameter first: 4x cheaper than after
+                    meta = nn.Parameter(meta, v.requires_grad)
+                memo[id(v)] = fake.from_tensor(meta)
             store[k] = memo[id(v)]
         yield
     finally:

@@ -33,6 +33,7 @@ cannot swallow it), and the caller runs the forward again unfolded. Pure: no pro
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -148,7 +149,8 @@ def _is_index(name: str, value: Any) -> bool:
 def _value(v: Any, depth: int = 0) -> Any:
     """An attribute's value as compared: plain values by equality, containers by their items,
     a module held outside the module tree (a kernel's function wrapper kept in a dict) by its
-    class and own attributes, anything else by identity (a shared config is the same object
+    class and own attributes, a ``functools.partial`` by its function and arguments, anything
+    else by identity (a shared config is the same object
     in every layer)."""
     if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device)):
         return (type(v), v)
@@ -160,6 +162,13 @@ def _value(v: Any, depth: int = 0) -> Any:
         return (type(v), frozenset(_value(x, depth + 1) for x in v))
     if isinstance(v, dict):
         return (type(v), tuple((_value(k, depth + 1), _value(x, depth + 1)) for k, x in v.items()))
+    if isinstance(v, functools.partial):  # made per instance (GELUTanh's ``act``): by content
+        return (
+            functools.partial,
+            _value(v.func, depth + 1),
+            _value(v.args, depth + 1),
+            _value(v.keywords, depth + 1),
+        )
     if isinstance(v, nn.Module) and not any(True for _ in v.parameters()):
         own = ((k, _value(x, depth + 1)) for k, x in vars(v).items() if k not in _INTERNAL)
         return (type(v), tuple(x for x in own if not x[0].endswith("hooks")))

@@ -121,7 +121,7 @@ def derive_plan(
     out = complete_tied_layers(analysis, out)
     out = complete_grad_allreduce(analysis, out)
     if tp is not None and tp > 1 and plan == "auto":
-        out = config_plan_at(model, out, tp, runs, lambda: _completed_inferred(analysis))
+        out = config_plan_at(model, out, tp, runs, lambda: _inferred_at(analysis, tp))
     if not (isinstance(plan, str) and plan in ("config", "infer")):
         out = _untraced(analysis, out, tp)
     if tp is not None and tp > 1:
@@ -170,6 +170,19 @@ def _completed_inferred(analysis: Analysis) -> Plan | None:
     except ValueError:
         return None
     return complete_grad_allreduce(analysis, complete_tied_layers(analysis, inferred))
+
+
+def _inferred_at(analysis: Analysis, tp: int) -> Plan:
+    """What "auto" swaps in where transformers' plan cannot run at ``tp``
+    (`tpkit.settle.fits.config_plan_at`): the inferred plan, completed; where the dataflow
+    cannot be traced, the per-layer fallback (`tpkit.sources.fallback`: each layer split on its
+    own, its output gathered, exact whatever the heads), never a refusal (Gemma-4's assistant,
+    whose attention reads K/V handed in by its caller: 4 KV heads at tp=8)."""
+    inferred = _completed_inferred(analysis)
+    if inferred is not None:
+        return inferred
+    why = "the dataflow could not be traced and transformers' base_model_tp_plan cannot run"
+    return fallback_plan(analysis.model, why, tp, analysis=analysis)
 
 
 def _user_plan(plan: PlanLike) -> Plan:

@@ -37,7 +37,8 @@ def config_plan_at(
     does not divide (Qwen2.5-0.5B's 14 heads at tp=4), or its split fails a dry run at ``tp``
     that the unsplit model passes (CodeGen's ``mp_num``): transformers' entries are never
     rewritten, but the inferred plan's groups are, gathered where the heads do not divide
-    (`settle_groups`), so "auto" still runs at that tp with the weights split. The heads are
+    (`settle_groups`), so "auto" still runs at that tp with the weights split; where the
+    dataflow cannot be traced, ``inferred()`` gives the per-layer fallback. The heads are
     read as settling lays them out (KV heads fewer than tp kept whole need not divide)."""
     if tp <= 1:
         return plan
@@ -65,8 +66,12 @@ def config_plan_at(
     other = other.copy()
     other.notes[type(model).__name__] = (
         f"transformers' base_model_tp_plan is not used at tp_size={tp}: {bad[0]}; the "
-        "inferred plan is, its groups that cannot split at tp gathered or whole (pass "
-        "plan='config' to force transformers' plan)"
+        + (
+            "per-layer fallback is (the dataflow could not be traced)"
+            if not other.groups and all(other.source(p) == Source.FALLBACK for p in other)
+            else "inferred plan is, its groups that cannot split at tp gathered or whole"
+        )
+        + " (pass plan='config' to force transformers' plan)"
     )
     return other
 

@@ -132,6 +132,8 @@ def gather_group(model: nn.Module, plan: Plan, group: Group, why: str) -> bool:
     new: dict[str, str] = {}
     for pattern in group.modules:
         style = plan.get(pattern)
+        if style == "colwise_replicated_heads":  # KV heads kept whole per rank: gathered whole
+            style = "colwise"
         hits = [m for n, m in modules.items() if n and matches(pattern, n)]
         if style is None or not hits:
             return False  # a parameter entry (per-head sinks): split by heads, not gatherable

@@ -129,7 +129,11 @@ def _owner_fixups(plan: Plan, owner: str, module: nn.Module, model: nn.Module, t
 
 def _drop_counts(plan: Plan, pattern: str, owner: str) -> None:
     """An inferred group holding the projection no longer needs tp to divide the KV heads or
-    the projection's width."""
+    the projection's width; the attention becomes one of its owners, so that the one-KV-head
+    fix-ups go with the split when settling gathers the group or keeps it whole (left on a
+    whole attention, ``num_key_value_groups`` = local query heads would pair its 8 query heads
+    with 2 KV heads repeated once: Gemma-3n at tp=8, whose KV-sharing layers have no K/V
+    projection of their own and keep the group from splitting)."""
     kv_labels = tuple(f".{a}" for a in KV_ATTRS)
     for i, group in enumerate(plan.groups):
         if pattern in group.modules:
@@ -138,4 +142,5 @@ def _drop_counts(plan: Plan, pattern: str, owner: str) -> None:
                 for label, n in group.counts.items()
                 if not (label.endswith(kv_labels) or pattern in label)
             }
-            plan.groups[i] = replace(group, counts=counts)
+            owners = group.owners if owner in group.owners else (*group.owners, owner)
+            plan.groups[i] = replace(group, counts=counts, owners=owners)

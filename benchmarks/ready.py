@@ -100,7 +100,10 @@ def child(system: str, path: str) -> None:
 
     distributed = system != "one process"
     if distributed:
+        from tpkit.parallel.gloo_exit import install_exit_fence
+
         dist.init_process_group("gloo")
+        install_exit_fence()  # transformers' runs too: no SIGABRT at exit (torch's gloo bug)
         dist.barrier()
     phases: dict[str, float] = {}
     if system == INFERRED:

@@ -28,7 +28,7 @@ ROOMS = (*ANALYSIS, "styles", "quant", "integrations", "cli", "parallel", "train
 # what the analysis may import beyond the standard library (yaml: Plan.from_yaml parses plans)
 PLAN_THIRD_PARTY = {"torch", "yaml"}
 # the parallel runtime (the floor under every parallelism) and the parallelisms themselves
-RUNTIME = ("dims", "mesh", "timeouts", "comm", "shm", "shard_memory", "expert.comm")
+RUNTIME = ("dims", "mesh", "timeouts", "gloo_exit", "comm", "shm", "shard_memory", "expert.comm")
 # the layers, lowest first: an import goes to a lower layer, or sideways inside one room
 LAYERS = (
     ("floor", ("tpkit.compat", "tpkit.config", "tpkit.log")),

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tpkit import config
 from tpkit.log import get_logger
+from tpkit.parallel.gloo_exit import install_exit_fence
 from tpkit.parallel.timeouts import install_timeout_report, tpkit_timeout
 
 __all__ = [
@@ -113,7 +114,10 @@ def init_distributed(
     use needs no process group at all.
     """
     env = dist_env()
-    if not env.is_distributed or dist.is_initialized():
+    if not env.is_distributed:
+        return env
+    install_exit_fence()  # whoever made the group: gloo's threads must settle before exit
+    if dist.is_initialized():
         return env
     device_type = device_type or default_device_type()
     if device_type == "cuda":
@@ -168,6 +172,7 @@ def build_mesh(
             # private but stable since torch 2.2; the only way to set a live group's timeout
             dist.distributed_c10d._set_pg_timeout(timeout, group)
     install_timeout_report()
+    install_exit_fence()
     _MESHES[key] = mesh
     return mesh
 
@@ -197,6 +202,7 @@ def build_expert_mesh(
         if group is not default:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
     install_timeout_report()
+    install_exit_fence()
     _MESHES[key] = mesh
     return mesh
 

@@ -174,3 +174,45 @@ def test_single_process_many_devices_refused_before_a_pool_starts():
             tpkit.tensor_parallel(build("llama"), ["cuda:0", "cuda:1"])
     with pytest.raises(ValueError, match=r"names 2 devices but the sizes \(tp_size=4\)"):
         tpkit.tensor_parallel(build("llama"), ["cpu", "cpu"], tp_size=4)
+
+
+# ---- a shard cut from a weight in memory: what distribute_tensor gives, in fresh memory ----------
+def check_own_shards() -> list[str]:
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from tpkit.plan.layout import ParamLayout
+    from tpkit.styles.base import distribute_param, placement_for
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    wrong = []
+    torch.manual_seed(0)
+    for shape, layout in [
+        ((6, 5), ParamLayout(dim=0)),
+        ((5, 7), ParamLayout(dim=1)),  # uneven: the last rank's chunk is shorter
+        ((12, 4), ParamLayout(dim=0, split_factor=3)),  # packed q/k/v: each part split
+        ((3,), ParamLayout(dim=0)),
+        ((4, 4), ParamLayout(dim=None)),  # replicated
+    ]:
+        weight = torch.randn(shape)
+        module = nn.Module()
+        module.weight = nn.Parameter(weight.clone())
+        got = distribute_param(module, "weight", layout, mesh)
+        want = distribute_tensor(weight, mesh, [placement_for(layout)], src_data_rank=None)
+        same = (
+            got.placements == want.placements
+            and got.shape == want.shape
+            and got.stride() == want.stride()
+            and torch.equal(got.to_local(), want.to_local())
+            and torch.equal(got.full_tensor(), weight)
+        )
+        shares = got.to_local().untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+        if not same or shares or not isinstance(module.weight, nn.Parameter):
+            wrong.append(f"{shape} {layout}")
+    return wrong
+
+
+def test_a_shard_cut_from_memory_is_distribute_tensors(ranks2):
+    for wrong in ranks2.run(check_own_shards):
+        assert not wrong, wrong

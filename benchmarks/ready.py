@@ -25,6 +25,7 @@ a system's figure is its best round (the least disturbed on a shared machine), a
 are of best times. tpkit's rows also say where its time went (the slowest rank's phases).
 
     python -m benchmarks.ready                       # 57M and 300M Llama, tp=2, best of 3
+    python -m benchmarks.ready --sizes 57m 300m 1b   # and a 1.1B (TinyLlama-shaped) one
     python -m benchmarks.ready --sizes 57m --repeats 5 --base-src /tmp/main-src
 
 Writes ``benchmarks/results/ready.json`` and ``ready.md`` (``--out`` elsewhere).
@@ -48,6 +49,9 @@ SIZES = {
                 num_key_value_heads=4),
     "300m": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=16,
                  num_attention_heads=16, num_key_value_heads=8),
+    # TinyLlama-1.1B's shape: a mid-sized model for the tensor_parallel-vs-forward row
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+               num_attention_heads=32, num_key_value_heads=4),
 }  # fmt: skip
 TPKIT = ("tpkit, plan cached", "tpkit, first run", "tpkit, cache off")
 OTHERS = ("transformers TP", "one process")
@@ -348,7 +352,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--child", nargs=2, metavar=("SYSTEM", "PATH"), help=argparse.SUPPRESS)
-    p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    p.add_argument("--sizes", nargs="+", default=["57m", "300m"], choices=list(SIZES))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--systems", nargs="+", help="run only these systems (names as in the table)")

@@ -161,8 +161,14 @@ def _aliases(out: Any, inputs: Any) -> bool:
     computed nothing (``expand_as``, ``view_as``, ``.to`` its own device), so an input it did
     not alias gave it only a shape. A large input the output aliases keeps it fake (its
     storage is over `LIMIT`, checked before)."""
-    outs, given = _tensors(out), {id(t) for t in _tensors(inputs)}
-    return bool(outs) and all(t._base is not None or id(t) in given for t in outs)
+    ins = _tensors(inputs)
+    given = {id(t) for t in ins}
+    bases = given | {id(t._base) for t in ins if t._base is not None}
+    # a view of something the op made is not an alias: ``linear`` on a 3-D input returns a
+    # view of its own matmul's output, and its weight gave it more than a shape
+    return bool(outs := _tensors(out)) and all(
+        id(t) in given or (t._base is not None and id(t._base) in bases) for t in outs
+    )
 
 
 def _counted(value: torch.Tensor) -> bool:

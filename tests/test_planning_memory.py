@@ -244,3 +244,22 @@ def test_shadow_memory_is_bounded():
         assert picks in mode.shadow  # routing values are kept past the float budget
         del kept, big
         assert mode.live <= LIMIT + small.numel() * 2  # freed with their tensors
+
+
+def test_a_view_of_what_an_op_made_is_no_alias_of_its_inputs():
+    """``linear`` on a 3-D input can return a view of its own matmul's output (as it did in
+    XLM's traced head): that is not an alias of its inputs, so its weight gave it more than a
+    shape and a weight over ``LIMIT`` must not stand in as an expanded zero, which the real op
+    would materialise (XLM's 30145 x 2048 head: +0.75 GB while planning at tp=8). Views of an
+    input, or of an input's base, still are aliases."""
+    from tpkit.trace import shadow
+
+    _aliases = shadow._aliases  # the rule itself, private to the shadow
+
+    x, w = torch.randn(3, 7, 4), torch.randn(5, 4)
+    made = (x.reshape(21, 4) @ w.t()).view(3, 7, 5)  # a view of the matmul's own output
+    assert made._base is not None and not _aliases(made, ((x, w), {}))
+    assert _aliases(x.view(21, 4), ((x,), {}))  # a view of an input
+    flat = x.view(84)
+    assert _aliases(flat.view(21, 4), ((flat,), {}))  # a view of a view of an input
+    assert _aliases(x, ((x,), {}))  # the input itself (``.to`` its own device)

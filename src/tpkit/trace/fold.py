@@ -19,7 +19,9 @@ checked, not assumed:
   [self.layer_idx]``, arithmetic) breaks the fold: that index becomes part of what tells
   layers apart (`FoldBroken.index`) and the forward runs again; an integer handed to a layer
   under such a name (Zamba's loop calls ``layer(hidden, original, layer_idx, ...)``) is the
-  same: left out of what is compared, handed to the representative watched;
+  same: left out of what is compared, handed to the representative watched, and where read
+  compared from then on for that kind of layer only (``<representative>(<name>)``: Zamba2's
+  hybrid layers pick their adapter by it, its Mamba layers, handed it too, never read it);
 - alike in what they are given: each twin's call must match its representative's (tensor
   shapes and dtypes, the same objects for every input but the stream, equal plain values);
 - no effect besides the output: the representative must not change its inputs in place (their
@@ -255,11 +257,11 @@ class _Call:
 class _Watched:
     """A running layer's index attribute while it runs: any use of it breaks the fold."""
 
-    def __init__(self, name: str, value: int):
-        self._name, self._value = name, value
+    def __init__(self, name: str, value: int, token: str = ""):
+        self._name, self._value, self._token = name, value, token or name
 
     def _used(self, *_: Any, **__: Any) -> Any:
-        raise FoldBroken(f"the layer reads its index {self._name}", self._name)
+        raise FoldBroken(f"the layer reads its index {self._name}", self._token)
 
     __index__ = __int__ = __float__ = __bool__ = __hash__ = __str__ = __repr__ = _used
     __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __format__ = _used  # type: ignore[assignment]
@@ -270,7 +272,7 @@ class _Watched:
     __divmod__ = __rdivmod__ = __invert__ = __iter__ = __len__ = __contains__ = _used
 
     def __getattr__(self, name: str) -> Any:
-        raise FoldBroken(f"the layer reads its index {self._name}", self._name)
+        raise FoldBroken(f"the layer reads its index {self._name}", self._token)
 
 
 #: what a fold compares of each tensor a layer is given, besides its shape and dtype: the
@@ -422,8 +424,9 @@ class _Fold:
 
     def _watch_indices(self, name: str, forward: Callable, args: tuple, kwargs: dict) -> tuple:
         """``(args, kwargs)`` with every integer handed under an index name (`INDEX_ATTRS`,
-        not one that tells layers apart) watched (`_Watched`): left out of the comparison, and
-        any use of it in the forward breaks the fold as an index attribute's does."""
+        not one that tells this kind of layer apart) watched (`_Watched`): left out of the
+        comparison, and any use of it in the forward breaks the fold as an index attribute's
+        does, naming it for this kind only (``<representative>(<name>)``)."""
         if name not in self.params:
             try:
                 params = list(inspect.signature(forward).parameters.values())
@@ -436,9 +439,12 @@ class _Fold:
                 self.params[name] = None
         names = self.params[name] or []
 
+        kind = self.kind[name]
+
         def watch(key: str, v: Any) -> Any:
-            index = _is_index(key, v) and key not in self.distinguishing
-            return _Watched(key, v) if index else v
+            token = f"{kind}({key})"
+            index = _is_index(key, v) and not {key, token} & self.distinguishing
+            return _Watched(key, v, token) if index else v
 
         args = tuple(watch(names[i] if i < len(names) else "", v) for i, v in enumerate(args))
         return args, {k: watch(k, v) for k, v in kwargs.items()}

@@ -233,3 +233,58 @@ def test_a_layer_called_otherwise_runs_its_own_forward():
     calls = _layer_calls(model)
     analysis.trace()
     assert calls == [0, 2] and analysis.tally == {"run": 2, "stood": 4}
+
+
+class _Indexed(_Block):
+    """Handed its index by the model's loop (Zamba's ``layer(hidden, original, layer_idx)``)."""
+
+    def forward(self, x: torch.Tensor, layer_idx: int, odd_scales: bool = False) -> torch.Tensor:
+        h = torch.relu(self.up(x))
+        if odd_scales and layer_idx % 2:  # odd layers scale: not alike
+            h = h * 2
+        return x + self.down(h)
+
+
+class _IndexLoop(_Stack):
+    def __init__(self, odd_scales: bool = False, tied: bool = False):
+        super().__init__()
+        self.layers = nn.ModuleList(_Indexed(8, i) for i in range(6))
+        self.odd_scales = odd_scales
+        if tied:  # every layer's down projection is one parameter (Zamba's shared transformer)
+            for layer in self.layers:
+                layer.down.weight = self.layers[0].down.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, i, odd_scales=self.odd_scales)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_layers_handed_their_index_unread_fold(tied: bool):
+    """An index handed as an argument differs per layer by design: unread, it is left out of
+    the comparison and the layers fold (also where they tie a parameter, which the trace names
+    after one layer: every twin reads it under that name); the plan is the unfolded one."""
+    model = _IndexLoop(tied=tied)
+    example = (torch.randn(2, 3, 8),)
+    analysis = Analysis(model, example)
+    calls = _layer_calls(model)
+    analysis.trace()
+    assert calls == [0] and analysis.tally == {"run": 1, "stood": 5} and not analysis.broke
+    folded, plan, unfolded = _plans(model, example)
+    assert plan_key(plan) == plan_key(unfolded) and plan.notes == unfolded.notes
+    assert folded.tally["stood"] == 5 * folded.tally["run"]
+
+
+def test_a_layer_that_reads_its_index_argument_is_its_own_kind():
+    """A layer whose forward reads the index it is handed breaks the fold: from then on the
+    argument is compared, every layer runs its own forward, and the plan is the unfolded one."""
+    model = _IndexLoop(odd_scales=True)
+    example = (torch.randn(2, 3, 8),)
+    analysis = Analysis(model, example)
+    calls = _layer_calls(model)
+    analysis.trace()
+    assert analysis.distinguishing == {"layers.0(layer_idx)"}  # this kind of layer only
+    assert calls[-6:] == [0, 1, 2, 3, 4, 5]
+    _, plan, unfolded = _plans(model, example)
+    assert plan_key(plan) == plan_key(unfolded) and plan.notes == unfolded.notes

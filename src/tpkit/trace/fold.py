@@ -17,7 +17,11 @@ checked, not assumed:
   (``layer_idx``, ``layer_id``, ...), which differ by design; the representative's are
   watched during the run (`_Watched`) and any use of one (a comparison, ``config.layer_types
   [self.layer_idx]``, arithmetic) breaks the fold: that index becomes part of what tells
-  layers apart (`FoldBroken.index`) and the forward runs again;
+  layers apart (`FoldBroken.index`) and the forward runs again; an integer handed to a layer
+  under such a name (Zamba's loop calls ``layer(hidden, original, layer_idx, ...)``) is the
+  same: left out of what is compared, handed to the representative watched, and where read
+  compared from then on for that kind of layer only (``<representative>(<name>)``: Zamba2's
+  hybrid layers pick their adapter by it, its Mamba layers, handed it too, never read it);
 - alike in what they are given: each twin's call must match its representative's (tensor
   shapes and dtypes, the same objects for every input but the stream, equal plain values);
 - no effect besides the output: the representative must not change its inputs in place (their
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -87,6 +92,12 @@ class Twins:
     tally: dict[str, int] = field(default_factory=dict, compare=False)
     #: every block's name (``<list>.<index>``): what names are read relative to (`Relative`)
     layers: frozenset[str] = frozenset()
+    #: index names that tell layers apart (`find_twins`'s ``distinguishing``): an argument so
+    #: named is compared by its value, not watched
+    distinguishing: frozenset[str] = frozenset()
+    #: the names of parameters tied across blocks, the same object at each place it is held in
+    #: any block (Zamba's shared transformer): read by every layer under one name (`Relative`)
+    fixed: frozenset[str] = frozenset()
 
     def __bool__(self) -> bool:
         return bool(self.rep)
@@ -116,7 +127,30 @@ def find_twins(
         differ = {k for k, v in indices.items() if rep_indices.get(k) != v}
         watched.setdefault(rep_name, set()).update(differ)
     names = frozenset(n for n, _ in layers)
-    return Twins(rep, {r: tuple(sorted(w)) for r, w in watched.items()}, layers=names)
+    watch = {r: tuple(sorted(w)) for r, w in watched.items()}
+    fixed = _tied(layers)
+    return Twins(rep, watch, layers=names, distinguishing=distinguishing, fixed=fixed)
+
+
+def _tied(layers: list[tuple[str, nn.Module]]) -> frozenset[str]:
+    """Every name (as held in a block) of each parameter that blocks share, where every block
+    holding one of its places holds it there: a layer reads it under the same name as its
+    twins do, wherever the trace names it."""
+    at: dict[str, set[int]] = {}  # place in a block -> the parameters held there
+    where: dict[int, set[str]] = {}  # parameter -> its places
+    blocks: dict[int, set[str]] = {}  # parameter -> the blocks holding it
+    names: dict[int, set[str]] = {}
+    for name, module in layers:
+        for rel, p in module.named_parameters(remove_duplicate=False):
+            at.setdefault(rel, set()).add(id(p))
+            where.setdefault(id(p), set()).add(rel)
+            blocks.setdefault(id(p), set()).add(name)
+            names.setdefault(id(p), set()).add(f"{name}.{rel}")
+    fixed = set()
+    for p, places in where.items():
+        if len(blocks[p]) > 1 and all(at[rel] == {p} for rel in places):
+            fixed |= names[p]
+    return frozenset(fixed)
 
 
 def _signature(module: nn.Module, distinguishing: frozenset[str]) -> tuple[tuple, dict]:
@@ -198,7 +232,7 @@ def plan_twins(twins: Twins, plan: Plan, model: nn.Module) -> Twins:
     rep = {m: r for m, r in twins.rep.items() if views[m] == views[r]}
     reps = set(rep.values())
     watched = {r: w for r, w in twins.watched.items() if r in reps}
-    return Twins(rep, watched, twins.tally, twins.layers)
+    return Twins(rep, watched, twins.tally, twins.layers, twins.distinguishing, twins.fixed)
 
 
 def _layer_of(name: str, layers: set[str]) -> str | None:
@@ -223,11 +257,11 @@ class _Call:
 class _Watched:
     """A running layer's index attribute while it runs: any use of it breaks the fold."""
 
-    def __init__(self, name: str, value: int):
-        self._name, self._value = name, value
+    def __init__(self, name: str, value: int, token: str = ""):
+        self._name, self._value, self._token = name, value, token or name
 
     def _used(self, *_: Any, **__: Any) -> Any:
-        raise FoldBroken(f"the layer reads its index {self._name}", self._name)
+        raise FoldBroken(f"the layer reads its index {self._name}", self._token)
 
     __index__ = __int__ = __float__ = __bool__ = __hash__ = __str__ = __repr__ = _used
     __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __format__ = _used  # type: ignore[assignment]
@@ -238,7 +272,7 @@ class _Watched:
     __divmod__ = __rdivmod__ = __invert__ = __iter__ = __len__ = __contains__ = _used
 
     def __getattr__(self, name: str) -> Any:
-        raise FoldBroken(f"the layer reads its index {self._name}", self._name)
+        raise FoldBroken(f"the layer reads its index {self._name}", self._token)
 
 
 #: what a fold compares of each tensor a layer is given, besides its shape and dtype: the
@@ -250,12 +284,12 @@ Describe = Callable[[torch.Tensor, str], Any]
 class Relative:
     """Module names as seen from one layer: a name inside a block of the same list as
     ``<list>.<offset>`` from the layer's index (its own modules at 0, the layer before at -1),
-    any other name as it is. Twins called with alike relative names do alike things to alike
-    relative names; a twin's records are the source's with every offset taken from the twin
-    (`rename`)."""
+    any other name as it is, as is a parameter the blocks tie (``fixed``: `Twins.fixed`).
+    Twins called with alike relative names do alike things to alike relative names; a twin's
+    records are the source's with every offset taken from the twin (`rename`)."""
 
-    def __init__(self, layers: frozenset[str]):
-        self.layers = layers
+    def __init__(self, layers: frozenset[str], fixed: frozenset[str] = frozenset()):
+        self.layers, self.fixed = layers, fixed
 
     @staticmethod
     def position(layer: str) -> tuple[str, int]:
@@ -263,7 +297,10 @@ class Relative:
         return head, int(index)
 
     def split(self, name: str) -> tuple[str, str] | None:
-        """(the block ``name`` is in, the rest of it), None outside every block."""
+        """(the block ``name`` is in, the rest of it), None outside every block (or a
+        parameter the blocks tie)."""
+        if name in self.fixed:
+            return None
         parts = name.split(".")
         for i in range(1, len(parts) + 1):
             head = ".".join(parts[:i])
@@ -332,7 +369,9 @@ def _signature_of(args: tuple, kwargs: dict, describe: Describe | None, layer: s
     leaves, spec = tree_flatten((args, kwargs))
     out = []
     for v in leaves:
-        if isinstance(v, torch.Tensor):
+        if isinstance(v, _Watched):  # an index argument: never read (watched), never compared
+            out.append(("index", v._name))
+        elif isinstance(v, torch.Tensor):
             more = describe(v, layer) if describe is not None else None
             out.append((tuple(v.shape), v.dtype, v.requires_grad, more))
         else:
@@ -380,12 +419,42 @@ class _Fold:
         self.calls: dict[str, list[_Call]] = {}  # kind -> its layers' real calls, in order
         self.ran: set[str] = set()
         self.tally = twins.tally
+        self.distinguishing = twins.distinguishing
+        self.params: dict[str, list[str] | None] = {}  # layer -> its forward's parameter names
+
+    def _watch_indices(self, name: str, forward: Callable, args: tuple, kwargs: dict) -> tuple:
+        """``(args, kwargs)`` with every integer handed under an index name (`INDEX_ATTRS`,
+        not one that tells this kind of layer apart) watched (`_Watched`): left out of the
+        comparison, and any use of it in the forward breaks the fold as an index attribute's
+        does, naming it for this kind only (``<representative>(<name>)``)."""
+        if name not in self.params:
+            try:
+                params = list(inspect.signature(forward).parameters.values())
+                positional = (
+                    inspect.Parameter.POSITIONAL_ONLY,
+                    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                )
+                self.params[name] = [p.name if p.kind in positional else "" for p in params]
+            except (TypeError, ValueError):  # no signature to read: positions unnamed
+                self.params[name] = None
+        names = self.params[name] or []
+
+        kind = self.kind[name]
+
+        def watch(key: str, v: Any) -> Any:
+            token = f"{kind}({key})"
+            index = _is_index(key, v) and not {key, token} & self.distinguishing
+            return _Watched(key, v, token) if index else v
+
+        args = tuple(watch(names[i] if i < len(names) else "", v) for i, v in enumerate(args))
+        return args, {k: watch(k, v) for k, v in kwargs.items()}
 
     def forward(self, name: str, module: nn.Module, forward: Callable) -> Callable:
         def forward_folded(*args: Any, **kwargs: Any) -> Any:
             if name in self.ran:
                 raise FoldBroken(f"{name} runs more than once")
             self.ran.add(name)
+            args, kwargs = self._watch_indices(name, forward, args, kwargs)
             signature = _signature_of(args, kwargs, self.describe, name)
             kind = self.calls.setdefault(self.kind[name], [])
             call = next((c for c in kind if c.signature == signature), None)
@@ -400,6 +469,8 @@ class _Fold:
                 raise FoldBroken(f"{name} changes what it is given")
             if _attributes(module) != attrs:
                 raise FoldBroken(f"{name} changes its own attributes")
+            if any(isinstance(v, _Watched) for v in tree_flatten(output)[0]):
+                raise FoldBroken(f"{name} returns its index")
             kind.append(_Call(name, signature, inputs, output))
             self.tally["run"] = self.tally.get("run", 0) + 1
             return output

@@ -1016,7 +1016,7 @@ class _TraceHooks:
         everything the tracer knows of it (tags, where its features are, cut parts, bare
         parameters), and in a shadow run its values if it is no float."""
         tracer, values = self.tracer, known_values(shadow) if shadow is not None else None
-        relative = Relative(self.twins.layers)
+        relative = Relative(self.twins.layers, self.twins.fixed)
 
         def describe(t: torch.Tensor, layer: str) -> tuple:
             i = id(t)

@@ -39,7 +39,7 @@ class TwinRecords:
         functional_mha: dict[str, dict],
     ):
         self.members = set(twins.rep) | set(twins.rep.values())  # layers of a kind with twins
-        self.relative = Relative(twins.layers)
+        self.relative = Relative(twins.layers, twins.fixed)
         self.tables = (module_inputs, input_params, functional_mha, nodes)
         self.before: dict[str, list[dict[str, int]]] = {}  # layer -> each table's ids at its start
         self.spans: dict[str, list[list[str]]] = {}  # layer -> each table's keys its run set

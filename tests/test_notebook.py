@@ -169,10 +169,21 @@ except ValueError as e:
 r["after_boom"] = (model(input_ids=x).logits - trained(input_ids=x).logits).abs().max().item()
 
 pids = model.pids
-threading.Timer(3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+pressed = threading.Event()
+
+
+def ctrl_c():  # pressed again later if the first landed where Python drops it (a finalizer)
+    for delay in (3, 20, 20):
+        if pressed.wait(delay):
+            return
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+threading.Thread(target=ctrl_c, daemon=True).start()
 try:
     model.run(nap)
 except KeyboardInterrupt:
+    pressed.set()
     r["interrupted"] = True
 r["gone_after_interrupt"] = not any(p in children() for p in pids)
 try:

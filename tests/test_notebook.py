@@ -127,6 +127,10 @@ import transformers as tf
 import tpkit
 from nbhelpers import boom, children, dict_diff, die, full_grads, full_state, nap, tiny, train_step, who
 
+# Ctrl-C raises KeyboardInterrupt, as in a terminal or a notebook, whatever the test runner's
+# process left behind (a SIGINT ignored there is ignored in its children, and Python then never
+# installs its own handler)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 r = {}
 ref = tiny("tiny")
 model = tpkit.tensor_parallel(tf.LlamaForCausalLM.from_pretrained("tiny").eval(), ["cpu", "cpu"])

@@ -288,3 +288,55 @@ def test_a_layer_that_reads_its_index_argument_is_its_own_kind():
     assert calls[-6:] == [0, 1, 2, 3, 4, 5]
     _, plan, unfolded = _plans(model, example)
     assert plan_key(plan) == plan_key(unfolded) and plan.notes == unfolded.notes
+
+
+class _Gain(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class _Carrying(_Block):
+    """A block whose bare parameter reaches the stream (an MoE's expert weights do): every
+    later stream carries it; with ``meets`` a column output meets the stream broadcast over its
+    split (`Node.partial_params`)."""
+
+    def __init__(self, width: int, layer_idx: int, meets: bool):
+        super().__init__(width, layer_idx)
+        self.gain, self.meets = _Gain(width), meets
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.up(x))
+        if self.meets:
+            h = h * x[..., :1]
+        return x + self.gain(self.down(h))
+
+
+@pytest.mark.parametrize("meets", [False, True])
+def test_layers_whose_stream_carries_bare_parameters_fold(meets: bool):
+    """Each layer's stream carries the bare parameters of every layer before (a longer list
+    each time): they go by one name per layer while it runs, so the layers after the second
+    stand on its call (the first is given a stream that carries none), and the trace's
+    records (the bare parameters each module is handed, those each column output meets) and
+    the plan are the unfolded ones."""
+    model = _Stack()
+    model.layers = nn.ModuleList(_Carrying(8, i, meets) for i in range(6))
+    example = (torch.randn(2, 3, 8),)
+    analysis = Analysis(model, example)
+    calls = _layer_calls(model)
+    folded = analysis.trace()
+    assert calls == [0, 1] and analysis.tally == {"run": 2, "stood": 4} and not analysis.broke
+    plain = Analysis(model, example)
+    plain.fold = False
+    unfolded = plain.trace()
+    assert folded.nodes == unfolded.nodes and folded.input_params == unfolded.input_params
+    earlier = {f"layers.{i}.gain.weight" for i in range(4)}
+    assert folded.input_params["layers.4.up"]["arg:0"] == earlier
+    assert folded.nodes["layers.4.up"].partial_params == (earlier if meets else set())
+    _, plan, plan_unfolded = _plans(model, example)
+    assert plan_key(plan) == plan_key(plan_unfolded) and plan.notes == plan_unfolded.notes
+    if not meets:
+        assert plan["layers.*.up"] == "colwise" and plan["layers.*.down"] == "rowwise"

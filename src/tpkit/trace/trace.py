@@ -999,6 +999,8 @@ class _TraceHooks:
                     with twins, state, experts, torch.no_grad(), fake, self.tracer.under(shadow):
                         model(*args, **kwargs)
                     self.records.finish()
+                    partial = [node.partial_params for node in self.nodes.values()]
+                    self.records.resolve(partial, self.input_params)
         finally:
             for h in hooks:
                 h.remove()
@@ -1066,6 +1068,8 @@ class _TraceHooks:
             floats = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
             if floats:
                 self._reset_stream(floats, floats[0])
+                stream = [t for t in floats if _same_stream(t, floats[0])]
+                self.records.carry_in(name, stream, tracer.params)
         ins = [(f"arg:{i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ins += [(f"kw:{k}", v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
         self.module_inputs[name] = [
@@ -1134,4 +1138,4 @@ class _TraceHooks:
                 if tuple(t.shape) == tuple(outs[0].shape) and tracer.tag(t) & self.nodes.keys():
                     tracer.into_stream(tracer.tag(t))
                     tracer.set_tag(t, frozenset({STREAM}))
-        self.records.finished(name)
+        self.records.finished(name, output, tracer.params)

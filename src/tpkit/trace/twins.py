@@ -23,8 +23,12 @@ import re
 from typing import Any
 
 from tpkit.trace.fold import FoldBroken, Relative, Twins
+from tpkit.trace.shadow import tensors_in
 
 __all__ = ["TwinRecords"]
+
+#: the name a layer's stream input's bare parameters go by while it runs (`carry_in`)
+CARRIED = re.compile(r"\.<carried(\d+)>$")
 
 
 class TwinRecords:
@@ -44,14 +48,55 @@ class TwinRecords:
         self.before: dict[str, list[dict[str, int]]] = {}  # layer -> each table's ids at its start
         self.spans: dict[str, list[list[str]]] = {}  # layer -> each table's keys its run set
         self.stood: list[tuple[str, str]] = []  # (twin, the layer whose call it stood on)
+        self.carried: dict[str, frozenset[str]] = {}  # token -> the parameters it stands for
+        self.outs: dict[str, list[tuple[int, frozenset[str] | None]]] = {}  # layer -> outputs
+        self.source_of: dict[str, str] = {}  # twin standing in now -> its source
+
+    def carry_in(self, name: str, stream: list, params: dict[int, frozenset[str]]) -> None:
+        """Layer ``name`` (of a kind with twins) is given ``stream`` (its stream-like inputs):
+        the bare parameters each carries (the trace's ``params``) go by a name of the layer's
+        own (``<name>.<carriedI>``, the I-th stream input) from now on (see the module
+        docstring); `resolve` puts them back."""
+        if name not in self.members:
+            return
+        done: set[int] = set()
+        for i, t in enumerate(stream):
+            if id(t) in done or not params.get(id(t)):
+                continue
+            done.add(id(t))
+            token = f"{name}.<carried{i}>"
+            self.carried[token] = params[id(t)]
+            params[id(t)] = frozenset({token})
 
     def started(self, name: str) -> None:
         """The trace's pre-hook of module ``name`` has recorded its own entries."""
         if name in self.members:
             self.before[name] = [{k: id(v) for k, v in t.items()} for t in self.tables]
 
-    def finished(self, name: str) -> None:
-        """The trace's post-hook of module ``name``."""
+    def finished(
+        self, name: str, output: Any = None, params: dict[int, frozenset[str]] | None = None
+    ) -> None:
+        """The trace's post-hook of module ``name``, which returned ``output``; ``params``: the
+        trace's bare parameters per tensor. A twin that stood in hands on what its source's
+        outputs carried (renamed), not what the stand-in's copy of its input carries."""
+        if params is not None and name in self.members:
+            outs = tensors_in(output)
+            source = self.source_of.pop(name, None)
+            if source is None:
+                self.outs[name] = [(id(t), params.get(id(t))) for t in outs]
+            else:
+                theirs = self.outs.get(source)
+                if theirs is None or len(theirs) != len(outs):
+                    raise FoldBroken(f"{name} returns other tensors than {source}")
+                rename = self.relative.rename(source, name)
+                for t, (i, carried) in zip(outs, theirs, strict=True):
+                    if id(t) == i:
+                        continue  # the very tensor the source made: as it is
+                    if carried:
+                        params[id(t)] = frozenset(map(rename, carried))
+                    else:
+                        params.pop(id(t), None)
+                self.outs[name] = [(id(t), params.get(id(t))) for t in outs]
         if name in self.before:
             before = self.before.pop(name)
             self.spans[name] = [
@@ -81,6 +126,7 @@ class TwinRecords:
             if rename(k) not in nodes:  # a functional layer, a node from its first call on
                 nodes[rename(k)] = copy.copy(nodes[k])  # filled in by `finish`
         self.stood.append((twin, source))
+        self.source_of[twin] = source
 
     def finish(self) -> None:
         """After the run (liveness marked): each twin's nodes as those of the layer it stood
@@ -109,6 +155,43 @@ class TwinRecords:
             for source, twins in twins_of.items():
                 renames = [self.relative.rename(source, t) for t in twins]
                 _add_twins(node, source, renames)
+
+    def resolve(self, params_of: list[set[str]], input_params: dict[str, dict]) -> None:
+        """After `finish`: every token (`carry_in`) in ``params_of`` (the nodes'
+        ``partial_params``, changed in place) and ``input_params`` replaced by the parameters
+        it stands for (their own tokens resolved first: tokens are made in the run's order).
+        A token of no layer's input (a record renamed onto a layer that carried nothing in)
+        breaks the fold: the trace runs again unfolded."""
+        if not self.carried and not any(_tokens(s) for s in params_of):
+            return
+        done: dict[str, frozenset[str]] = {}
+        for token, names in self.carried.items():
+            done[token] = _expanded(names, done)
+        for s in params_of:
+            if _tokens(s):
+                new = _expanded(s, done)
+                s.clear()
+                s.update(new)
+        for entry in input_params.values():
+            for key, names in entry.items():
+                if _tokens(names):
+                    entry[key] = _expanded(names, done)
+
+
+def _tokens(names) -> bool:
+    return any(CARRIED.search(n) for n in names)
+
+
+def _expanded(names, done: dict[str, frozenset[str]]) -> frozenset[str]:
+    out: set[str] = set()
+    for n in names:
+        if CARRIED.search(n):
+            if n not in done:
+                raise FoldBroken(f"{n} stands for no layer's stream input")
+            out |= done[n]
+        else:
+            out.add(n)
+    return frozenset(out)
 
 
 def _under(name: str, layer: str) -> bool:

@@ -340,3 +340,81 @@ def test_layers_whose_stream_carries_bare_parameters_fold(meets: bool):
     assert plan_key(plan) == plan_key(plan_unfolded) and plan.notes == plan_unfolded.notes
     if not meets:
         assert plan["layers.*.up"] == "colwise" and plan["layers.*.down"] == "rowwise"
+
+
+class _Noting(_Block):
+    """Keeps its input's dtype in an attribute (Switch Transformers' router does)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.input_dtype = x.dtype
+        return super().forward(x)
+
+
+def test_a_layer_that_keeps_a_plain_value_folds_and_its_twins_keep_it_too():
+    """A forward that writes a plain value into its own attribute folds: each twin gets the
+    same write (as its own forward would have made it), and the plan is the unfolded one. A
+    tensor written there still breaks the fold."""
+    model = _Stack()
+    model.layers = nn.ModuleList(_Noting(8, i) for i in range(6))
+    example = (torch.randn(2, 3, 8),)
+    analysis = Analysis(model, example)
+    calls = _layer_calls(model)
+    analysis.trace()
+    assert calls == [0] and analysis.tally == {"run": 1, "stood": 5} and not analysis.broke
+    assert all(layer.input_dtype == torch.float32 for layer in model.layers)
+    folded, plan, unfolded = _plans(model, example)
+    assert plan_key(plan) == plan_key(unfolded) and plan.notes == unfolded.notes
+
+    class Caching(_Block):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.last = x
+            return super().forward(x)
+
+    model = _Stack()
+    model.layers = nn.ModuleList(Caching(8, i) for i in range(6))
+    analysis = Analysis(model, example)
+    analysis.trace()
+    assert "changes its own attributes" in analysis.broke and "trace" in analysis.unfolded
+
+
+class _Biased(_Block):
+    """Adds a table it is handed (T5's position bias) or, the first layer, makes it."""
+
+    def __init__(self, width: int, layer_idx: int):
+        super().__init__(width, layer_idx)
+        self.table = nn.Embedding(4, width) if layer_idx == 0 else None
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None):
+        if self.table is not None:
+            bias = self.table(torch.zeros(x.shape[:-1], dtype=torch.long, device=x.device))
+        return super().forward(x + bias), bias
+
+
+class _BiasStack(_Stack):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_Biased(8, i) for i in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None
+        for layer in self.layers:
+            x, bias = layer(x, bias)
+        return self.head(x)
+
+
+def test_layers_handed_a_table_of_a_layer_with_no_twins_fold():
+    """The first layer (alike to none) makes a table every later layer is handed: the later
+    layers read it by its own name, not relative to each (the same table for all), so they
+    fold onto the second one; the trace's records and the plan are the unfolded ones."""
+    model = _BiasStack()
+    example = (torch.randn(2, 3, 8),)
+    analysis = Analysis(model, example)
+    calls = _layer_calls(model)
+    folded = analysis.trace()
+    assert calls == [0, 1] and analysis.tally == {"run": 1, "stood": 4} and not analysis.broke
+    plain = Analysis(model, example)
+    plain.fold = False
+    unfolded = plain.trace()
+    assert folded.nodes == unfolded.nodes and folded.module_inputs == unfolded.module_inputs
+    _, plan, plan_unfolded = _plans(model, example)
+    assert plan_key(plan) == plan_key(plan_unfolded) and plan.notes == plan_unfolded.notes

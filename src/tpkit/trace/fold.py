@@ -26,7 +26,10 @@ checked, not assumed:
   shapes and dtypes, the same objects for every input but the stream, equal plain values);
 - no effect besides the output: the representative must not change its inputs in place (their
   version counters), its modules' attributes, or the containers it was handed (a dict of
-  shared key/value states), and must return one tensor shaped as its input;
+  shared key/value states), and must return one tensor shaped as its input; the one effect
+  repeated is a plain value (a dtype, a number) written into an attribute (Switch
+  Transformers' router keeps ``self.input_dtype``): a twin whose attributes were as the
+  layer's before its call gets the same writes;
 - alike under the plan tried: the dry run folds only twins the plan lays out alike
   (`plan_twins`).
 
@@ -90,7 +93,8 @@ class Twins:
     rep: Mapping[str, str] = field(default_factory=dict)
     watched: Mapping[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
     tally: dict[str, int] = field(default_factory=dict, compare=False)
-    #: every block's name (``<list>.<index>``): what names are read relative to (`Relative`)
+    #: the name (``<list>.<index>``) of every block of a kind with twins: what names are read
+    #: relative to (`Relative`); a name in any other block is read as it is
     layers: frozenset[str] = frozenset()
     #: index names that tell layers apart (`find_twins`'s ``distinguishing``): an argument so
     #: named is compared by its value, not watched
@@ -126,7 +130,10 @@ def find_twins(
         rep[name] = rep_name
         differ = {k for k, v in indices.items() if rep_indices.get(k) != v}
         watched.setdefault(rep_name, set()).update(differ)
-    names = frozenset(n for n, _ in layers)
+    # names inside a layer of no kind with twins are read as they are, not relative to the
+    # reader (T5's position bias, made in its first layer and handed to every later one)
+    members = set(rep) | set(rep.values())
+    names = frozenset(n for n, _ in layers if n in members)
     watch = {r: tuple(sorted(w)) for r, w in watched.items()}
     fixed = _tied(layers)
     return Twins(rep, watch, layers=names, distinguishing=distinguishing, fixed=fixed)
@@ -252,6 +259,10 @@ class _Call:
     signature: tuple
     inputs: list[torch.Tensor]
     output: Any
+    #: the plain values its forward wrote into its modules' attributes, (submodule, name,
+    #: value before or `_MISSING`, value after): a twin stands on the call only where its
+    #: own attributes are as the layer's were, and takes the same writes (`_written`)
+    writes: tuple = ()
 
 
 class _Watched:
@@ -401,6 +412,64 @@ def _shallow(v: Any) -> Any:
     return tuple((k, id(x)) for k, x in vars(v).items())
 
 
+#: an attribute a module did not have (`_Call.writes`)
+_MISSING = object()
+
+
+def _plain(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device))
+
+
+def _written(module: nn.Module, before: list[tuple], values: dict) -> tuple | None:
+    """What a forward wrote into ``module``'s attributes since ``before`` (`_attributes`;
+    ``values``: each (submodule, name)'s value then) as `_Call.writes`: only plain values
+    added or replaced (Switch Transformers' router keeps ``self.input_dtype``), else None
+    (an attribute dropped, a tensor, module or container written: what folding cannot
+    repeat for a twin)."""
+    after = _attributes(module)
+    if after == before:
+        return ()
+    if [r for r, _ in after] != [r for r, _ in before]:
+        return None
+    subs, out = dict(module.named_modules()), []
+    for (rel, now), (_, was) in zip(after, before, strict=True):
+        if now == was:
+            continue
+        now_ids, was_ids = dict(now), dict(was)
+        if was_ids.keys() - now_ids.keys():
+            return None
+        for k, i in now_ids.items():
+            if was_ids.get(k) != i:
+                v = vars(subs[rel])[k]
+                if not _plain(v):
+                    return None
+                out.append((rel, k, values.get((rel, k), _MISSING), v))
+    return tuple(out)
+
+
+def _values(module: nn.Module) -> dict:
+    """Every submodule's plain attribute values (what `_written` reports as "before")."""
+    return {
+        (rel, k): v
+        for rel, sub in module.named_modules()
+        for k, v in vars(sub).items()
+        if _plain(v)
+    }
+
+
+def _as_before(module: nn.Module, writes: tuple) -> bool:
+    """Whether ``module``'s attributes that a call's forward wrote are as they were before
+    it (a twin's own state is the layer's: the same writes follow)."""
+    for rel, k, was, _ in writes:
+        sub = module.get_submodule(rel) if rel else module
+        now = vars(sub).get(k, _MISSING)
+        if now is not was and not (
+            _plain(now) and _plain(was) and type(now) is type(was) and now == was
+        ):
+            return False
+    return True
+
+
 def _attributes(module: nn.Module) -> list[tuple]:
     """Every submodule's attributes, shallow: what a forward that writes one changes."""
     return [
@@ -457,21 +526,27 @@ class _Fold:
             args, kwargs = self._watch_indices(name, forward, args, kwargs)
             signature = _signature_of(args, kwargs, self.describe, name)
             kind = self.calls.setdefault(self.kind[name], [])
-            call = next((c for c in kind if c.signature == signature), None)
+            call = next(
+                (c for c in kind if c.signature == signature and _as_before(module, c.writes)),
+                None,
+            )
             if call is not None:
                 self.tally["stood"] = self.tally.get("stood", 0) + 1
+                for rel, k, _, value in call.writes:  # what its own forward would have written
+                    setattr(module.get_submodule(rel) if rel else module, k, value)
                 return self._stand_in(name, call, args, kwargs)
             inputs = _tensors((args, kwargs))
             versions = [t._version for t in inputs]
-            held, attrs = _held(args, kwargs), _attributes(module)
+            held, attrs, values = _held(args, kwargs), _attributes(module), _values(module)
             output = forward(*args, **kwargs)
             if [t._version for t in inputs] != versions or any(_shallow(v) != s for v, s in held):
                 raise FoldBroken(f"{name} changes what it is given")
-            if _attributes(module) != attrs:
+            writes = _written(module, attrs, values)
+            if writes is None:
                 raise FoldBroken(f"{name} changes its own attributes")
             if any(isinstance(v, _Watched) for v in tree_flatten(output)[0]):
                 raise FoldBroken(f"{name} returns its index")
-            kind.append(_Call(name, signature, inputs, output))
+            kind.append(_Call(name, signature, inputs, output, writes))
             self.tally["run"] = self.tally.get("run", 0) + 1
             return output
 

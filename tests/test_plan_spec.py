@@ -16,6 +16,7 @@ from tpkit.plan import (
     local_shape,
     matches,
     param_layout,
+    spec,
     validate,
 )
 
@@ -188,3 +189,28 @@ def test_style_for_is_what_matching_every_entry_in_order_says(patterns, data):
         hits = [p for p in plan if matches(p, name)]
         expected = (plan[hits[-1]], hits[-1]) if hits else None
         assert plan.style_for(name) == expected, (list(plan), name)
+
+
+def test_resolve_walks_modules_as_named_modules_does():
+    """`Plan.resolve`'s own walk: pre-order, a shared module once under its first name, a
+    None child skipped, parameters as ``named_parameters(recurse=False)`` gives them."""
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(
+        nn.Sequential(shared, nn.ReLU()), nn.ModuleDict({"a": shared, "b": nn.Linear(2, 3)})
+    )
+    model[0].register_module("gone", None)
+    model[1]["b"].register_parameter("bias", None)
+    walked = spec._named_modules(model)
+    assert [(n, id(m)) for n, m in walked] == [(n, id(m)) for n, m in model.named_modules()]
+    plan = Plan({"*.*": "colwise", "*.*.weight": "replicate", "*.*.bias": "replicate"})
+    names = [(t.name, t.kind) for t in plan.resolve(model)]
+    params = [n for n, _ in model.named_parameters() if n.count(".") == 2]
+    assert names == [
+        ("0.0", "module"),
+        ("0.0.weight", "param"),
+        ("0.0.bias", "param"),
+        ("0.1", "module"),
+        ("1.b", "module"),
+        ("1.b.weight", "param"),
+    ]
+    assert set(params) == {"0.0.weight", "0.0.bias", "1.b.weight"}

@@ -148,6 +148,24 @@ class _Bucket:
         return self.positions[j], self.patterns[j]
 
 
+def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` (pre-order, each module once, under its first name) without
+    its generator per level: a resolve walks every module of the model, dozens of times while
+    a plan is derived, and the nested generators were most of it for 8,000 modules."""
+    out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        name, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        out.append((name, module))
+        children = [(f"{name}.{k}" if name else k, c) for k, c in module._modules.items()]
+        stack.extend(c for c in reversed(children) if c[1] is not None)
+    return out
+
+
 @dataclass(frozen=True)
 class Target:
     """One resolved plan target: a module or a single parameter of a module."""
@@ -287,11 +305,13 @@ class Plan(Mapping[str, str]):
     def resolve(self, model: nn.Module) -> list[Target]:
         """Every module and parameter of ``model`` that some entry names, in model order."""
         targets: list[Target] = []
-        for mod_name, module in model.named_modules():
+        for mod_name, module in _named_modules(model):
             hit = self.style_for(mod_name) if mod_name else None
             if hit:
                 targets.append(Target(mod_name, hit[0], hit[1], self._sources[hit[1]], "module"))
-            for p_name, _ in module.named_parameters(recurse=False):
+            for p_name, param in module._parameters.items():  # named_parameters(recurse=False)
+                if param is None:
+                    continue
                 full = f"{mod_name}.{p_name}" if mod_name else p_name
                 hit = self.style_for(full)
                 if hit:

@@ -16,8 +16,11 @@ checked, not assumed:
 - alike by construction: every attribute equal but integers named as a layer's index
   (``layer_idx``, ``layer_id``, ...), which differ by design; the representative's are
   watched during the run (`_Watched`) and any use of one (a comparison, ``config.layer_types
-  [self.layer_idx]``, arithmetic) breaks the fold: that index becomes part of what tells
-  layers apart (`FoldBroken.index`) and the forward runs again; an integer handed to a layer
+  [self.layer_idx]``; integer arithmetic gives a watched value in turn) breaks the fold: that
+  index becomes part of what tells layers of that kind apart (`FoldBroken.index`, named
+  ``<kind>:<place>``; other kinds keep folding) and the forward runs again; an integer equal
+  to such an index (Kolibri-1.1's ``kv_source_layer``, a layer's own where it reads no
+  other's) is an index under another name there (`_aliases`); an integer handed to a layer
   under such a name (Zamba's loop calls ``layer(hidden, original, layer_idx, ...)``) is the
   same: left out of what is compared, handed to the representative watched, and where read
   compared from then on for that kind of layer only (``<representative>(<name>)``: Zamba2's

@@ -25,6 +25,7 @@ Writes ``planning.json`` (every row) and ``planning.md`` (the ten slowest, then 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -231,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         # the whole process's peak: this child is nothing but the one plan (KiB on Linux)
         out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         print(json.dumps(out), flush=True)
+        gc.freeze()  # as `tpkit plan` ends (tpkit.trace.gc_quiet.freeze_before_exit)
         return 0
     run(args)
     return 0

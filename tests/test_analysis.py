@@ -203,7 +203,7 @@ def test_a_layer_that_reads_its_index_is_its_own_kind():
     analysis = Analysis(model, example)
     calls = _layer_calls(model)
     analysis.trace()
-    assert "layer_idx" in analysis.distinguishing
+    assert analysis.distinguishing == {"layers.0:layer_idx"}  # the kind that read it
     assert calls[-6:] == [0, 1, 2, 3, 4, 5]  # the second (unfolded) trace ran every layer
     assert not analysis.twins()
     _, plan, unfolded = _plans(model, example)
@@ -418,3 +418,112 @@ def test_layers_handed_a_table_of_a_layer_with_no_twins_fold():
     assert folded.nodes == unfolded.nodes and folded.module_inputs == unfolded.module_inputs
     _, plan, plan_unfolded = _plans(model, example)
     assert plan_key(plan) == plan_key(plan_unfolded) and plan.notes == plan_unfolded.notes
+
+
+class _Sharing(_Block):
+    """Kolibri-1.1's layers: ``kv_source_layer`` is the layer's own index (an index under
+    another name) except where it reads another layer's states; storing layers write theirs
+    under their own index (they read ``layer_idx``); every layer computes a cache slot from
+    its index and uses it only with a cache (Inkling-2's ``layer_idx + cache_offset``)."""
+
+    def __init__(self, width: int, layer_idx: int, source: int, stores: bool):
+        super().__init__(width, layer_idx)
+        self.kv_source_layer, self.stores = source, stores
+        self.reads = source != layer_idx
+
+    def forward(self, x: torch.Tensor, shared: dict, cache: dict | None = None) -> torch.Tensor:
+        slot = self.layer_idx + 1
+        h = torch.relu(self.up(x))
+        if cache is not None:
+            cache[slot] = h
+        if self.reads:
+            h = h * shared[str(self.kv_source_layer)]
+        if self.stores:
+            shared[str(self.layer_idx)] = h
+        return x + self.down(h)
+
+
+class _SharingStack(_Stack):
+    #: (kv_source_layer, stores) per layer: 0, 1 plain; 2, 4 store; 3, 5 read layer 2's
+    LAYOUT = ((0, False), (1, False), (2, True), (2, False), (4, True), (2, False))
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            _Sharing(8, i, source, stores) for i, (source, stores) in enumerate(self.LAYOUT)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared: dict = {}
+        for layer in self.layers:
+            x = layer(x, shared)
+        return self.head(x)
+
+
+def test_an_index_under_another_name_and_a_kind_that_reads_its_index():
+    """``kv_source_layer`` equal to the layer's own index is an index (watched, not compared):
+    layers 0 and 1 fold, as do the two storing layers until the first reads its ``layer_idx``;
+    from then on that kind only tells its layers apart, and the others keep folding (an index
+    read by one kind does not unfold every layer). The slot computed from the index, never
+    used without a cache, breaks nothing. The plan is the unfolded one."""
+    from tpkit.trace.fold import find_twins
+
+    model = _SharingStack()
+    layers = list(model.layers.named_children())
+    assert find_twins(layers).rep == {"1": "0", "4": "2", "5": "3"}
+    assert find_twins(layers, frozenset({"2:layer_idx"})).rep == {"1": "0", "5": "3"}
+    example = (torch.randn(2, 3, 8),)
+    analysis = Analysis(model, example)
+    analysis.trace()
+    assert analysis.distinguishing == {"layers.2:layer_idx"}
+    assert analysis.twins().rep == {"layers.1": "layers.0", "layers.5": "layers.3"}
+    folded, plan, unfolded = _plans(model, example)
+    assert plan_key(plan) == plan_key(unfolded) and plan.notes == unfolded.notes
+    assert folded.tally["stood"] > 0
+
+
+def test_a_count_equal_to_one_layers_index_is_no_index():
+    """An integer equal to the layer's index in one layer only (8 heads in layer 8) is an
+    ordinary attribute, compared as before: it does not set that layer apart."""
+    from tpkit.trace.fold import find_twins
+
+    model = _Stack()
+    for layer in model.layers:
+        layer.heads = 3
+    assert len(find_twins(list(model.layers.named_children())).rep) == 5
+
+
+class _Slotted(_Block):
+    """Computes a slot from its index: used only with a cache, or (``odd``) to scale."""
+
+    def __init__(self, width: int, layer_idx: int, odd: bool):
+        super().__init__(width, layer_idx)
+        self.odd = odd
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        slot = 2 * (self.layer_idx + 1) - 1
+        h = torch.relu(self.up(x))
+        if cache is not None:
+            cache[slot] = h
+        if self.odd and slot % 4 == 3:  # odd layers scale: not alike
+            h = h * 2
+        return x + self.down(h)
+
+
+@pytest.mark.parametrize("odd", [False, True])
+def test_arithmetic_on_an_index_is_watched_in_turn(odd: bool):
+    """``2 * (layer_idx + 1) - 1`` is watched as the index is: unused, the layers fold; used
+    (compared), it breaks the fold as the index would, and every layer runs as itself."""
+    model = _Stack()
+    model.layers = nn.ModuleList(_Slotted(8, i, odd) for i in range(6))
+    example = (torch.randn(2, 3, 8),)
+    analysis = Analysis(model, example)
+    calls = _layer_calls(model)
+    analysis.trace()
+    if odd:
+        assert analysis.distinguishing == {"layers.0:layer_idx"}
+        assert calls[-6:] == [0, 1, 2, 3, 4, 5] and not analysis.twins()
+    else:
+        assert calls == [0] and not analysis.broke
+    _, plan, unfolded = _plans(model, example)
+    assert plan_key(plan) == plan_key(unfolded) and plan.notes == unfolded.notes

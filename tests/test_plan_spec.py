@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from tests.models import build
@@ -14,6 +16,7 @@ from tpkit.plan import (
     local_shape,
     matches,
     param_layout,
+    spec,
     validate,
 )
 
@@ -164,3 +167,50 @@ def test_style_for_is_the_last_matching_entry_through_its_index():
         "model.layers.*.mlp.up_proj",
     )
     assert plan.style_for("model.layers.0.mlp.up_proj")[0] == "rowwise"  # the original unchanged
+
+
+_PARTS = ("layers", "0", "1", "up", "*")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    patterns=st.lists(st.lists(st.sampled_from(_PARTS), min_size=1, max_size=3), max_size=12),
+    data=st.data(),
+)
+def test_style_for_is_what_matching_every_entry_in_order_says(patterns, data):
+    """The bit-set buckets answer as the plain definition: the last entry whose pattern
+    `matches` the name (``*`` one component, anything else exactly). Names are drawn from the
+    patterns themselves (each ``*`` filled), so most match several entries."""
+    plan = Plan({".".join(p): "colwise" if i % 2 else "rowwise" for i, p in enumerate(patterns)})
+    fill = st.sampled_from(_PARTS[:-1])
+    names = [[data.draw(fill) if c == "*" else c for c in p] for p in patterns]
+    names += data.draw(st.lists(st.lists(fill, min_size=1, max_size=3), max_size=4))
+    for name in map(".".join, names):
+        hits = [p for p in plan if matches(p, name)]
+        expected = (plan[hits[-1]], hits[-1]) if hits else None
+        assert plan.style_for(name) == expected, (list(plan), name)
+
+
+def test_resolve_walks_modules_as_named_modules_does():
+    """`Plan.resolve`'s own walk: pre-order, a shared module once under its first name, a
+    None child skipped, parameters as ``named_parameters(recurse=False)`` gives them."""
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(
+        nn.Sequential(shared, nn.ReLU()), nn.ModuleDict({"a": shared, "b": nn.Linear(2, 3)})
+    )
+    model[0].register_module("gone", None)
+    model[1]["b"].register_parameter("bias", None)
+    walked = spec._named_modules(model)
+    assert [(n, id(m)) for n, m in walked] == [(n, id(m)) for n, m in model.named_modules()]
+    plan = Plan({"*.*": "colwise", "*.*.weight": "replicate", "*.*.bias": "replicate"})
+    names = [(t.name, t.kind) for t in plan.resolve(model)]
+    params = [n for n, _ in model.named_parameters() if n.count(".") == 2]
+    assert names == [
+        ("0.0", "module"),
+        ("0.0.weight", "param"),
+        ("0.0.bias", "param"),
+        ("0.1", "module"),
+        ("1.b", "module"),
+        ("1.b.weight", "param"),
+    ]
+    assert set(params) == {"0.0.weight", "0.0.bias", "1.b.weight"}

@@ -12,6 +12,7 @@ import torch
 
 from tpkit import config
 from tpkit.parallel.mesh import dist_env
+from tpkit.trace.gc_quiet import freeze_before_exit
 
 __all__ = ["collapse_layers", "main"]
 
@@ -396,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
             raise  # called from Python (or debugging): the exception itself
         first = str(exc).strip() or type(exc).__name__
         parser.exit(1, f"tpkit: error: {first}\n(TPKIT_DEBUG=1 shows the traceback)\n")
+    finally:
+        if argv is None:  # the shell's command ends here: no final walk of the heap (~1 s)
+            freeze_before_exit()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import Placement
 from tpkit.compat import StridedShard
 from tpkit.parallel.mesh import dist_env
 from tpkit.plan import Plan, derive_plan, param_layout, param_layouts
-from tpkit.plan.layout import chunk_offset, chunk_sizes
+from tpkit.plan.layout import chunk_ranges
 from tpkit.styles import placement_for
 
 __all__ = [
@@ -39,15 +39,12 @@ __all__ = [
 
 # ---- where a rank's slice lives --------------------------------------------------------------
 def local_ranges(placement: Placement, size: int, tp: int, rank: int) -> list[tuple[int, int]]:
-    """Half-open ranges along the placement's dim that make up ``rank``'s shard (concatenated)."""
+    """Half-open ranges along the placement's dim that make up ``rank``'s shard (concatenated):
+    `chunk_ranges` of a ``Shard`` / ``_StridedShard`` placement, the whole dim otherwise."""
     if isinstance(placement, StridedShard):
-        sf = placement.split_factor
-        part = size // sf
-        off, n = chunk_offset(part, tp, rank), chunk_sizes(part, tp)[rank]
-        return [(k * part + off, k * part + off + n) for k in range(sf)]
+        return chunk_ranges(size, tp, rank, placement.split_factor)
     if isinstance(placement, Shard):
-        off = chunk_offset(size, tp, rank)
-        return [(off, off + chunk_sizes(size, tp)[rank])]
+        return chunk_ranges(size, tp, rank)
     return [(0, size)]
 
 

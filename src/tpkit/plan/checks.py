@@ -24,6 +24,7 @@ from tpkit.settle.dryrun import dry_run
 from tpkit.settle.kvheads import head_counts
 from tpkit.settle.settle import constraints, head_constraints
 from tpkit.trace.analysis import Analysis
+from tpkit.trace.gc_quiet import with_frozen_heap
 from tpkit.trace.inputs import output_embeddings
 from tpkit.trace.trace import repeated_blocks
 
@@ -44,6 +45,7 @@ def _use(values: Iterable[int]) -> str:
     return "use tp_size " + ", ".join(map(str, options[:-1])) + f" or {options[-1]}"
 
 
+@with_frozen_heap  # as derive_plan: its dry runs skip the imported world
 def validate(model: nn.Module, plan: Plan, tp_size: int, **options: Any) -> None:
     """Raise one ValueError listing every problem with applying ``plan`` at ``tp_size`` and the
     training ``options`` (`problems`' keyword arguments), or return None. Derive the plan for

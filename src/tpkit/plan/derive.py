@@ -38,6 +38,7 @@ from tpkit.sources.hf import hf_plan
 from tpkit.sources.infer import infer
 from tpkit.sources.untraced import complete_towers, complete_untraced_layers
 from tpkit.trace.analysis import Analysis
+from tpkit.trace.gc_quiet import with_frozen_heap
 from tpkit.trace.inputs import input_embeddings, output_embeddings
 from tpkit.trace.trace import Node
 
@@ -74,6 +75,7 @@ def check_plan_arg(plan: PlanLike) -> None:
     )
 
 
+@with_frozen_heap  # planning's full collections skip the imported world (trace/gc_quiet.py)
 def derive_plan(
     model: nn.Module,
     plan: PlanLike = "auto",

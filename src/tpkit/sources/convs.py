@@ -75,7 +75,9 @@ from torch.overrides import TorchFunctionMode
 
 from tpkit.compat import FakeTensorMode
 from tpkit.plan.layout import chunk_sizes
+from tpkit.trace.analysis import Analysis
 from tpkit.trace.fake import fake_inputs, meta_state, quiet_fake_tensors
+from tpkit.trace.fold import FoldBroken, Twins, folded, known_values
 from tpkit.trace.inputs import InputRecipe
 from tpkit.trace.reductions import reduced_dims
 from tpkit.trace.shadow import GivenValues, ShadowValues, needs_values, tensors_in
@@ -278,26 +280,35 @@ def conv_pairs(
     splittable: Callable[[str, nn.Module], bool],
     example: tuple | Mapping | None = None,
     recipe: InputRecipe | None = None,
+    analysis: Analysis | None = None,
 ) -> ConvPairs:
     """The convolution pairs of ``model`` at ``tp`` (see the module docstring), found on one
     fake-tensor forward per fixpoint round (``example``: the trace inputs, else made up from
     the model as ``recipe`` says). ``splittable(name, module)`` says whether a module may be
     split at all (the fallback's checks: not shared, not parametrized, not an overridden
     forward), asked inside those forwards. A model whose forward cannot run on fake tensors
-    pairs nothing (nor does one without a convolution)."""
+    pairs nothing (nor does one without a convolution). With ``analysis`` (of ``model``), each
+    forward folds the twin layers that hold no convolution or norm (`_conv_free`)."""
     if not any(isinstance(m, CONVS + TRANSPOSED_CONVS) for m in model.modules()):
         return ConvPairs()
     excluded: set[str] = set()
     broken: dict[str, str] = {}
+
+    def forward(values: bool) -> _ConvTrace:
+        def run(twins: Twins) -> _ConvTrace:
+            trace = _ConvTrace(model, tp, splittable, excluded)
+            return trace.run(example, values=values, recipe=recipe, twins=twins)
+
+        return run(Twins()) if analysis is None else analysis.folding(run, purpose="conv pairs")
+
     for _ in range(_ROUNDS):
         try:
-            found = _ConvTrace(model, tp, splittable, excluded).run(example, recipe=recipe)
+            found = forward(False)
         except Exception as exc:  # noqa: BLE001 - model code may do anything: no pairs
             if not needs_values(exc):
                 return ConvPairs(broken=broken)
             try:  # data-dependent code (a layerdrop draw, a mask's length): made-up values
-                trace = _ConvTrace(model, tp, splittable, excluded)
-                found = trace.run(example, values=True, recipe=recipe)
+                found = forward(True)
             except Exception:  # noqa: BLE001 - as above
                 return ConvPairs(broken=broken)
         newly = {s: why for s, why in found.broken.items() if s not in excluded}
@@ -308,6 +319,24 @@ def conv_pairs(
         broken.update(newly)
         excluded |= newly.keys()
     return ConvPairs(broken=broken)
+
+
+def _conv_free(model: nn.Module, twins: Twins) -> Twins:
+    """``twins`` less every kind of layer that holds a convolution or a norm: the conv trace
+    reads those at their boundaries (`_ConvTrace._pre`), so each must run as itself. What is
+    left is exact to fold here: a layer with none of them changes nothing the trace keeps
+    unless it is handed, or computes with, a tensor carrying split channels, and that breaks
+    the fold (`_ConvTrace._enter`, `_ConvTrace.__torch_function__`)."""
+    if not twins:
+        return twins
+    modules = dict(model.named_modules())
+    held = CONVS + TRANSPOSED_CONVS + NORMS
+    kinds = {
+        r for r in set(twins.rep.values()) if any(isinstance(m, held) for m in modules[r].modules())
+    }
+    rep = {t: r for t, r in twins.rep.items() if r not in kinds}
+    watched = {r: w for r, w in twins.watched.items() if r in set(rep.values())}
+    return Twins(rep, watched, twins.tally, twins.layers, twins.distinguishing, twins.fixed)
 
 
 def _result(found: _ConvTrace, broken: dict[str, str], tp: int) -> ConvPairs:
@@ -416,6 +445,7 @@ class _ConvTrace(TorchFunctionMode):
         self.broken: dict[str, str] = {}
         self.gathered: set[str] = set()  # grouped / transformed convs read whole: gathered
         self.modules = dict(model.named_modules())
+        self.folded = 0  # folded layers running (`run`'s ``twins``): split channels break it
 
     # -- the forward ---------------------------------------------------------------------------
     def run(
@@ -423,20 +453,36 @@ class _ConvTrace(TorchFunctionMode):
         example: tuple | Mapping | None,
         values: bool = False,
         recipe: InputRecipe | None = None,
+        twins: Twins | None = None,
     ) -> _ConvTrace:
-        """One fake forward; ``values``: with `ShadowValues` (code that reads a value)."""
+        """One fake forward; ``values``: with `ShadowValues` (code that reads a value);
+        ``twins``: the layers folded (`tpkit.trace.fold`), those `_conv_free` leaves."""
         model, hooks = self.model, []
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        given = GivenValues()
+        with quiet_fake_tensors():  # before the hooks: an audio-LLM's inputs run its tower
+            args, kwargs = fake_inputs(model, example, fake, False, recipe, given)
+        twins = _conv_free(model, Twins() if twins is None else twins)
         for mod in model.modules():
             if isinstance(mod, CONVS + TRANSPOSED_CONVS + NORMS) or mod is model:
                 hooks.append(mod.register_forward_pre_hook(self._pre, with_kwargs=True))
                 hooks.append(mod.register_forward_hook(self._post, with_kwargs=True))
+        modules = self.modules
+        for name in {*twins.rep, *twins.rep.values()}:
+            hooks.append(modules[name].register_forward_pre_hook(self._enter, with_kwargs=True))
+            hooks.append(modules[name].register_forward_hook(self._leave, always_call=True))
         try:
             with quiet_fake_tensors():
-                fake = FakeTensorMode(allow_non_fake_inputs=True)
-                given = GivenValues()
-                args, kwargs = fake_inputs(model, example, fake, False, recipe, given)
-                shadow = ShadowValues(fake, given) if values else contextlib.nullcontext()
-                with meta_state(model, fake), torch.no_grad(), fake, shadow, self:
+                shadow = ShadowValues(fake, given) if values else None
+                describe = known_values(shadow) if shadow is not None else None
+                with (
+                    folded(model, twins, describe=describe),
+                    meta_state(model, fake),
+                    torch.no_grad(),
+                    fake,
+                    shadow if shadow is not None else contextlib.nullcontext(),
+                    self,
+                ):
                     model(*args, **kwargs)
         finally:
             for h in hooks:
@@ -459,6 +505,15 @@ class _ConvTrace(TorchFunctionMode):
     def _set(self, t: torch.Tensor, col: str, dim: int, stage: int) -> None:
         self.keep.append(t)
         self.tag[id(t)] = (col, dim, stage)
+
+    # -- folded layers: exact only while no split channels reach them ------------------------
+    def _enter(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        if any(id(t) in self.tag for t in _tensors((args, kwargs))):
+            raise FoldBroken(f"{self.names[id(mod)]} is handed a convolution's split channels")
+        self.folded += 1
+
+    def _leave(self, mod: nn.Module, args: tuple, output: Any) -> None:
+        self.folded -= 1
 
     # -- module boundaries: convolutions and norms -------------------------------------------
     def _pre(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -546,6 +601,8 @@ class _ConvTrace(TorchFunctionMode):
         tagged = [t for t in ins if id(t) in self.tag]
         if not tagged:
             return out
+        if self.folded:
+            raise FoldBroken("a folded layer computes with a convolution's split channels")
         outs = _tensors(out)
         if not outs:
             return out  # metadata (size(), dim()): no values read

@@ -95,7 +95,7 @@ def fallback_plan(
     plan = Plan()
     analysis.settle_inputs()  # the conv pairs' forwards are fed as the trace settled it
     splittable = lambda _, mod: splittable_conv(mod, shared, exact)  # noqa: E731
-    pairs = conv_pairs(model, tp, splittable, analysis.example, analysis.recipe)
+    pairs = conv_pairs(model, tp, splittable, analysis.example, analysis.recipe, analysis)
     for name, style in pairs.styles.items():
         plan.set(name, style, SOURCE)
         plan.notes[name] = f"per-layer fallback, {pairs.notes[name]}: {why}"

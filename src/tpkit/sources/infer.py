@@ -48,6 +48,7 @@ far (styles, style arguments, fix-ups, notes, groups); each pass takes it and fi
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -527,7 +528,20 @@ def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> 
 
 
 def infer(analysis: Analysis) -> Plan:
-    """`infer_plan` on an analysis: its trace and dry runs are the ones every stage shares."""
+    """`infer_plan` on an analysis: its trace and dry runs are the ones every stage shares.
+    Derived once per analysis (``analysis.inferred``: the plan, or the ValueError raised, is
+    the same each time, as every forward it reads is); each caller gets its own copy."""
+    if analysis.inferred is None:
+        try:
+            analysis.inferred = _infer(analysis)
+        except ValueError as exc:
+            analysis.inferred = exc
+    if isinstance(analysis.inferred, ValueError):
+        raise analysis.inferred
+    return copy.deepcopy(analysis.inferred)
+
+
+def _infer(analysis: Analysis) -> Plan:
     model = analysis.model
     plan = _infer_once(analysis, mixed=True)
     if has_mixed_blocks(model):
@@ -597,7 +611,7 @@ def _conv_pairs(analysis: Analysis, draft: Draft) -> None:
     shared, exact = shared_params(model), exact_row_convs(model)
     free = lambda name, mod: name not in draft.styles and splittable_conv(mod, shared, exact)  # noqa: E731
     analysis.settle_inputs()
-    pairs = conv_pairs(model, 2, free, analysis.example, analysis.recipe)
+    pairs = conv_pairs(model, 2, free, analysis.example, analysis.recipe, analysis)
     for name, style in pairs.styles.items():
         draft.styles[name] = style
         draft.why.pop(name, None)

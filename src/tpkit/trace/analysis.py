@@ -11,6 +11,7 @@ state between them (no module-level caches, weak sets or context variables):
 - the answers of the dry runs (`tpkit.settle.dryrun.dry_run`), one per question: the content
   of a plan (entries, sources, arguments, fix-ups, groups; notes never change a run) and a tp;
 - ``plan.resolve(model)`` per plan content (`resolve`), which every stage asks again;
+- the inferred plan (``inferred``), derived once however many stages ask for it;
 - which layers are alike (`twins`): every fake forward runs one layer of each kind and folds
   the others onto it (`tpkit.trace.fold`), so an analysis costs about one layer, not N; where
   a fold cannot stand for the unfolded forward the run is repeated unfolded (`folding`).
@@ -71,6 +72,9 @@ class Analysis:
     broke: str = ""
     #: the folded forwards' layer calls: how many ran ("run"), how many stood on another's
     tally: dict[str, int] = field(default_factory=dict)
+    #: the inferred plan (`tpkit.sources.infer.infer`), or the ValueError inferring raised:
+    #: "auto" asks for it twice (transformers' plan checked, then completed at a tp)
+    inferred: Any = field(default=None, repr=False)
     _twins: dict[tuple, Twins] = field(default_factory=dict, repr=False)
     _traces: dict[tuple[bool, bool], Trace | Exception] = field(default_factory=dict, repr=False)
     _resolved: dict[PlanKey, list[Target]] = field(default_factory=dict, repr=False)

@@ -16,8 +16,11 @@ checked, not assumed:
 - alike by construction: every attribute equal but integers named as a layer's index
   (``layer_idx``, ``layer_id``, ...), which differ by design; the representative's are
   watched during the run (`_Watched`) and any use of one (a comparison, ``config.layer_types
-  [self.layer_idx]``, arithmetic) breaks the fold: that index becomes part of what tells
-  layers apart (`FoldBroken.index`) and the forward runs again; an integer handed to a layer
+  [self.layer_idx]``; integer arithmetic gives a watched value in turn) breaks the fold: that
+  index becomes part of what tells layers of that kind apart (`FoldBroken.index`, named
+  ``<kind>:<place>``; other kinds keep folding) and the forward runs again; an integer equal
+  to such an index (Kolibri-1.1's ``kv_source_layer``, a layer's own where it reads no
+  other's) is an index under another name there (`_aliases`); an integer handed to a layer
   under such a name (Zamba's loop calls ``layer(hidden, original, layer_idx, ...)``) is the
   same: left out of what is compared, handed to the representative watched, and where read
   compared from then on for that kind of layer only (``<representative>(<name>)``: Zamba2's
@@ -40,6 +43,7 @@ cannot swallow it), and the caller runs the forward again unfolded. Pure: no pro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import re
@@ -102,6 +106,9 @@ class Twins:
     #: the names of parameters tied across blocks, the same object at each place it is held in
     #: any block (Zamba's shared transformer): read by every layer under one name (`Relative`)
     fixed: frozenset[str] = frozenset()
+    #: each watching representative -> the kind it was split from, which names the index
+    #: attributes its layers read in ``distinguishing`` (`find_twins`)
+    base: Mapping[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.rep)
@@ -111,20 +118,28 @@ def find_twins(
     layers: list[tuple[str, nn.Module]], distinguishing: frozenset[str] = frozenset()
 ) -> Twins:
     """The twins among ``layers`` (name, module: the model's blocks, in order): each layer
-    alike to an earlier one (see the module docstring). Index attributes (`INDEX_ATTRS`) are
-    left out of the comparison unless named in ``distinguishing``; the representative watches
-    those its twins differ in."""
+    alike to an earlier one (see the module docstring). Index attributes (`INDEX_ATTRS`, and
+    their aliases: `_aliases`) are left out of the comparison unless named in
+    ``distinguishing``, by name (every layer) or as ``<kind>:<place>`` (`_token`: the layers
+    of that kind only); the representative watches those its twins differ in."""
+    aliases = _aliases(layers)
+    base: dict[tuple, str] = {}  # what layers compare, the per-kind indices aside -> first
     first: dict[tuple, tuple[str, dict]] = {}
     rep: dict[str, str] = {}
+    bases: dict[str, str] = {}
     watched: dict[str, set[tuple[str, str]]] = {}
     seen: set[int] = set()
     for name, module in layers:
         if id(module) in seen or not any(True for _ in module.parameters()):
             continue  # a layer run twice (shared) or holding nothing: not folded
         seen.add(id(module))
-        key, indices = _signature(module, distinguishing)
+        key, indices = _signature(module, distinguishing, aliases)
+        kind = base.setdefault(key, name)
+        own = sorted(k for k in indices if _token(kind, k) in distinguishing)
+        key = (key, tuple((k, indices.pop(k)) for k in own))  # read by this kind: compared
         if key not in first:
             first[key] = (name, indices)
+            bases[name] = kind
             continue
         rep_name, rep_indices = first[key]
         rep[name] = rep_name
@@ -136,7 +151,43 @@ def find_twins(
     names = frozenset(n for n, _ in layers if n in members)
     watch = {r: tuple(sorted(w)) for r, w in watched.items()}
     fixed = _tied(layers)
-    return Twins(rep, watch, layers=names, distinguishing=distinguishing, fixed=fixed)
+    base_of = {r: bases[r] for r in watch}
+    return Twins(rep, watch, layers=names, distinguishing=distinguishing, fixed=fixed, base=base_of)
+
+
+def _token(kind: str, place: tuple[str, str]) -> str:
+    """How an index attribute that a layer of ``kind`` read is named in ``distinguishing``:
+    ``<kind>:<submodule>.<attribute>``, for that kind of layer only (Kolibri-1.1's KV-storing
+    layers read their ``layer_idx``; its other layers never do, and keep folding)."""
+    rel, attr = place
+    return f"{kind}:{rel}.{attr}" if rel else f"{kind}:{attr}"
+
+
+def _aliases(layers: list[tuple[str, nn.Module]]) -> frozenset[tuple[str, str]]:
+    """(submodule, attribute) places of integers that are an index under another name: equal
+    to an index attribute of the same submodule (`INDEX_ATTRS`) in at least two layers
+    (Kolibri-1.1's ``kv_source_layer``: a layer's own index where it reads no other's
+    keys). Where so, such an integer differs per layer as the index does, and is watched as
+    one; elsewhere (another layer's number) it is compared. Two layers at least, so that a
+    count equal to one layer's index by chance (8 heads in layer 8) changes nothing."""
+    count: dict[tuple[str, str], int] = {}
+    for _, module in layers:
+        for rel, sub in module.named_modules():
+            own = _own_indices(sub)
+            if not own:
+                continue
+            for k, v in vars(sub).items():
+                if _is_int(v) and not INDEX_ATTRS.match(k) and v in own:
+                    count[(rel, k)] = count.get((rel, k), 0) + 1
+    return frozenset(place for place, n in count.items() if n >= 2)
+
+
+def _own_indices(sub: nn.Module) -> set[int]:
+    return {v for k, v in vars(sub).items() if _is_index(k, v)}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _tied(layers: list[tuple[str, nn.Module]]) -> frozenset[str]:
@@ -160,7 +211,11 @@ def _tied(layers: list[tuple[str, nn.Module]]) -> frozenset[str]:
     return frozenset(fixed)
 
 
-def _signature(module: nn.Module, distinguishing: frozenset[str]) -> tuple[tuple, dict]:
+def _signature(
+    module: nn.Module,
+    distinguishing: frozenset[str],
+    aliases: frozenset[tuple[str, str]] = frozenset(),
+) -> tuple[tuple, dict]:
     """(what must be equal for two layers to be alike, their index attributes' values)."""
     parts, indices = [], {}
     for rel, sub in module.named_modules():
@@ -171,12 +226,16 @@ def _signature(module: nn.Module, distinguishing: frozenset[str]) -> tuple[tuple
         buffers = tuple(
             (n, None if b is None else (tuple(b.shape), b.dtype)) for n, b in sub._buffers.items()
         )
+        own = _own_indices(sub) if any(rel == r for r, _ in aliases) else set()
         attrs = []
         for k, v in vars(sub).items():
             if k in _INTERNAL or k.endswith("hooks") or k.startswith("_tpkit"):
                 continue
-            if _is_index(k, v) and k not in distinguishing:
+            if k not in distinguishing and (
+                _is_index(k, v) or ((rel, k) in aliases and _is_int(v) and v in own)
+            ):
                 indices[(rel, k)] = v
+                attrs.append((k, "index"))  # an index here: the other layer's must be one too
                 continue
             attrs.append((k, _value(v)))
         parts.append((rel, type(sub), params, buffers, tuple(attrs)))
@@ -239,7 +298,7 @@ def plan_twins(twins: Twins, plan: Plan, model: nn.Module) -> Twins:
     rep = {m: r for m, r in twins.rep.items() if views[m] == views[r]}
     reps = set(rep.values())
     watched = {r: w for r, w in twins.watched.items() if r in reps}
-    return Twins(rep, watched, twins.tally, twins.layers, twins.distinguishing, twins.fixed)
+    return dataclasses.replace(twins, rep=rep, watched=watched)
 
 
 def _layer_of(name: str, layers: set[str]) -> str | None:
@@ -266,7 +325,11 @@ class _Call:
 
 
 class _Watched:
-    """A running layer's index attribute while it runs: any use of it breaks the fold."""
+    """A running layer's index attribute while it runs: any use of it breaks the fold, but
+    integer arithmetic, which gives another watched value (Inkling-2's attention computes
+    ``self.layer_idx + cache_offset`` in every call and reads it only with a cache): what is
+    derived from the index differs per layer as the index does, and breaks the fold where
+    used in turn (compared, hashed, indexed with, made a number, handed to torch)."""
 
     def __init__(self, name: str, value: int, token: str = ""):
         self._name, self._value, self._token = name, value, token or name
@@ -274,11 +337,42 @@ class _Watched:
     def _used(self, *_: Any, **__: Any) -> Any:
         raise FoldBroken(f"the layer reads its index {self._name}", self._token)
 
+    def _derive(op: Callable[..., Any]) -> Callable[..., Any]:  # type: ignore[misc]
+        def derived(self: _Watched, *others: Any) -> _Watched:
+            values = []
+            for o in others:
+                if isinstance(o, _Watched) and o._token == self._token:
+                    values.append(o._value)
+                elif type(o) is int:
+                    values.append(o)
+                else:  # a float, a tensor, another index: this is a use
+                    self._used()
+            try:
+                value = op(self._value, *values)
+            except Exception:  # noqa: BLE001 - the twins' values may not fail alike
+                self._used()
+            if type(value) is not int:
+                self._used()
+            return _Watched(self._name, value, self._token)
+
+        return derived
+
+    __add__ = __radd__ = _derive(lambda a, b: a + b)
+    __sub__ = _derive(lambda a, b: a - b)
+    __rsub__ = _derive(lambda a, b: b - a)
+    __mul__ = __rmul__ = _derive(lambda a, b: a * b)
+    __floordiv__ = _derive(lambda a, b: a // b)
+    __rfloordiv__ = _derive(lambda a, b: b // a)
+    __mod__ = _derive(lambda a, b: a % b)
+    __rmod__ = _derive(lambda a, b: b % a)
+    __neg__ = _derive(lambda a: -a)
+    __pos__ = _derive(lambda a: a)
+    del _derive
+
     __index__ = __int__ = __float__ = __bool__ = __hash__ = __str__ = __repr__ = _used
     __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __format__ = _used  # type: ignore[assignment]
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _used
-    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _used
-    __pow__ = __rpow__ = __neg__ = __pos__ = __abs__ = __and__ = __or__ = __xor__ = _used
+    __truediv__ = __rtruediv__ = _used
+    __pow__ = __rpow__ = __abs__ = __and__ = __or__ = __xor__ = _used
     __lshift__ = __rshift__ = __round__ = __trunc__ = __floor__ = __ceil__ = _used
     __divmod__ = __rdivmod__ = __invert__ = __iter__ = __len__ = __contains__ = _used
 
@@ -609,7 +703,8 @@ def folded(
             put(module, "forward", fold.forward(name, module, module.forward))
             for rel, attr in twins.watched.get(kind, ()):
                 sub = module.get_submodule(rel) if rel else module
-                put(sub, attr, _Watched(attr, sub.__dict__[attr]))
+                token = _token(twins.base.get(kind, kind), (rel, attr))
+                put(sub, attr, _Watched(attr, sub.__dict__[attr], token))
         yield
     finally:
         for obj, attr, value, had in reversed(saved):

@@ -979,6 +979,12 @@ class _TraceHooks:
         """One forward with the hooks; ``values``: with `ShadowValues` (data-dependent code)."""
         recipe = InputRecipe() if recipe is None else recipe
         model = self.model
+        # the inputs before the hooks: making an audio-LLM's runs its audio tower once
+        # (`tpkit.trace.inputs`), which the trace must not record (nor keep its tensors alive)
+        fake = None if real else FakeTensorMode(allow_non_fake_inputs=True)
+        given = GivenValues()
+        with quiet_fake_tensors():
+            args, kwargs = fake_inputs(model, example, fake, real, recipe, given)
         hooks = []
         for mod in model.modules():
             hooks.append(mod.register_forward_pre_hook(self.pre, with_kwargs=True))
@@ -986,13 +992,9 @@ class _TraceHooks:
         try:
             with quiet_fake_tensors():
                 if real:
-                    args, kwargs = fake_inputs(model, example, None, True, recipe)
                     with torch.no_grad(), self.tracer:
                         model(*args, **kwargs)
                 else:
-                    fake = FakeTensorMode(allow_non_fake_inputs=True)
-                    given = GivenValues()
-                    args, kwargs = fake_inputs(model, example, fake, False, recipe, given)
                     state, experts = meta_state(model, fake), fake_friendly_experts(model)
                     shadow = ShadowValues(fake, given) if values else None
                     twins = folded(model, self.twins, self.records.stand_in, self._describe(shadow))

@@ -18,6 +18,7 @@ from torch import nn
 
 from tpkit.compat import tree_map
 from tpkit.trace.inputs import InputRecipe, synthesize_inputs, trying
+from tpkit.trace.kept_state import kept_attributes
 from tpkit.trace.shadow import GivenValues
 
 __all__ = [
@@ -82,7 +83,8 @@ def meta_state(model: nn.Module, fake, shapes: Mapping[int, tuple] | None = None
                     meta = nn.Parameter(meta, v.requires_grad)
                 memo[id(v)] = fake.from_tensor(meta)
             store[k] = memo[id(v)]
-        yield
+        with kept_attributes(model):  # what the forward writes, undone (RWKV's rescale flag)
+            yield
     finally:
         for store, k, v in saved:
             store[k] = v
@@ -130,7 +132,8 @@ def real_state(model: nn.Module, shapes: Mapping[int, tuple]):
             if id(v) not in memo:
                 memo[id(v)] = nn.Parameter(v.new_zeros(shapes[id(v)]), v.requires_grad)
             mod._parameters[k] = memo[id(v)]
-        yield
+        with kept_attributes(model):  # as `meta_state`
+            yield
     finally:
         for mod, k, v in saved:
             mod._parameters[k] = v

@@ -35,6 +35,7 @@ from torch import nn
 
 from tpkit.compat import FakeTensorMode
 from tpkit.plan.layout import in_width, kind_of
+from tpkit.trace.kept_state import kept_attributes
 from tpkit.trace.shadow import GivenValues, ShadowValues
 
 __all__ = [
@@ -498,7 +499,8 @@ def _fake_state(model: nn.Module, fake: Any) -> Iterator[None]:
                 meta = fake.from_tensor(torch.empty(v.shape, dtype=v.dtype, device="meta"))
                 memo[id(v)] = nn.Parameter(meta, False) if isinstance(v, nn.Parameter) else meta
             store[k] = memo[id(v)]
-        yield
+        with kept_attributes(model):  # as `meta_state`: the probe leaves no state behind
+            yield
     finally:
         for store, k, v in saved:
             store[k] = v

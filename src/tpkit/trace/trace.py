@@ -266,6 +266,8 @@ class _Tracer(TorchFunctionMode):
         for t in inputs:
             owners = self.weights.get(id(t), set())
             if owners and not owners.intersection(self.active) and reads_values:
+                if _scaled_in_place(name, inputs, t):
+                    continue  # RWKV's rescale, ``weight.div_(2 ** k)``: each shard alike
                 # another module computes with this weight (Mamba's dt_proj.weight, a parent's
                 # ``proj.weight.abs().mean()``): its layout must stay whole
                 for owner in owners:
@@ -728,6 +730,20 @@ def _one_head(old: tuple, j: int, new: tuple) -> bool:
         if acc > prefix:
             return False
     return False
+
+
+#: in-place elementwise ops that, given only numbers besides the tensor, act on every element
+#: alone: on a split weight, each rank's shard does its part of the same change
+_SCALAR_IN_PLACE = frozenset(
+    ["div_", "mul_", "add_", "sub_", "fill_", "zero_", "neg_", "clamp_", "clamp_min_"]
+    + ["clamp_max_", "__itruediv__", "__imul__", "__iadd__", "__isub__"]
+)
+
+
+def _scaled_in_place(name: str, inputs: list, t: torch.Tensor) -> bool:
+    """True for ``t.div_(2)`` and its kind (`_SCALAR_IN_PLACE`, ``t`` the only tensor): a
+    weight changed that way outside its forward is not read whole, so it may stay split."""
+    return name in _SCALAR_IN_PLACE and len(inputs) == 1 and inputs[0] is t
 
 
 def _dim_after_index(index: Any, ndim: int, j: int) -> int | None:

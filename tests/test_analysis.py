@@ -361,7 +361,9 @@ def test_a_layer_that_keeps_a_plain_value_folds_and_its_twins_keep_it_too():
     calls = _layer_calls(model)
     analysis.trace()
     assert calls == [0] and analysis.tally == {"run": 1, "stood": 5} and not analysis.broke
-    assert all(layer.input_dtype == torch.float32 for layer in model.layers)
+    # the twins got the write inside the run; after it, planning leaves the model as it was
+    # (`tpkit.trace.kept_state`)
+    assert not any(hasattr(layer, "input_dtype") for layer in model.layers)
     folded, plan, unfolded = _plans(model, example)
     assert plan_key(plan) == plan_key(unfolded) and plan.notes == unfolded.notes
 

@@ -129,8 +129,8 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.up(x))
-        if self.reads_index and self.layer_idx % 2:  # odd layers scale: not alike
-            h = h * 2
+        if self.reads_index:  # odd layers scale, by a table read at the index: not alike
+            h = h * (1.0, 2.0)[self.layer_idx % 2]
         return x + self.down(h)
 
 
@@ -195,9 +195,10 @@ def test_layers_alike_but_for_a_partial_made_per_layer_fold():
 
 
 def test_a_layer_that_reads_its_index_is_its_own_kind():
-    """A layer whose forward reads ``layer_idx`` breaks the fold the first time it does: from
-    then on the index tells layers apart, every layer runs its own forward, and the plan is
-    the unfolded one."""
+    """A layer whose forward reads the value of ``layer_idx`` (indexes a table with it) breaks
+    the fold the first time it does: from then on the index tells layers apart, every layer
+    runs its own forward, and the plan is the unfolded one. (A comparison is no such read:
+    `tests.test_fold_guards`.)"""
     model = _Stack(reads_index=True)
     example = (torch.randn(2, 3, 8),)
     analysis = Analysis(model, example)
@@ -240,8 +241,8 @@ class _Indexed(_Block):
 
     def forward(self, x: torch.Tensor, layer_idx: int, odd_scales: bool = False) -> torch.Tensor:
         h = torch.relu(self.up(x))
-        if odd_scales and layer_idx % 2:  # odd layers scale: not alike
-            h = h * 2
+        if odd_scales:  # odd layers scale, by a table read at the index: not alike
+            h = h * (1.0, 2.0)[layer_idx % 2]
         return x + self.down(h)
 
 

@@ -99,6 +99,8 @@ class TwinRecords:
                 self.outs[name] = [(id(t), params.get(id(t))) for t in outs]
         if name in self.before:
             before = self.before.pop(name)
+            if name in self.spans:
+                return  # called again (HRM's cycles): its first call is the one that ran
             self.spans[name] = [
                 [k for k, v in t.items() if b.get(k) != id(v)]
                 for t, b in zip(self.tables, before, strict=True)
@@ -142,7 +144,8 @@ class TwinRecords:
         owners = {n: layer_of(n) for n in nodes}
         twins_of: dict[str, list[str]] = {}
         for twin, source in self.stood:
-            twins_of.setdefault(source, []).append(twin)
+            if twin != source and twin not in twins_of.get(source, ()):  # not a layer's own
+                twins_of.setdefault(source, []).append(twin)  # call stood on again
         for source, twins in twins_of.items():
             inside = [n for n in nodes if owners[n] == source]
             for twin in twins:

@@ -102,6 +102,33 @@ def test_layers_run_in_cycles_run_once():
     assert plan["layers.*.up"] == "colwise" and plan["layers.*.down"] == "rowwise"
 
 
+class _Seeded(_Stack):
+    """HRM's low stack: the stream starts from a bare parameter (``z_L_init``), and each
+    cycle hands the last layer's output to the first layer again."""
+
+    def __init__(self) -> None:
+        super().__init__(cycles=3)
+        self.z_init = nn.Parameter(torch.zeros(8), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + self.z_init)
+
+
+def test_cycles_whose_stream_carries_a_bare_parameter_fold():
+    """The first layer's later calls carry in what the last layer's stand-in handed on (its
+    own token for the bare parameter): each call adds to what its token stands for, and the
+    tokens, naming each other in a cycle, resolve to the parameter. The trace folds, and the
+    plan is the unfolded one."""
+    model = _Seeded()
+    analysis = Analysis(model, (torch.randn(2, 3, 8),))
+    calls = _runs(model)
+    analysis.trace()
+    assert calls == [0] and not analysis.broke and not analysis.unfolded
+    folded, plan, unfolded = _plans(model)
+    assert plan_key(plan) == plan_key(unfolded) and plan.notes == unfolded.notes
+    assert folded.tally["stood"] > 0 and not folded.unfolded
+
+
 @pytest.mark.parametrize(
     ("scales", "why"),
     [

@@ -129,8 +129,8 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.up(x))
-        if self.reads_index and self.layer_idx % 2:  # odd layers scale: not alike
-            h = h * 2
+        if self.reads_index:  # odd layers scale, by a table read at the index: not alike
+            h = h * (1.0, 2.0)[self.layer_idx % 2]
         return x + self.down(h)
 
 
@@ -195,9 +195,10 @@ def test_layers_alike_but_for_a_partial_made_per_layer_fold():
 
 
 def test_a_layer_that_reads_its_index_is_its_own_kind():
-    """A layer whose forward reads ``layer_idx`` breaks the fold the first time it does: from
-    then on the index tells layers apart, every layer runs its own forward, and the plan is
-    the unfolded one."""
+    """A layer whose forward reads the value of ``layer_idx`` (indexes a table with it) breaks
+    the fold the first time it does: from then on the index tells layers apart, every layer
+    runs its own forward, and the plan is the unfolded one. (A comparison is no such read:
+    `tests.test_fold_guards`.)"""
     model = _Stack(reads_index=True)
     example = (torch.randn(2, 3, 8),)
     analysis = Analysis(model, example)
@@ -240,8 +241,8 @@ class _Indexed(_Block):
 
     def forward(self, x: torch.Tensor, layer_idx: int, odd_scales: bool = False) -> torch.Tensor:
         h = torch.relu(self.up(x))
-        if odd_scales and layer_idx % 2:  # odd layers scale: not alike
-            h = h * 2
+        if odd_scales:  # odd layers scale, by a table read at the index: not alike
+            h = h * (1.0, 2.0)[layer_idx % 2]
         return x + self.down(h)
 
 
@@ -496,35 +497,42 @@ def test_a_count_equal_to_one_layers_index_is_no_index():
 
 
 class _Slotted(_Block):
-    """Computes a slot from its index: used only with a cache, or (``odd``) to scale."""
+    """Computes a slot from its index: used only with a cache, compared (``use="compared"``:
+    odd layers scale), or read by its value (``use="read"``: a table indexed with it)."""
 
-    def __init__(self, width: int, layer_idx: int, odd: bool):
+    def __init__(self, width: int, layer_idx: int, use: str):
         super().__init__(width, layer_idx)
-        self.odd = odd
+        self.use = use
 
     def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         slot = 2 * (self.layer_idx + 1) - 1
         h = torch.relu(self.up(x))
         if cache is not None:
             cache[slot] = h
-        if self.odd and slot % 4 == 3:  # odd layers scale: not alike
+        if self.use == "compared" and slot % 4 == 3:  # odd layers scale: two kinds of answer
             h = h * 2
+        if self.use == "read":  # odd layers scale, by a table read at the slot: not alike
+            h = h * (1.0, 2.0)[(slot // 2) % 2]
         return x + self.down(h)
 
 
-@pytest.mark.parametrize("odd", [False, True])
-def test_arithmetic_on_an_index_is_watched_in_turn(odd: bool):
-    """``2 * (layer_idx + 1) - 1`` is watched as the index is: unused, the layers fold; used
-    (compared), it breaks the fold as the index would, and every layer runs as itself."""
+@pytest.mark.parametrize("use", ["unused", "compared", "read"])
+def test_arithmetic_on_an_index_is_watched_in_turn(use: str):
+    """``2 * (layer_idx + 1) - 1`` is watched as the index is: unused, the layers fold;
+    compared, the comparison is a guard (`tpkit.trace.watched`) and the layers fold once per
+    answer; read by its value, it breaks the fold naming the index for its kind
+    (``<kind>:<place>``), and every layer runs as itself."""
     model = _Stack()
-    model.layers = nn.ModuleList(_Slotted(8, i, odd) for i in range(6))
+    model.layers = nn.ModuleList(_Slotted(8, i, use) for i in range(6))
     example = (torch.randn(2, 3, 8),)
     analysis = Analysis(model, example)
     calls = _layer_calls(model)
     analysis.trace()
-    if odd:
+    if use == "read":
         assert analysis.distinguishing == {"layers.0:layer_idx"}
         assert calls[-6:] == [0, 1, 2, 3, 4, 5] and not analysis.twins()
+    elif use == "compared":
+        assert calls == [0, 1] and not analysis.broke
     else:
         assert calls == [0] and not analysis.broke
     _, plan, unfolded = _plans(model, example)

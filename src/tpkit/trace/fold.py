@@ -14,17 +14,21 @@ representative's forward would have done the same as the twin's, and each condit
 checked, not assumed:
 
 - alike by construction: every attribute equal but integers named as a layer's index
-  (``layer_idx``, ``layer_id``, ...), which differ by design; the representative's are
-  watched during the run (`_Watched`) and any use of one (a comparison, ``config.layer_types
-  [self.layer_idx]``; integer arithmetic gives a watched value in turn) breaks the fold: that
-  index becomes part of what tells layers of that kind apart (`FoldBroken.index`, named
-  ``<kind>:<place>``; other kinds keep folding) and the forward runs again; an integer equal
-  to such an index (Kolibri-1.1's ``kv_source_layer``, a layer's own where it reads no
-  other's) is an index under another name there (`_aliases`); an integer handed to a layer
-  under such a name (Zamba's loop calls ``layer(hidden, original, layer_idx, ...)``) is the
-  same: left out of what is compared, handed to the representative watched, and where read
-  compared from then on for that kind of layer only (``<representative>(<name>)``: Zamba2's
-  hybrid layers pick their adapter by it, its Mamba layers, handed it too, never read it);
+  (``layer_idx``, ``layer_id``, a cycle's offset, ...), which differ by design; each layer's
+  are watched while it runs (`tpkit.trace.watched.Watched`): a comparison or truth test of one
+  (RWKV's ``if self.layer_id == 0``) is answered with the layer's own value and recorded as a
+  guard of its call, and a twin stands on that call only where its own indices answer every
+  guard alike; arithmetic gives a watched value in turn (Inkling-2's ``self.layer_idx +
+  cache_offset``); any other use (``config.layer_types[self.layer_idx]``, a float made of it)
+  breaks the fold: that index becomes part of what tells layers of that kind apart
+  (`FoldBroken.index`, named ``<kind>:<place>``; other kinds keep folding) and the forward
+  runs again; an integer equal to such an index (Kolibri-1.1's ``kv_source_layer``, a layer's
+  own where it reads no other's) is an index under another name there (`_aliases`); an
+  integer handed to a layer under such a name (Zamba's loop calls ``layer(hidden, original,
+  layer_idx, ...)``, HRM's stacks hand each layer its cycle's ``cycle_offset``) is the same:
+  left out of what is compared, handed watched, and where read compared from then on for
+  that kind of layer only (``<representative>(<name>)``: Zamba2's hybrid layers pick their
+  adapter by it, its Mamba layers, handed it too, never read it);
 - alike in what they are given: each twin's call must match its representative's (tensor
   shapes and dtypes, the same objects for every input but the stream, equal plain values);
 - no effect besides the output: the representative must not change its inputs in place (their
@@ -33,6 +37,11 @@ checked, not assumed:
   repeated is a plain value (a dtype, a number) written into an attribute (Switch
   Transformers' router keeps ``self.input_dtype``): a twin whose attributes were as the
   layer's before its call gets the same writes;
+- run once, stood on after: a layer the model calls again (HRM runs its stacks in cycles)
+  runs its own forward on its first call only; each later call must stand on an earlier call,
+  and all its calls on calls of one layer (itself, or one whose calls were exactly its own:
+  what a trace copies from that layer is then what its own calls would have recorded); the
+  grad mode a layer is called in is compared too;
 - alike under the plan tried: the dry run folds only twins the plan lays out alike
   (`plan_twins`).
 
@@ -57,6 +66,7 @@ from torch import nn
 from tpkit.compat import DisableTorchFunction, tree_flatten, tree_map, unset_fake_temporarily
 from tpkit.plan.spec import Plan
 from tpkit.trace.shadow import ShadowValues, tensors_in
+from tpkit.trace.watched import FoldBroken, Guards, Watched, holds
 
 __all__ = [
     "Describe",
@@ -70,20 +80,13 @@ __all__ = [
 ]
 
 #: integer attributes that number a layer (`find_twins`): different in every layer by design
-INDEX_ATTRS = re.compile(r"^(layer|block)_?(idx|id|index|number|num|no)$|^(idx|index)$")
+INDEX_ATTRS = re.compile(
+    r"^(layer|block|cycle)_?(idx|id|index|number|num|no|offset)$|^(idx|index)$"
+)
 #: a module's own bookkeeping, never compared (hooks, its registries, training mode)
 _INTERNAL = frozenset(
     {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"}
 )
-
-
-class FoldBroken(BaseException):
-    """A folded forward met what folding cannot stand for; ``index``: the index attribute
-    the representative read (it tells layers apart from now on), else empty."""
-
-    def __init__(self, why: str, index: str = ""):
-        super().__init__(why)
-        self.index = index
 
 
 @dataclass(frozen=True)
@@ -254,7 +257,7 @@ def _value(v: Any, depth: int = 0) -> Any:
     in every layer)."""
     if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device)):
         return (type(v), v)
-    if depth > 2:
+    if depth > 4:  # deep enough for xLSTM's partial of partials (its kernels, made per layer)
         return ("id", id(v))
     if isinstance(v, (tuple, list)):
         return (type(v), tuple(_value(x, depth + 1) for x in v))
@@ -322,62 +325,8 @@ class _Call:
     #: value before or `_MISSING`, value after): a twin stands on the call only where its
     #: own attributes are as the layer's were, and takes the same writes (`_written`)
     writes: tuple = ()
-
-
-class _Watched:
-    """A running layer's index attribute while it runs: any use of it breaks the fold, but
-    integer arithmetic, which gives another watched value (Inkling-2's attention computes
-    ``self.layer_idx + cache_offset`` in every call and reads it only with a cache): what is
-    derived from the index differs per layer as the index does, and breaks the fold where
-    used in turn (compared, hashed, indexed with, made a number, handed to torch)."""
-
-    def __init__(self, name: str, value: int, token: str = ""):
-        self._name, self._value, self._token = name, value, token or name
-
-    def _used(self, *_: Any, **__: Any) -> Any:
-        raise FoldBroken(f"the layer reads its index {self._name}", self._token)
-
-    def _derive(op: Callable[..., Any]) -> Callable[..., Any]:  # type: ignore[misc]
-        def derived(self: _Watched, *others: Any) -> _Watched:
-            values = []
-            for o in others:
-                if isinstance(o, _Watched) and o._token == self._token:
-                    values.append(o._value)
-                elif type(o) is int:
-                    values.append(o)
-                else:  # a float, a tensor, another index: this is a use
-                    self._used()
-            try:
-                value = op(self._value, *values)
-            except Exception:  # noqa: BLE001 - the twins' values may not fail alike
-                self._used()
-            if type(value) is not int:
-                self._used()
-            return _Watched(self._name, value, self._token)
-
-        return derived
-
-    __add__ = __radd__ = _derive(lambda a, b: a + b)
-    __sub__ = _derive(lambda a, b: a - b)
-    __rsub__ = _derive(lambda a, b: b - a)
-    __mul__ = __rmul__ = _derive(lambda a, b: a * b)
-    __floordiv__ = _derive(lambda a, b: a // b)
-    __rfloordiv__ = _derive(lambda a, b: b // a)
-    __mod__ = _derive(lambda a, b: a % b)
-    __rmod__ = _derive(lambda a, b: b % a)
-    __neg__ = _derive(lambda a: -a)
-    __pos__ = _derive(lambda a: a)
-    del _derive
-
-    __index__ = __int__ = __float__ = __bool__ = __hash__ = __str__ = __repr__ = _used
-    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __format__ = _used  # type: ignore[assignment]
-    __truediv__ = __rtruediv__ = _used
-    __pow__ = __rpow__ = __abs__ = __and__ = __or__ = __xor__ = _used
-    __lshift__ = __rshift__ = __round__ = __trunc__ = __floor__ = __ceil__ = _used
-    __divmod__ = __rdivmod__ = __invert__ = __iter__ = __len__ = __contains__ = _used
-
-    def __getattr__(self, name: str) -> Any:
-        raise FoldBroken(f"the layer reads its index {self._name}", self._token)
+    #: what its forward asked of its indices, and the answers (`tpkit.trace.watched`)
+    guards: tuple = ()
 
 
 #: what a fold compares of each tensor a layer is given, besides its shape and dtype: the
@@ -474,14 +423,14 @@ def _signature_of(args: tuple, kwargs: dict, describe: Describe | None, layer: s
     leaves, spec = tree_flatten((args, kwargs))
     out = []
     for v in leaves:
-        if isinstance(v, _Watched):  # an index argument: never read (watched), never compared
+        if isinstance(v, Watched):  # an index argument: watched (its guards), never compared
             out.append(("index", v._name))
         elif isinstance(v, torch.Tensor):
             more = describe(v, layer) if describe is not None else None
             out.append((tuple(v.shape), v.dtype, v.requires_grad, more))
         else:
             out.append(_value(v))
-    return (str(spec), tuple(out))
+    return (str(spec), tuple(out), torch.is_grad_enabled())
 
 
 _tensors = tensors_in
@@ -491,7 +440,7 @@ def _held(args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:
     """(container, its shallow state) for each mutable container a call is handed."""
     out = []
     for v in tree_flatten((args, kwargs))[0]:
-        if isinstance(v, (torch.Tensor, nn.Module, _Watched)) or v is None:
+        if isinstance(v, (torch.Tensor, nn.Module, Watched)) or v is None:
             continue
         if isinstance(v, (dict, list, set)) or hasattr(v, "__dict__"):
             out.append((v, _shallow(v)))
@@ -573,23 +522,30 @@ def _attributes(module: nn.Module) -> list[tuple]:
 
 
 class _Fold:
-    """The calls of one folded forward: each layer of a kind with twins runs for real unless
-    an earlier layer of its kind was called alike (then its stub stands on that call)."""
+    """The calls of one folded forward: each layer of a kind with twins runs for real on its
+    first call unless an earlier call of its kind was given alike and answers its guards alike
+    (then its stub stands on that call); a later call of a layer (a model that runs its layers
+    in cycles: HRM) must stand on one."""
 
     def __init__(self, twins: Twins, describe: Describe | None, on_twin) -> None:
         self.kind = {**{r: r for r in twins.rep.values()}, **twins.rep}
         self.describe, self.on_twin = describe, on_twin
         self.calls: dict[str, list[_Call]] = {}  # kind -> its layers' real calls, in order
-        self.ran: set[str] = set()
+        self.used: dict[str, list[_Call]] = {}  # layer -> the call each of its calls was
         self.tally = twins.tally
         self.distinguishing = twins.distinguishing
         self.params: dict[str, list[str] | None] = {}  # layer -> its forward's parameter names
+        self.guards = Guards()
+        #: layer -> its watched index attributes' values (``("attr", submodule, name)``)
+        self.indices: dict[str, dict[tuple, int]] = {}
 
     def _watch_indices(self, name: str, forward: Callable, args: tuple, kwargs: dict) -> tuple:
-        """``(args, kwargs)`` with every integer handed under an index name (`INDEX_ATTRS`,
-        not one that tells this kind of layer apart) watched (`_Watched`): left out of the
-        comparison, and any use of it in the forward breaks the fold as an index attribute's
-        does, naming it for this kind only (``<representative>(<name>)``)."""
+        """``(args, kwargs, indices)`` with every integer handed under an index name
+        (`INDEX_ATTRS`, not one that tells this kind of layer apart) watched
+        (`tpkit.trace.watched.Watched`): left out of the comparison, its value in ``indices``
+        (``("arg", name)``) for the guards; any use of it in the forward but a comparison or
+        arithmetic breaks the fold as an index attribute's does, naming it for this kind only
+        (``<representative>(<name>)``)."""
         if name not in self.params:
             try:
                 params = list(inspect.signature(forward).parameters.values())
@@ -603,48 +559,72 @@ class _Fold:
         names = self.params[name] or []
 
         kind = self.kind[name]
+        indices = dict(self.indices.get(name, {}))
 
         def watch(key: str, v: Any) -> Any:
             token = f"{kind}({key})"
-            index = _is_index(key, v) and not {key, token} & self.distinguishing
-            return _Watched(key, v, token) if index else v
+            if not _is_index(key, v) or {key, token} & self.distinguishing:
+                return v
+            indices[("arg", key)] = v
+            return Watched(key, v, token, name, self.guards, key=("arg", key))
 
         args = tuple(watch(names[i] if i < len(names) else "", v) for i, v in enumerate(args))
-        return args, {k: watch(k, v) for k, v in kwargs.items()}
+        return args, {k: watch(k, v) for k, v in kwargs.items()}, indices
 
     def forward(self, name: str, module: nn.Module, forward: Callable) -> Callable:
         def forward_folded(*args: Any, **kwargs: Any) -> Any:
-            if name in self.ran:
-                raise FoldBroken(f"{name} runs more than once")
-            self.ran.add(name)
-            args, kwargs = self._watch_indices(name, forward, args, kwargs)
+            args, kwargs, indices = self._watch_indices(name, forward, args, kwargs)
             signature = _signature_of(args, kwargs, self.describe, name)
             kind = self.calls.setdefault(self.kind[name], [])
-            call = next(
-                (c for c in kind if c.signature == signature and _as_before(module, c.writes)),
-                None,
+            alike = (
+                c
+                for c in kind
+                if c.signature == signature
+                and holds(c.guards, indices)
+                and _as_before(module, c.writes)
             )
+            call = next(alike, None)
+            used = self.used.setdefault(name, [])
             if call is not None:
+                used.append(call)
                 self.tally["stood"] = self.tally.get("stood", 0) + 1
                 for rel, k, _, value in call.writes:  # what its own forward would have written
                     setattr(module.get_submodule(rel) if rel else module, k, value)
                 return self._stand_in(name, call, args, kwargs)
+            if used:
+                raise FoldBroken(f"{name} runs more than once, called otherwise")
             inputs = _tensors((args, kwargs))
             versions = [t._version for t in inputs]
             held, attrs, values = _held(args, kwargs), _attributes(module), _values(module)
-            output = forward(*args, **kwargs)
+            self.guards.begin(name)
+            try:
+                output = forward(*args, **kwargs)
+            finally:
+                guards = self.guards.end()
             if [t._version for t in inputs] != versions or any(_shallow(v) != s for v, s in held):
                 raise FoldBroken(f"{name} changes what it is given")
             writes = _written(module, attrs, values)
             if writes is None:
                 raise FoldBroken(f"{name} changes its own attributes")
-            if any(isinstance(v, _Watched) for v in tree_flatten(output)[0]):
+            if any(isinstance(v, Watched) for v in tree_flatten(output)[0]):
                 raise FoldBroken(f"{name} returns its index")
-            kind.append(_Call(name, signature, inputs, output, writes))
+            call = _Call(name, signature, inputs, output, writes, guards)
+            kind.append(call)
+            used.append(call)
             self.tally["run"] = self.tally.get("run", 0) + 1
             return output
 
         return forward_folded
+
+    def check(self) -> None:
+        """After the forward: every call of a layer stood on calls of one layer (itself, or
+        one whose calls all stood on its first). A layer runs for real on its first call only,
+        so that layer's records are its one call's, and what a trace copies from them is what
+        each of this layer's calls would have recorded."""
+        for name, calls in self.used.items():
+            layers = {c.layer for c in calls}
+            if len(layers) > 1:
+                raise FoldBroken(f"{name} stands on the calls of {len(layers)} layers")
 
     def _stand_in(self, name: str, call: _Call, args: tuple, kwargs: dict) -> Any:
         """``name``'s output, as ``call``'s layer gave it: an input handed back is this call's
@@ -703,9 +683,12 @@ def folded(
             put(module, "forward", fold.forward(name, module, module.forward))
             for rel, attr in twins.watched.get(kind, ()):
                 sub = module.get_submodule(rel) if rel else module
+                value, key = sub.__dict__[attr], ("attr", rel, attr)
+                fold.indices.setdefault(name, {})[key] = value
                 token = _token(twins.base.get(kind, kind), (rel, attr))
-                put(sub, attr, _Watched(attr, sub.__dict__[attr], token))
+                put(sub, attr, Watched(attr, value, token, name, fold.guards, key=key))
         yield
+        fold.check()
     finally:
         for obj, attr, value, had in reversed(saved):
             if had:

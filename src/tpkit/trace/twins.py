@@ -56,7 +56,8 @@ class TwinRecords:
         """Layer ``name`` (of a kind with twins) is given ``stream`` (its stream-like inputs):
         the bare parameters each carries (the trace's ``params``) go by a name of the layer's
         own (``<name>.<carriedI>``, the I-th stream input) from now on (see the module
-        docstring); `resolve` puts them back."""
+        docstring); `resolve` puts them back. A layer called again (HRM's cycles) adds what
+        each call carries to its tokens, as an unfolded run's records add up over its calls."""
         if name not in self.members:
             return
         done: set[int] = set()
@@ -65,7 +66,7 @@ class TwinRecords:
                 continue
             done.add(id(t))
             token = f"{name}.<carried{i}>"
-            self.carried[token] = params[id(t)]
+            self.carried[token] = self.carried.get(token, frozenset()) | params[id(t)]
             params[id(t)] = frozenset({token})
 
     def started(self, name: str) -> None:
@@ -99,6 +100,8 @@ class TwinRecords:
                 self.outs[name] = [(id(t), params.get(id(t))) for t in outs]
         if name in self.before:
             before = self.before.pop(name)
+            if name in self.spans:
+                return  # called again (HRM's cycles): its first call is the one that ran
             self.spans[name] = [
                 [k for k, v in t.items() if b.get(k) != id(v)]
                 for t, b in zip(self.tables, before, strict=True)
@@ -142,7 +145,8 @@ class TwinRecords:
         owners = {n: layer_of(n) for n in nodes}
         twins_of: dict[str, list[str]] = {}
         for twin, source in self.stood:
-            twins_of.setdefault(source, []).append(twin)
+            if twin != source and twin not in twins_of.get(source, ()):  # not a layer's own
+                twins_of.setdefault(source, []).append(twin)  # call stood on again
         for source, twins in twins_of.items():
             inside = [n for n in nodes if owners[n] == source]
             for twin in twins:
@@ -164,9 +168,7 @@ class TwinRecords:
         breaks the fold: the trace runs again unfolded."""
         if not self.carried and not any(_tokens(s) for s in params_of):
             return
-        done: dict[str, frozenset[str]] = {}
-        for token, names in self.carried.items():
-            done[token] = _expanded(names, done)
+        done = _closed(self.carried)
         for s in params_of:
             if _tokens(s):
                 new = _expanded(s, done)
@@ -176,6 +178,26 @@ class TwinRecords:
             for key, names in entry.items():
                 if _tokens(names):
                     entry[key] = _expanded(names, done)
+
+
+def _closed(carried: dict[str, frozenset[str]]) -> dict[str, frozenset[str]]:
+    """Each token's parameters, its tokens followed to the end: a layer called again may
+    carry in a later layer's token (HRM's cycles hand the last layer's output to the first),
+    so tokens may name each other in any order, in a cycle too."""
+    done: dict[str, frozenset[str]] = {}
+    for token in carried:
+        seen, todo, found = {token}, [token], set()
+        while todo:
+            for n in carried[todo.pop()]:
+                if not CARRIED.search(n):
+                    found.add(n)
+                elif n not in carried:
+                    raise FoldBroken(f"{n} stands for no layer's stream input")
+                elif n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        done[token] = frozenset(found)
+    return done
 
 
 def _tokens(names) -> bool:

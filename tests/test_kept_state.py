@@ -66,3 +66,20 @@ def test_planning_rwkv_keeps_its_rescale_flag_and_its_split():
 
 def test_rwkv_rescaled_at_tp2_matches_the_unsharded_model(ranks2):
     assert_parity(ranks2.run(tiny_parity, "rwkv", "RwkvForCausalLM", RESCALED, timeout=180))
+
+
+def test_planning_leaves_bigbird_its_own_attention_modules():
+    """BigBird's first forward on a short sequence swaps every block-sparse attention for a full
+    one (a new submodule) and says so in ``attention_type``: after planning the user's model
+    still holds its block-sparse ones, so a long sequence still runs block-sparse."""
+    from tests.tiny import build
+
+    model = build("big_bird", "BigBirdForCausalLM")
+    before = [type(layer.attention.self) for layer in model.bert.encoder.layer]
+    derive_plan(model, "auto", 2)
+    assert [type(layer.attention.self) for layer in model.bert.encoder.layer] == before
+    assert model.bert.attention_type == "block_sparse"
+
+
+def test_bigbird_at_tp2_matches_the_unsharded_model(ranks2):
+    assert_parity(ranks2.run(tiny_parity, "big_bird", "BigBirdForCausalLM", timeout=180))

@@ -12,7 +12,8 @@ they held) when the forward is done; what each context of the analysis changes o
 (parameters swapped for fake ones, fix-ups, folded forwards) it undoes itself, inside.
 
 Shallow by design: a container mutated in place (a list a forward appends to) is not copied
-back; model code that does that to keep state across forwards is not known to us.
+back, only the module tables are (a submodule swapped by a forward); model code that keeps
+state across forwards in a container of its own is not known to us.
 """
 
 from __future__ import annotations
@@ -28,18 +29,28 @@ __all__ = ["kept_attributes"]
 @contextlib.contextmanager
 def kept_attributes(model: nn.Module) -> Iterator[None]:
     """Within the block the model may write its modules' attributes; after it, each module's
-    ``__dict__`` holds the same names bound to the same objects as before."""
-    saved = [(m.__dict__, dict(m.__dict__)) for m in model.modules()]
+    ``__dict__`` and its tables of submodules, parameters and buffers hold the same names bound
+    to the same objects as before (BigBird's first forward on a short sequence swaps each
+    attention for a full one and says so in ``attention_type``: both are put back)."""
+    saved = []
+    for m in model.modules():
+        saved.append((m.__dict__, dict(m.__dict__)))
+        saved += [(store, dict(store)) for store in (m._modules, m._parameters, m._buffers)]
     try:
         yield
     finally:
         for now, before in saved:
-            if now.keys() != before.keys():
-                for k in [k for k in now if k not in before]:
-                    del now[k]
-            for k, v in before.items():
-                if now.get(k, _MISSING) is not v:
-                    now[k] = v
+            _restore(now, before)
+
+
+def _restore(now: dict, before: dict) -> None:
+    """``now`` made to hold ``before``'s names bound to ``before``'s objects, in place."""
+    if now.keys() != before.keys():
+        for k in [k for k in now if k not in before]:
+            del now[k]
+    for k, v in before.items():
+        if now.get(k, _MISSING) is not v:
+            now[k] = v
 
 
 _MISSING = object()

@@ -70,3 +70,19 @@ def test_planning_runs_frozen_and_returns_the_heap():
     assert seen and all(n > 0 for n in seen)  # every traced forward ran inside the pause
     assert gc.get_freeze_count() == 0
     assert plan["up"] == "colwise" and plan["down"] == "rowwise"
+
+
+def test_main_in_a_process_that_goes_on_leaves_the_collector_be(monkeypatch, tmp_path):
+    """Only the ``tpkit`` script (`tpkit.cli.main.entry`) freezes the heap before it exits;
+    ``main()`` run in this process from a patched ``sys.argv`` (as tests and notebooks do) must
+    not freeze it for good."""
+    import sys
+
+    import pytest
+
+    from tpkit.cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["tpkit", "export", str(tmp_path / "none"), str(tmp_path)])
+    with pytest.raises(SystemExit):
+        main()
+    assert gc.get_freeze_count() == 0

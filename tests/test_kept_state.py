@@ -83,3 +83,22 @@ def test_planning_leaves_bigbird_its_own_attention_modules():
 
 def test_bigbird_at_tp2_matches_the_unsharded_model(ranks2):
     assert_parity(ranks2.run(tiny_parity, "big_bird", "BigBirdForCausalLM", timeout=180))
+
+
+def test_planning_leaves_no_hooks_behind_a_model_that_returns_hidden_states():
+    """transformers installs its output-capturing hooks inside a forward that asks for hidden
+    states (here: the config does) and sets a flag that it did: planning's forwards must take
+    both away again, or the user's forward gets a second set and twice the hidden states."""
+    from tests.tiny import build
+
+    model = build("llama", "LlamaForCausalLM")
+    model.config.output_hidden_states = True
+    hooks = sum(len(m._forward_hooks) for m in model.modules())
+    derive_plan(model, "auto", 2)
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks
+    x = torch.randint(
+        0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        states = model(x).hidden_states
+    assert len(states) == model.config.num_hidden_layers + 1

@@ -1,10 +1,8 @@
 """``python -m tpkit.cli.main``: the ``tpkit`` command (what ``tpkit run`` relaunches under torchrun)."""
 
-import sys
-
-from tpkit.cli.main import main
+from tpkit.cli.main import entry
 
 __all__: list[str] = []
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -14,7 +14,7 @@ from tpkit import config
 from tpkit.parallel.mesh import dist_env
 from tpkit.trace.gc_quiet import freeze_before_exit
 
-__all__ = ["collapse_layers", "main"]
+__all__ = ["collapse_layers", "entry", "main"]
 
 
 class UsageError(Exception):
@@ -397,10 +397,18 @@ def main(argv: list[str] | None = None) -> int:
             raise  # called from Python (or debugging): the exception itself
         first = str(exc).strip() or type(exc).__name__
         parser.exit(1, f"tpkit: error: {first}\n(TPKIT_DEBUG=1 shows the traceback)\n")
+
+
+def entry() -> None:
+    """The ``tpkit`` script: `main`, then the process ends without the interpreter's final walk
+    of the heap (`freeze_before_exit`, about 1 s after torch and transformers). Only here:
+    ``main()`` called in a process that goes on (a test, a notebook) leaves the collector be."""
+    try:
+        code = main()
     finally:
-        if argv is None:  # the shell's command ends here: no final walk of the heap (~1 s)
-            freeze_before_exit()
+        freeze_before_exit()
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

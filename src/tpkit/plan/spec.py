@@ -309,9 +309,11 @@ class Plan(Mapping[str, str]):
             hit = self.style_for(mod_name) if mod_name else None
             if hit:
                 targets.append(Target(mod_name, hit[0], hit[1], self._sources[hit[1]], "module"))
-            for p_name, param in module._parameters.items():  # named_parameters(recurse=False)
-                if param is None:
+            seen: set[int] = set()  # as named_parameters(recurse=False): one name per tensor
+            for p_name, param in module._parameters.items():
+                if param is None or id(param) in seen:
                     continue
+                seen.add(id(param))
                 full = f"{mod_name}.{p_name}" if mod_name else p_name
                 hit = self.style_for(full)
                 if hit:

@@ -120,23 +120,29 @@ def fake_friendly_experts(model: nn.Module):
 
 @contextlib.contextmanager
 def real_state(model: nn.Module, shapes: Mapping[int, tuple]):
-    """Temporarily give each sharded parameter a zero tensor of its shard's shape."""
+    """Temporarily give each sharded parameter a zero tensor of its shard's shape, and every
+    other parameter and buffer a copy: the forward may change them in place (RWKV's rescale
+    divides its output weights, a batch norm in training updates its running stats), and the
+    user's tensors must come out as they went in. Real dry runs are for small models only
+    (`tpkit.settle.dryrun`), so the copies are small."""
     saved = []
     for mod in model.modules():
-        for k, v in list(mod._parameters.items()):
-            if v is not None and id(v) in shapes:
-                saved.append((mod, k, v))
+        for store in (mod._parameters, mod._buffers):
+            saved += [(store, k, v) for k, v in store.items() if v is not None]
     try:
-        memo: dict[int, nn.Parameter] = {}
-        for mod, k, v in saved:
+        memo: dict[int, torch.Tensor] = {}
+        for store, k, v in saved:
             if id(v) not in memo:
-                memo[id(v)] = nn.Parameter(v.new_zeros(shapes[id(v)]), v.requires_grad)
-            mod._parameters[k] = memo[id(v)]
+                stand_in = v.new_zeros(shapes[id(v)]) if id(v) in shapes else v.detach().clone()
+                if isinstance(v, nn.Parameter):
+                    stand_in = nn.Parameter(stand_in, v.requires_grad)
+                memo[id(v)] = stand_in
+            store[k] = memo[id(v)]
         with kept_attributes(model):  # as `meta_state`
             yield
     finally:
-        for mod, k, v in saved:
-            mod._parameters[k] = v
+        for store, k, v in saved:
+            store[k] = v
 
 
 def fake_inputs(

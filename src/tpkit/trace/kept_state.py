@@ -9,7 +9,10 @@ weights: logits 0.86 off after planning a 12-layer model), and it makes the next
 forward see a model unlike the one the user will run (the second trace of RWKV no longer saw
 the rescale). `kept_attributes` puts every module's attributes back (the names and the objects
 they held) when the forward is done; what each context of the analysis changes on purpose
-(parameters swapped for fake ones, fix-ups, folded forwards) it undoes itself, inside.
+(parameters swapped for fake ones, fix-ups, folded forwards, its own hooks) it sets up before
+this block and undoes itself after it. The real-tensor trace (`tpkit.trace.trace`, small
+models whose fake trace failed) runs on the user's own tensors and is left as it was: putting
+a flag back there would undo the flag but not an in-place change of a weight.
 
 Shallow by design: a container mutated in place (a list a forward appends to) is not copied
 back, only the module tables are (a submodule swapped by a forward); model code that keeps
@@ -29,13 +32,14 @@ __all__ = ["kept_attributes"]
 @contextlib.contextmanager
 def kept_attributes(model: nn.Module) -> Iterator[None]:
     """Within the block the model may write its modules' attributes; after it, each module's
-    ``__dict__`` and its tables of submodules, parameters and buffers hold the same names bound
-    to the same objects as before (BigBird's first forward on a short sequence swaps each
+    ``__dict__`` and its tables (`_TABLES`: submodules, parameters, buffers, hooks) hold the
+    same names bound to the same objects as before (BigBird's first forward on a short sequence swaps each
     attention for a full one and says so in ``attention_type``: both are put back)."""
     saved = []
     for m in model.modules():
         saved.append((m.__dict__, dict(m.__dict__)))
-        saved += [(store, dict(store)) for store in (m._modules, m._parameters, m._buffers)]
+        tables = [getattr(m, name, None) for name in _TABLES]
+        saved += [(t, dict(t)) for t in tables if isinstance(t, dict)]
     try:
         yield
     finally:
@@ -43,13 +47,36 @@ def kept_attributes(model: nn.Module) -> Iterator[None]:
             _restore(now, before)
 
 
+#: a module's tables besides ``__dict__``: its children, tensors and hooks (transformers
+#: installs output-capturing hooks inside a forward that asks for hidden states, and says so
+#: in a flag: the flag put back without the hooks would add a second set at the next forward)
+_TABLES = (
+    "_modules",
+    "_parameters",
+    "_buffers",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
 def _restore(now: dict, before: dict) -> None:
-    """``now`` made to hold ``before``'s names bound to ``before``'s objects, in place."""
-    if now.keys() != before.keys():
-        for k in [k for k in now if k not in before]:
-            del now[k]
+    """``now`` made to hold ``before``'s names bound to ``before``'s objects, in place and in
+    ``before``'s order (the order of ``_modules`` is ``named_modules``')."""
+    if list(now) != list(before):
+        now.clear()
+        now.update(before)
+        return
     for k, v in before.items():
-        if now.get(k, _MISSING) is not v:
+        if now[k] is not v:
             now[k] = v
 
 

@@ -374,7 +374,10 @@ def _widen(full: int, kernel_dims: int = 0):
         if isinstance(output, torch.Tensor):
             shape = list(output.shape)
             shape[-1 - kernel_dims] = full  # a convolution's channels sit before its kernel dims
-            return output.new_empty(shape)
+            # zeros, not new_empty: a shadow run (`tpkit.trace.shadow`) computes this op for
+            # real, and uninitialised memory (NaN at random) made BLT's patcher's
+            # Categorical(logits=...) fail its check now and then: the gathered plan refused
+            return output.new_zeros(shape)
         return output
 
     return hook

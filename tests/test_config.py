@@ -340,6 +340,8 @@ KEPT_STATE = {
     ("training/init.py", "_FALLTHROUGH"),
     # a plan cache that cannot be used (corrupt file, folder not writable) warns once a process
     ("io/plans.py", "_warned"),
+    # guards the depth count of nested planning calls, whose outermost one pauses the collector
+    ("trace/gc_quiet.py", "_lock"),
 }
 STATE_ROOMS = (
     "config.py",

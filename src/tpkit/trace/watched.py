@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 __all__ = ["FoldBroken", "Guards", "Watched", "holds"]
@@ -42,27 +43,31 @@ class FoldBroken(BaseException):
 #: an expression of watched indices: ("var", key), ("const", value), (op, expr[, expr])
 Expr = tuple
 
-_BINARY: dict[str, Callable[[Any, Any], Any]] = {
-    "add": operator.add,
-    "sub": operator.sub,
-    "mul": operator.mul,
-    "truediv": operator.truediv,
-    "floordiv": operator.floordiv,
-    "mod": operator.mod,
-    "pow": operator.pow,
-    "eq": operator.eq,
-    "ne": operator.ne,
-    "lt": operator.lt,
-    "le": operator.le,
-    "gt": operator.gt,
-    "ge": operator.ge,
-}
-_UNARY: dict[str, Callable[[Any], Any]] = {
-    "neg": operator.neg,
-    "pos": operator.pos,
-    "abs": operator.abs,
-    "truth": bool,
-}
+_BINARY: Mapping[str, Callable[[Any, Any], Any]] = MappingProxyType(
+    {
+        "add": operator.add,
+        "sub": operator.sub,
+        "mul": operator.mul,
+        "truediv": operator.truediv,
+        "floordiv": operator.floordiv,
+        "mod": operator.mod,
+        "pow": operator.pow,
+        "eq": operator.eq,
+        "ne": operator.ne,
+        "lt": operator.lt,
+        "le": operator.le,
+        "gt": operator.gt,
+        "ge": operator.ge,
+    }
+)
+_UNARY: Mapping[str, Callable[[Any], Any]] = MappingProxyType(
+    {
+        "neg": operator.neg,
+        "pos": operator.pos,
+        "abs": operator.abs,
+        "truth": bool,
+    }
+)
 #: plain values a watched index may meet in arithmetic and in comparisons
 _NUMBERS = (int, float)
 _COMPARABLE = (int, float, str, type(None))

@@ -343,6 +343,52 @@ def test_layers_whose_stream_carries_bare_parameters_fold(meets: bool):
         assert plan["layers.*.up"] == "colwise" and plan["layers.*.down"] == "rowwise"
 
 
+class _Remembering(_Carrying):
+    """A block also handed the stack of earlier streams (Inkling-2's block states: one
+    tensor, grown every third layer, the same object for the layers in between), which
+    carries the bare parameters of every layer before."""
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.up(x + memory.mean(-2)))
+        return x + self.gain(self.down(h))
+
+
+class _Memory(_Stack):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_Remembering(8, i, False) for i in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        memory = x.unsqueeze(-2)
+        for i, layer in enumerate(self.layers):
+            if i == 3:
+                memory = torch.cat([memory, x.unsqueeze(-2)], dim=-2)
+            x = layer(x, memory)
+        return self.head(x)
+
+
+def test_layers_handed_one_tensor_that_carries_bare_parameters_fold():
+    """Layers 3 to 5 are handed the same memory, which carries the bare parameters of the
+    layers before 3: it goes by one name per layer while it runs, as the stream does, so 4
+    and 5 stand on 3's call (the memory grew at 3: another shape than 0 to 2 were given);
+    the trace's records and the plan are the unfolded ones."""
+    model = _Memory()
+    example = (torch.randn(2, 3, 8),)
+    analysis = Analysis(model, example)
+    calls = _layer_calls(model)
+    folded = analysis.trace()
+    assert calls == [0, 1, 3] and analysis.tally == {"run": 3, "stood": 3} and not analysis.broke
+    plain = Analysis(model, example)
+    plain.fold = False
+    unfolded = plain.trace()
+    assert folded.nodes == unfolded.nodes and folded.input_params == unfolded.input_params
+    assert folded.module_inputs == unfolded.module_inputs
+    earlier = {f"layers.{i}.gain.weight" for i in range(3)}
+    assert folded.input_params["layers.5"]["arg:1"] == earlier
+    _, plan, plan_unfolded = _plans(model, example)
+    assert plan_key(plan) == plan_key(plan_unfolded) and plan.notes == plan_unfolded.notes
+
+
 class _Noting(_Block):
     """Keeps its input's dtype in an attribute (Switch Transformers' router does)."""
 

@@ -129,20 +129,53 @@ def test_cycles_whose_stream_carries_a_bare_parameter_fold():
     assert folded.tally["stood"] > 0 and not folded.unfolded
 
 
+def test_cycles_called_otherwise_run_again_and_fold():
+    """The second cycle calls every layer otherwise (another scale: Inkling-2-Loop's later
+    passes hand their layers messages): the first layer runs again, once per way it is
+    called, and every other call stands on its last one; the plan is the unfolded one."""
+    model = _Stack(cycles=3, scales=lambda c, i: 1.0 if c == 0 else 0.5)
+    analysis = Analysis(model, (torch.randn(2, 3, 8),))
+    calls = _runs(model)
+    analysis.trace()
+    assert calls == [0, 0] and analysis.tally == {"run": 2, "stood": 16} and not analysis.broke
+    folded, plan, unfolded = _plans(model)
+    assert plan_key(plan) == plan_key(unfolded) and plan.notes == unfolded.notes
+    assert not folded.unfolded and folded.tally["stood"] == 8 * folded.tally["run"]
+
+
+class _Again(_Stack):
+    """The first layer alone is called once more, otherwise (another scale), after the
+    others stood on its first call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.layers[0](x, scale=0.5))
+
+
 @pytest.mark.parametrize(
-    ("scales", "why"),
+    ("model", "why"),
     [
-        # the second cycle calls every layer otherwise: the first layer would run again
-        (lambda c, i: 1.0 if c == 0 else 0.5, "runs more than once"),
+        # the third cycle calls layer 1 as the first did (its own first call, not the last
+        # call of layer 0, which ran again in the second): it would stand on an older call
+        (
+            _Stack(cycles=3, scales=lambda c, i: 0.5 if c == 1 and i == 0 else 1.0),
+            "runs more than once and stood on layers.0",
+        ),
         # layer 1 runs with 0.5 in the first cycle; layer 0 meets 0.5 in the second and would
         # stand on layer 1's call after its own: its records come from two layers
-        (lambda c, i: 0.5 if (c, i) in ((0, 1), (1, 0)) else 1.0, "calls of 2 layers"),
+        (
+            _Stack(cycles=2, scales=lambda c, i: 0.5 if (c, i) in ((0, 1), (1, 0)) else 1.0),
+            "calls of 2 layers",
+        ),
+        # the layers after the first stood on its first call only; it ran again after: what
+        # it recorded adds up both calls, more than theirs would
+        (_Again(), "some of the calls"),
     ],
 )
-def test_cycles_called_otherwise_run_unfolded(scales, why):
+def test_cycles_called_otherwise_run_unfolded(model, why):
     """Where a layer's later call cannot stand on what its first call stood on, the fold
     breaks and the trace runs unfolded; the plan is the unfolded one."""
-    model = _Stack(cycles=2, scales=scales)
     analysis = Analysis(model, (torch.randn(2, 3, 8),))
     analysis.trace()
     assert why in analysis.broke and "trace" in analysis.unfolded
@@ -194,3 +227,62 @@ def test_layers_holding_a_partial_of_partials_made_per_layer_fold():
     odd = functools.partial(kernel, step=torch.bfloat16)
     model.layers[3].fn = functools.partial(kernel, step=odd)
     assert "3" not in find_twins(layers).rep and len(find_twins(layers).rep) == 4
+
+
+class _Messaged(nn.Module):
+    """A loop layer (Inkling-2-Loop's): later passes hand it a message, which its own gate
+    (a linear the first pass never calls) mixes in, and each pass its own cache offset."""
+
+    def __init__(self, width: int, layer_idx: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.gate = nn.Linear(width, 2 * width)
+        self.layer_idx = layer_idx
+
+    def forward(self, x, message=None, cache_offset: int = 0) -> torch.Tensor:
+        h = self.up(x)
+        if message is not None:
+            h = h * torch.sigmoid(self.gate(message))
+        return x + self.down(torch.relu(h))
+
+
+class _Passes(nn.Module):
+    """Three passes over six alike layers, each later pass restarting from the input and
+    handing every layer the previous pass's output as its message."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Messaged(8, i) for i in range(6))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, message = x, None
+        for p in range(3):
+            h = x
+            for layer in self.layers:
+                h = layer(h, message, cache_offset=6 * p) if message is not None else layer(h)
+            message = h
+        return self.head(h)
+
+
+def test_passes_handing_messages_run_each_way_once_and_trace_as_unfolded():
+    """Each pass calls the layers otherwise (no message, then a message and another offset):
+    the first layer runs once per pass and the others stand on its call of that pass. The
+    trace's records (each module's inputs, the gate that only later passes call, the bare
+    parameters and the nodes) and the plan are the unfolded ones."""
+    model = _Passes()
+    example = (torch.randn(2, 3, 8),)
+    analysis = Analysis(model, example)
+    calls = _runs(model)
+    folded = analysis.trace()
+    assert calls == [0, 0, 0] and analysis.tally == {"run": 3, "stood": 15}
+    assert not analysis.broke
+    plain = Analysis(model, example)
+    plain.fold = False
+    unfolded = plain.trace()
+    assert folded.nodes == unfolded.nodes and folded.input_params == unfolded.input_params
+    assert folded.module_inputs == unfolded.module_inputs
+    assert "layers.5.gate" in folded.nodes and folded.nodes["layers.5.gate"].consumers
+    folded_analysis, plan, plan_unfolded = _plans(model)
+    assert plan_key(plan) == plan_key(plan_unfolded) and plan.notes == plan_unfolded.notes
+    assert not folded_analysis.unfolded

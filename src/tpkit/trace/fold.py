@@ -37,11 +37,14 @@ checked, not assumed:
   repeated is a plain value (a dtype, a number) written into an attribute (Switch
   Transformers' router keeps ``self.input_dtype``): a twin whose attributes were as the
   layer's before its call gets the same writes;
-- run once, stood on after: a layer the model calls again (HRM runs its stacks in cycles)
-  runs its own forward on its first call only; each later call must stand on an earlier call,
-  and all its calls on calls of one layer (itself, or one whose calls were exactly its own:
-  what a trace copies from that layer is then what its own calls would have recorded); the
-  grad mode a layer is called in is compared too;
+- run once per way it is called, stood on after: a layer the model calls again (HRM runs its
+  stacks in cycles) stands on its own last real call where called alike, and runs its forward
+  again where called otherwise (Inkling-2-Loop's later passes hand its loop layers messages
+  and another cache offset); a call stands only on the last real call of a layer, and all of
+  a layer's calls on calls of one layer: itself, or another whose real calls it stood on every
+  one of (what a trace copies from that layer, its records added up over its real calls, is
+  then what its own calls would have recorded); the grad mode a layer is called in is
+  compared too;
 - alike under the plan tried: the dry run folds only twins the plan lays out alike
   (`plan_twins`).
 
@@ -531,6 +534,7 @@ class _Fold:
         self.kind = {**{r: r for r in twins.rep.values()}, **twins.rep}
         self.describe, self.on_twin = describe, on_twin
         self.calls: dict[str, list[_Call]] = {}  # kind -> its layers' real calls, in order
+        self.latest: dict[str, _Call] = {}  # layer -> its last real call: the one stood on
         self.used: dict[str, list[_Call]] = {}  # layer -> the call each of its calls was
         self.tally = twins.tally
         self.distinguishing = twins.distinguishing
@@ -579,7 +583,8 @@ class _Fold:
             alike = (
                 c
                 for c in kind
-                if c.signature == signature
+                if c is self.latest[c.layer]
+                and c.signature == signature
                 and holds(c.guards, indices)
                 and _as_before(module, c.writes)
             )
@@ -591,8 +596,8 @@ class _Fold:
                 for rel, k, _, value in call.writes:  # what its own forward would have written
                     setattr(module.get_submodule(rel) if rel else module, k, value)
                 return self._stand_in(name, call, args, kwargs)
-            if used:
-                raise FoldBroken(f"{name} runs more than once, called otherwise")
+            if any(c.layer != name for c in used):  # it stood on another's call before
+                raise FoldBroken(f"{name} runs more than once and stood on {used[0].layer}")
             inputs = _tensors((args, kwargs))
             versions = [t._version for t in inputs]
             held, attrs, values = _held(args, kwargs), _attributes(module), _values(module)
@@ -611,20 +616,27 @@ class _Fold:
             call = _Call(name, signature, inputs, output, writes, guards)
             kind.append(call)
             used.append(call)
+            self.latest[name] = call
             self.tally["run"] = self.tally.get("run", 0) + 1
             return output
 
         return forward_folded
 
     def check(self) -> None:
-        """After the forward: every call of a layer stood on calls of one layer (itself, or
-        one whose calls all stood on its first). A layer runs for real on its first call only,
-        so that layer's records are its one call's, and what a trace copies from them is what
-        each of this layer's calls would have recorded."""
+        """After the forward: every call of a layer stood on calls of one layer: itself, or
+        another whose real calls it stood on every one of. A layer runs again for real only
+        where no call of its own answers for it (Inkling-2-Loop's later passes hand its
+        layers messages), so that layer's records add up its real calls as an unfolded run's
+        add up all of them, and what a trace copies from them is what each of this layer's
+        calls would have recorded."""
         for name, calls in self.used.items():
             layers = {c.layer for c in calls}
             if len(layers) > 1:
                 raise FoldBroken(f"{name} stands on the calls of {len(layers)} layers")
+            (layer,) = layers
+            ran = {id(c) for c in self.calls[self.kind[layer]] if c.layer == layer}
+            if layer != name and {id(c) for c in calls} != ran:
+                raise FoldBroken(f"{name} stands on some of the calls {layer} ran, not all")
 
     def _stand_in(self, name: str, call: _Call, args: tuple, kwargs: dict) -> Any:
         """``name``'s output, as ``call``'s layer gave it: an input handed back is this call's

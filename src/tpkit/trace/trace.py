@@ -1086,8 +1086,9 @@ class _TraceHooks:
             floats = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
             if floats:
                 self._reset_stream(floats, floats[0])
-                stream = [t for t in floats if _same_stream(t, floats[0])]
-                self.records.carry_in(name, stream, tracer.params)
+                # every float input, the stream's and the rest (Inkling-2's block states, the
+                # same tensor for the layers of a block): each carries under the layer's name
+                self.records.carry_in(name, floats, tracer.params)
         ins = [(f"arg:{i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ins += [(f"kw:{k}", v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
         self.module_inputs[name] = [

@@ -27,7 +27,7 @@ from tpkit.trace.shadow import tensors_in
 
 __all__ = ["TwinRecords"]
 
-#: the name a layer's stream input's bare parameters go by while it runs (`carry_in`)
+#: the name a layer's float input's bare parameters go by while it runs (`carry_in`)
 CARRIED = re.compile(r"\.<carried(\d+)>$")
 
 
@@ -53,9 +53,10 @@ class TwinRecords:
         self.source_of: dict[str, str] = {}  # twin standing in now -> its source
 
     def carry_in(self, name: str, stream: list, params: dict[int, frozenset[str]]) -> None:
-        """Layer ``name`` (of a kind with twins) is given ``stream`` (its stream-like inputs):
-        the bare parameters each carries (the trace's ``params``) go by a name of the layer's
-        own (``<name>.<carriedI>``, the I-th stream input) from now on (see the module
+        """Layer ``name`` (of a kind with twins) is given ``stream`` (its float inputs: the
+        stream, and any other, such as Inkling-2's block states, one tensor handed to several
+        layers): the bare parameters each carries (the trace's ``params``) go by a name of the
+        layer's own (``<name>.<carriedI>``, the I-th float input) from now on (see the module
         docstring); `resolve` puts them back. A layer called again (HRM's cycles) adds what
         each call carries to its tokens, as an unfolded run's records add up over its calls."""
         if name not in self.members:
@@ -80,6 +81,7 @@ class TwinRecords:
         """The trace's post-hook of module ``name``, which returned ``output``; ``params``: the
         trace's bare parameters per tensor. A twin that stood in hands on what its source's
         outputs carried (renamed), not what the stand-in's copy of its input carries."""
+        ran = name not in self.source_of  # its own forward ran, no stand-in
         if params is not None and name in self.members:
             outs = tensors_in(output)
             source = self.source_of.pop(name, None)
@@ -100,11 +102,16 @@ class TwinRecords:
                 self.outs[name] = [(id(t), params.get(id(t))) for t in outs]
         if name in self.before:
             before = self.before.pop(name)
-            if name in self.spans:
-                return  # called again (HRM's cycles): its first call is the one that ran
-            self.spans[name] = [
+            if name in self.spans and not ran:
+                return  # called again and stood on a call of its own (HRM's cycles)
+            keys = [
                 [k for k, v in t.items() if b.get(k) != id(v)]
                 for t, b in zip(self.tables, before, strict=True)
+            ]
+            # a later call that ran (Inkling-2-Loop's passes, handed messages): its entries too
+            old = self.spans.get(name, [[] for _ in keys])
+            self.spans[name] = [
+                o + [k for k in n if k not in o] for o, n in zip(old, keys, strict=True)
             ]
 
     def stand_in(self, twin: str, source: str) -> None:

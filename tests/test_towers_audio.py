@@ -35,6 +35,22 @@ AUDIO = "audio-text-to-text"
 TOWER = ("audio_tower", "multi_modal_projector")
 
 
+def test_a_mask_expanded_along_a_dimension_counts_as_its_sum():
+    """The shadow run counts an expanded placeholder mask once per repeated slice (its hidden
+    dim at full size: 9M entries per forward); the count must be the mask's true sum."""
+    import torch
+
+    from tpkit.trace import shadow
+
+    torch.manual_seed(0)
+    for base in (torch.rand(3, 7, 1), torch.rand(2, 1, 5), torch.rand(4), torch.rand(())):
+        mask = base > 0.5
+        shapes = [mask.shape, tuple(9 if s == 1 else s for s in mask.shape)]
+        for view in (mask.expand(shape) for shape in shapes):
+            want = int(view.sum())
+            assert shadow._true_count(view) == want == shadow._true_count(view.contiguous())
+
+
 def test_audio_placeholders_match_the_features_the_forward_keeps():
     """Pure: the made-up ids of the tiny GLM-ASR carry as many placeholders per row as its own
     ``get_audio_features`` returns for the made-up audio, run for real (16: half the tower's

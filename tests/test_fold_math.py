@@ -134,6 +134,9 @@ def test_math_of_a_watched_index_is_watched_and_guarded():
         assert (root > 1.5) is True
         scaled = torch.ones(2) * (1.0 / root)
         assert not isinstance(scaled, Watched) and scaled.tolist() == [0.5, 0.5]
+        with math_watched():  # nested: the outer block puts math back, not this one
+            pass
+        assert isinstance(math.log2(idx), Watched)
     assert math.sqrt(4) == 2.0 and type(math.sqrt).__name__ == "builtin_function_or_method"
     found = guards.end()
     assert holds(found, {"i": 9}) and not holds(found, {"i": 1})  # sqrt(1) > 1.5 is False

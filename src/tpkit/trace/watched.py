@@ -100,7 +100,12 @@ _FLOAT_OPS = frozenset({"add", "sub", "mul", "truediv"})
 def math_watched() -> Iterator[None]:
     """Inside the block, each function of `_MATH` handed a `Watched` gives a `Watched` (an
     expression of the indices, its value the running layer's) instead of reading the value
-    (which ``float()`` would: a break); anything else as `math` does. Put back on exit."""
+    (which ``float()`` would: a break); anything else as `math` does. Put back on exit; a
+    block inside another (or beside it, in another thread) changes nothing, and once the
+    outer one has put `math` back a watched argument is read, which breaks the fold: safe."""
+    if getattr(math.sqrt, "_tpkit_watching", False):
+        yield
+        return
     saved = {name: getattr(math, name) for name in _MATH}
 
     def watching(name: str) -> Callable[..., Any]:
@@ -110,6 +115,7 @@ def math_watched() -> Iterator[None]:
             first = next((a for a in args if isinstance(a, Watched)), None)
             return plain(*args) if first is None else first._math(name, args)
 
+        call._tpkit_watching = True  # type: ignore[attr-defined]
         return call
 
     try:

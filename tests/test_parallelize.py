@@ -210,6 +210,19 @@ def check_own_shards() -> list[str]:
         shares = got.to_local().untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
         if not same or shares or not isinstance(module.weight, nn.Parameter):
             wrong.append(f"{shape} {layout}")
+        # a parameter as nn.Parameter makes one (`tpkit.compat.as_parameter` skips its detach)
+        (got.to_local() * 2).sum().backward()
+        param = got.is_leaf and got.requires_grad and module.weight is got
+        if not param or not torch.equal(got.grad.to_local(), torch.full_like(got.to_local(), 2)):
+            wrong.append(f"{shape} {layout}: not a trainable leaf parameter")
+        frozen = nn.Module()
+        with torch.device("meta"):
+            frozen.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
+        on_meta = distribute_param(frozen, "weight", layout, mesh)
+        if not isinstance(frozen.weight, nn.Parameter) or on_meta.requires_grad:
+            wrong.append(f"{shape} {layout}: a frozen meta weight")
+        if list(frozen.parameters()) != [on_meta] or not on_meta.is_meta:
+            wrong.append(f"{shape} {layout}: meta parameter not registered")
     return wrong
 
 

@@ -134,6 +134,27 @@ def test_key_misses_on_training_mode():
     assert key_digest(plan_key(model, "auto", 2)) != key_digest(evaluating)
 
 
+def test_key_holds_the_registered_styles_not_those_derived_on_first_use(monkeypatch):
+    """Deriving DBRX-like experts registers ``packed_colwise_x<k>`` on first use. The key must
+    not change with it: a plan saved by a process that had derived one (`tpkit plan --save`
+    after other plans) would never match a fresh rank's key. A style the user registers does
+    change the key."""
+    from dataclasses import replace
+
+    from tpkit.plan import catalogue
+
+    model = _meta("llama")
+    before = key_digest(plan_key(model, "auto", 2))
+    names = {s.name for s in catalogue.all_specs()}
+    parts = next(k for k in range(37, 99) if f"packed_colwise_x{k}" not in names)
+    catalogue.canonical_style(f"packed_colwise_x{parts}")  # registered on first use
+    assert f"packed_colwise_x{parts}" in {s.name for s in catalogue.all_specs()}
+    assert key_digest(plan_key(model, "auto", 2)) == before
+    mine = replace(catalogue.style_spec("colwise"), name="my_colwise", aliases=())
+    monkeypatch.setitem(catalogue._SPECS, "my_colwise", mine)
+    assert key_digest(plan_key(model, "auto", 2)) != before
+
+
 def test_a_config_attribute_that_is_no_config_is_keyed():
     """IDEFICS keeps a float as a layer's ``config``: keyed by its value, never an error."""
     keys = []

@@ -45,6 +45,18 @@ _FILLS = frozenset(
         "index_fill_",
         "fill_diagonal_",
         "trunc_normal_",
+        # torch.nn.init's, which take the tensor as ``tensor=`` (see `SkipMetaFills`)
+        "zeros_",
+        "ones_",
+        "constant_",
+        "eye_",
+        "dirac_",
+        "xavier_uniform_",
+        "xavier_normal_",
+        "kaiming_uniform_",
+        "kaiming_normal_",
+        "orthogonal_",
+        "sparse_",
     ]
 )
 
@@ -57,17 +69,17 @@ class SkipMetaFills(TorchFunctionMode):
     torch runs each ``normal_`` through its Python reference (``torch._refs``): 0.1 s of a
     57M Llama's build, for values a meta tensor does not have. transformers skips the whole
     initialisation under a ``torch.device("meta")`` context, which would skip the real buffers'
-    too; this skips only what writes nothing."""
+    too; this skips only what writes nothing. ``torch.nn.init``'s functions reach a mode with
+    the tensor as the keyword ``tensor`` and no positional argument (how transformers'
+    ``_init_weights`` calls them): read there too, or every ``normal_`` of the build ran."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if (
-            getattr(func, "__name__", "") in _FILLS
-            and args
-            and isinstance(args[0], torch.Tensor)
-            and args[0].is_meta
-        ):
-            return args[0]
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _FILLS:
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
 
 
 def model_class(config, model_cls: type | str | None = None):

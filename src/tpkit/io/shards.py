@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from tpkit.compat import StridedShard
+from tpkit.compat import StridedShard, as_parameter
 from tpkit.parallel.mesh import dist_env
 from tpkit.plan import Plan, derive_plan, param_layout, param_layouts
 from tpkit.plan.layout import chunk_ranges
@@ -76,7 +76,7 @@ def dtensor_like(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 def set_local(module: nn.Module, pname: str, local: torch.Tensor) -> nn.Parameter:
     """Replace ``module.<pname>`` (DTensor or plain, meta or real) by one holding ``local``."""
     old = module._parameters[pname]
-    new = nn.Parameter(dtensor_like(old, local), requires_grad=old.requires_grad)
+    new = as_parameter(dtensor_like(old, local), old.requires_grad)
     module._parameters[pname] = new
     return new
 

@@ -203,7 +203,7 @@ def plan_key(
         "plan": _plan_arg(plan),
         "tp": tp_size,
         "training": _training_digest(model),
-        "styles": _digest(sorted(repr(s) for s in all_specs())),
+        "styles": _digest(sorted(repr(s) for s in all_specs(derived=False))),
         "versions": _versions(),
     }
 

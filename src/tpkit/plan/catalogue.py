@@ -403,8 +403,11 @@ def style_spec(name: str) -> StyleSpec:
     return _SPECS[canonical_style(name)]
 
 
-def all_specs() -> list[StyleSpec]:
-    return list(_SPECS.values())
+def all_specs(*, derived: bool = True) -> list[StyleSpec]:
+    """Every style in the catalogue. ``derived=False`` leaves out the ``<packed>_x<parts>``
+    styles registered on first use: a function of their base, so a plan cache's key (which
+    holds the catalogue) stays the same before and after a derivation that named one."""
+    return [s for s in _SPECS.values() if derived or s.name not in _DERIVED]
 
 
 def implementation(name: str) -> Any:

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
-from tpkit.compat import StridedShard
+from tpkit.compat import StridedShard, as_parameter
 from tpkit.parallel.comm import copy_to_tp
 from tpkit.parallel.shard_memory import empty_shard
 from tpkit.plan.catalogue import StyleSpec, bind, style_spec
@@ -91,7 +91,7 @@ def distribute_param(
     if isinstance(param, DTensor):
         return param
     if src_data_rank is None and mesh.ndim == 1 and param.device.type != "meta":
-        new = nn.Parameter(_own_shard(param.detach(), layout, mesh), param.requires_grad)
+        new = as_parameter(_own_shard(param.detach(), layout, mesh), param.requires_grad)
         module.register_parameter(name, new)
         return new
     dt = distribute_tensor(
@@ -106,7 +106,7 @@ def distribute_param(
         dt = DTensor.from_local(
             local.clone(), mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride()
         )
-    new = nn.Parameter(dt, requires_grad=param.requires_grad)
+    new = as_parameter(dt, param.requires_grad)
     module.register_parameter(name, new)
     return new
 

@@ -269,7 +269,7 @@ def _naflex_patches(config: Any, params: dict[str, inspect.Parameter], kwargs: d
     b, c, h, w = pixels.shape
     rows, cols = h // patch, w // patch
     shape = (b, rows * cols, c * patch * patch)
-    kwargs["pixel_values"] = torch.empty(shape, dtype=pixels.dtype, device=pixels.device)
+    kwargs["pixel_values"] = torch.zeros(shape, dtype=pixels.dtype, device=pixels.device)
     kwargs[_SHAPES] = torch.tensor([[rows, cols]] * b)
     for name in _required(params):  # Siglip2VisionModel requires its ``pixel_attention_mask``
         if name.startswith("pixel_") and name.endswith("mask"):

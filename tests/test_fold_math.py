@@ -1,8 +1,7 @@
 """Folding layers that compute with their index beyond comparisons (`tpkit.trace.watched`):
-a function of `math` of it (Beam's depth-scaled residual), float tensors scaled by it, an
-offset handed to layers run in loops (Dory's ``cache_offset``), and the uses that must still
-tell layers apart (integer tensors made of it, torch calls handed it). Each plan is the
-unfolded one, entry for entry. Pure: meta-free CPU models, no ranks."""
+a function of `math` of it (Beam's depth-scaled residual), float tensors scaled by it, and the
+uses that must still tell layers apart (integer tensors made of it, torch calls handed it).
+Each plan is the unfolded one, entry for entry. Pure: meta-free CPU models, no ranks."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ class _Block(nn.Module):
         self.residual_add_idx = 2 * (layer_idx + 1)
         self.use = use
 
-    def forward(self, x: torch.Tensor, cache_offset: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.up(x))
         if self.use == "test" and math.sqrt(self.residual_add_idx) > 3:  # layers 4 and 5
             h = h * 2
@@ -42,25 +41,20 @@ class _Block(nn.Module):
             h = h + positions.float().mean()
         if self.use == "torch":  # handed to torch: read as a value there
             h = h + torch.full((1,), self.residual_add_idx, device=x.device)
-        return _depth_scaled(self.down(h), x, self.residual_add_idx + cache_offset)
+        return _depth_scaled(self.down(h), x, self.residual_add_idx)
 
 
 class _Stack(nn.Module):
-    """Six alike layers; ``loops``: the last four run again per loop with another
-    ``cache_offset`` (Dory's recurrent section)."""
+    """Six alike layers."""
 
-    def __init__(self, use: str = "", loops: int = 1):
+    def __init__(self, use: str = ""):
         super().__init__()
         self.layers = nn.ModuleList(_Block(8, i, use) for i in range(6))
         self.head = nn.Linear(8, 4)
-        self.loops = loops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers[:2]:
-            x = layer(x, cache_offset=0)
-        for loop in range(self.loops):
-            for layer in self.layers[2:]:
-                x = layer(x, cache_offset=4 * (loop + 1))
+        for layer in self.layers:
+            x = layer(x)
         return self.head(x)
 
 
@@ -95,18 +89,6 @@ def test_a_layer_scaled_by_a_function_of_its_index_folds(use, runs):
     assert plan_key(plan) == plan_key(unfolded) and plan.notes == unfolded.notes
     assert plan["layers.*.up"] == "colwise" and plan["layers.*.down"] == "rowwise"
     assert folded.tally["stood"] > 0 and not folded.unfolded
-
-
-def test_layers_run_in_loops_with_a_cache_offset_fold():
-    """Dory's recurrent layers, called again per loop with another ``cache_offset`` (added
-    to their index): every call stands on the first layer's first call."""
-    model = _Stack(loops=3)
-    analysis = Analysis(model, (torch.randn(2, 3, 8),))
-    calls = _runs(model)
-    analysis.trace()
-    assert calls == [0] and analysis.tally == {"run": 1, "stood": 13} and not analysis.broke
-    _, plan, unfolded = _plans(model)
-    assert plan_key(plan) == plan_key(unfolded) and plan.notes == unfolded.notes
 
 
 @pytest.mark.parametrize(("use", "unfolded"), [("positions", False), ("torch", True)])

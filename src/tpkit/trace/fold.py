@@ -81,7 +81,7 @@ __all__ = [
 
 #: integer attributes that number a layer (`find_twins`): different in every layer by design
 INDEX_ATTRS = re.compile(
-    r"^(layer|block|cycle|cache)_?(idx|id|index|number|num|no|offset)$|^(idx|index)$"
+    r"^(layer|block|cycle)_?(idx|id|index|number|num|no|offset)$|^(idx|index)$"
     r"|^[a-z]\w*_(idx|index)$"  # a layer's own count of something (Beam's residual_add_idx)
 )
 #: a module's own bookkeeping, never compared (hooks, its registries, training mode)

@@ -214,3 +214,18 @@ def test_resolve_walks_modules_as_named_modules_does():
         ("1.b.weight", "param"),
     ]
     assert set(params) == {"0.0.weight", "0.0.bias", "1.b.weight"}
+
+
+def test_style_for_answers_follow_every_change_of_the_entries():
+    """`Plan.style_for` remembers its answers by name; each change of an entry forgets them."""
+    plan = Plan({"a.*": "colwise"})
+    assert plan.style_for("a.b") == ("colwise", "a.*")
+    plan.set("a.b", "rowwise")  # a later, more specific entry
+    assert plan.style_for("a.b") == ("rowwise", "a.b")
+    plan.set("a.*", "replicate")  # replaced in place: a.b stays the later entry
+    assert plan.style_for("a.c") == ("replicate", "a.*")
+    assert plan.style_for("a.b") == ("rowwise", "a.b")
+    merged = plan.merged({"a.*": "colwise"})  # re-inserted last: it wins now
+    assert merged.style_for("a.b") == ("colwise", "a.*")
+    assert plan.style_for("a.b") == ("rowwise", "a.b")
+    assert plan.copy().style_for("x.y") is None

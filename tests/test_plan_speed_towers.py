@@ -121,3 +121,61 @@ def test_the_audio_placeholder_count_is_not_traced(monkeypatch):
     ]  # a first forward may stop early (then one with values)
     assert all(tower <= 1 for tower, _ in counts)
     assert (1, 1) in counts
+
+
+class _Mixer(nn.Module):
+    """A Mamba-like layer: a linear in, a causal convolution (depthwise, or ``groups`` groups
+    of many channels each), a linear out, residual."""
+
+    def __init__(self, groups: int | None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(CHANNELS, 64)
+        self.conv = nn.Conv1d(64, 64, 4, groups=groups or 64, padding=3)
+        self.out = nn.Linear(64, CHANNELS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(self.inp(x).transpose(1, 2))[..., : x.shape[1]]
+        return x + self.out(torch.relu(h).transpose(1, 2))
+
+
+class _Mixers(nn.Module):
+    def __init__(self, groups: int | None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Mixer(groups) for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _mixer_pairs(model: nn.Module):
+    found = conv_pairs(model, 2, lambda *_: True, (torch.randn(2, TIME, CHANNELS),))
+    return found.styles, found.broken, found.fixups, found.groups
+
+
+def test_conv_pairs_run_no_forward_where_no_convolution_can_take_a_role(monkeypatch):
+    """Depthwise convolutions only (Zamba's, Mamba's): none can be a column or be gathered, so
+    nothing can pair and no forward runs; forced to run, the forward finds the same nothing."""
+    from tpkit.sources import convs
+
+    torch.manual_seed(0)
+    model = _Mixers(groups=None)
+    calls = _counted(model)
+    skipped = _mixer_pairs(model)
+    assert calls == []
+    assert skipped == ({}, {}, {}, [])
+    monkeypatch.setattr(convs, "_may_take_a_role", lambda *_: True)
+    assert _mixer_pairs(model) == skipped
+    assert calls  # the forced forward ran
+
+
+def test_conv_pairs_still_run_where_a_grouped_convolution_can_be_gathered():
+    """Two groups of 32 channels, read whole: gathered by output channels, so the forward
+    runs and finds it (the skip is for convolutions that can take no role at all)."""
+    torch.manual_seed(0)
+    model = _Mixers(groups=2)
+    calls = _counted(model)
+    styles = _mixer_pairs(model)[0]
+    assert calls
+    assert styles == {f"layers.{i}.conv": "conv_colwise_gather" for i in range(LAYERS)}

@@ -215,3 +215,34 @@ def test_fewest_whole_then_gathered_where_that_runs(bart):
         "replicated: a dry run of the split forward failed: ValueError: heads"
     )
     assert out["model.decoder.layers.*.fc2"] == "rowwise"
+
+
+def test_dry_runs_after_a_data_dependent_branch_start_with_values(monkeypatch):
+    """A MoE's plain fake dry run meets its routing and learns nothing: the analysis remembers
+    it and later dry runs start with made-up values, asking the plain run only where those
+    fail. Every answer is the one a fresh analysis (plain run first) gives."""
+    from tpkit.settle import dryrun
+    from tpkit.trace.analysis import Analysis
+
+    model = build_tiny("dbrx", "DbrxForCausalLM").eval()  # its experts loop over routed ones
+    plans = [
+        Plan(),
+        derive_plan(model, "auto", 2),
+        Plan({"transformer.blocks.*.norm_attn_norm.attn.Wqkv": "colwise"}),  # fails: an error
+        Plan({"transformer.blocks.*.norm_attn_norm.attn.out_proj": "rowwise"}),
+    ]
+    fresh = [dryrun.dry_run(Analysis(model), p, 2) for p in plans]
+    assert fresh[0] is None and fresh[2] is not None
+    calls = []
+    once = dryrun._dry_run_once
+
+    def counted(*args, **kwargs):
+        calls.append(bool(kwargs.get("values")))
+        return once(*args, **kwargs)
+
+    monkeypatch.setattr(dryrun, "_dry_run_once", counted)
+    shared = Analysis(model)
+    assert [dryrun.dry_run(shared, p, 2) for p in plans] == fresh
+    assert shared.needs_values
+    assert calls[:2] == [False, True]  # the first: plain, then values
+    assert calls[2] is True  # the next starts with values

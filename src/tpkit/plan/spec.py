@@ -148,6 +148,10 @@ class _Bucket:
         return self.positions[j], self.patterns[j]
 
 
+#: `Plan.style_for`'s "not asked yet" (None is an answer: no entry matches)
+_UNKNOWN = object()
+
+
 def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``model.named_modules()`` (pre-order, each module once, under its first name) without
     its generator per level: a resolve walks every module of the model, dozens of times while
@@ -197,6 +201,7 @@ class Plan(Mapping[str, str]):
         self._styles: dict[str, str] = {}
         self._sources: dict[str, Source] = {}
         self._index: dict[tuple[int, str], _Bucket] | None = None  # style_for's
+        self._hits: dict[str, tuple[str, str] | None] = {}  # style_for's answers by name
         self.args: dict[str, dict[str, Any]] = {}
         self.fixups: dict[str, dict[str, Any]] = {}
         self.notes: dict[str, str] = {}
@@ -288,11 +293,17 @@ class Plan(Mapping[str, str]):
         layer while it is derived) resolves a model of 8,000 modules in a few milliseconds,
         not millions of regex matches."""
         if self._index is None:
-            self._index = {}
+            self._index, self._hits = {}, {}
             for position, pattern in enumerate(self._styles):
                 parts = pattern.split(".")
                 key = (len(parts), parts[-1])
                 self._index.setdefault(key, _Bucket()).add(position, pattern, parts)
+        hit = self._hits.get(name, _UNKNOWN)
+        if hit is _UNKNOWN:  # remembered until an entry changes (`_index` is reset then)
+            hit = self._hits[name] = self._style_for(name)
+        return hit
+
+    def _style_for(self, name: str) -> tuple[str, str] | None:
         parts = name.split(".")
         best: tuple[int, str] | None = None
         for key in ((len(parts), parts[-1]), (len(parts), "*")):

@@ -288,8 +288,10 @@ def conv_pairs(
     split at all (the fallback's checks: not shared, not parametrized, not an overridden
     forward), asked inside those forwards. A model whose forward cannot run on fake tensors
     pairs nothing (nor does one without a convolution). With ``analysis`` (of ``model``), each
-    forward folds the twin layers that hold no convolution or norm (`_conv_free`)."""
-    if not any(isinstance(m, CONVS + TRANSPOSED_CONVS) for m in model.modules()):
+    forward folds the twin layers that hold no convolution or norm (`_conv_free`). A model
+    none of whose convolutions could take a role (`_may_take_a_role`: Mamba's depthwise
+    convolutions only) pairs nothing without a forward."""
+    if not any(_may_take_a_role(m, tp) for m in model.modules()):
         return ConvPairs()
     excluded: set[str] = set()
     broken: dict[str, str] = {}
@@ -319,6 +321,24 @@ def conv_pairs(
         broken.update(newly)
         excluded |= newly.keys()
     return ConvPairs(broken=broken)
+
+
+def _may_take_a_role(mod: nn.Module, tp: int) -> bool:
+    """Whether convolution ``mod`` could be a column or be gathered in `_ConvTrace._pre` (a
+    superset: the splittable and exclusion checks left out). Every other role (a row, a
+    follower) and every break needs a column's split channels, so a model with no such
+    convolution gets nothing from the forward: `conv_pairs` skips it (Zamba's 76 Mamba layers
+    hold depthwise convolutions only, read whole)."""
+    if not isinstance(mod, CONVS + TRANSPOSED_CONVS):
+        return False
+    if mod.groups == 1 and min(chunk_sizes(mod.out_channels, tp)) >= 1:
+        return True  # a column candidate
+    own = own_forward(mod)
+    return (
+        isinstance(mod, CONVS)
+        and (mod.groups > 1 or not own)
+        and not_gathered(mod, tp, depthwise=not own) is None
+    )
 
 
 def _conv_free(model: nn.Module, twins: Twins) -> Twins:

@@ -359,10 +359,11 @@ def _column_style(node: Node) -> str:
     return {2: "packed_colwise", 3: "packed_qkv_colwise"}.get(node.split, "colwise")
 
 
-def _group(model: nn.Module, draft: Draft, r: str, cols: set[str]) -> Group:
-    """Styles, fix-ups and counts for one row linear ``r`` and its column sources."""
+def _group(modules: dict[str, nn.Module], draft: Draft, r: str, cols: set[str]) -> Group:
+    """Styles, fix-ups and counts for one row linear ``r`` and its column sources (``modules``:
+    the model's, by name, walked once for every group)."""
     info, styles, fixups = draft.info, draft.styles, draft.fixups
-    nodes, modules = info.nodes, dict(model.named_modules())
+    nodes = info.nodes
     pair = sorted(cols) + [r]
     counts = {}
     for c in sorted(cols):
@@ -572,8 +573,9 @@ def _infer_once(analysis: Analysis, mixed: bool) -> Plan:
     draft.candidates = _row_candidates(draft.nodes, draft.exclude)
     draft.rows, draft.why = _pairs(draft.nodes, draft.exclude, draft.candidates)
     _bags(model, draft)
+    modules = dict(model.named_modules())
     for r, cols in draft.rows.items():
-        draft.groups.append(_group(model, draft, r, cols))
+        draft.groups.append(_group(modules, draft, r, cols))
     _tails(model, draft)
     draft.add_groups(
         expert_groups(model, draft.info, draft.exclude, draft.styles, draft.why, draft.fixups)

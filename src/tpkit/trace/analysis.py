@@ -62,6 +62,9 @@ class Analysis:
     #: (shadow values or not, the twins folded) -> the unsplit model's reshapes
     #: (`tpkit.settle.dryrun`)
     references: dict[tuple, Any] = field(default_factory=dict, repr=False)
+    #: a plain fake dry run of this model met a data-dependent branch: the next ones start
+    #: with shadow values (`tpkit.settle.dryrun`)
+    needs_values: bool = False
     #: whether fake forwards fold identical layers (`folding`)
     fold: bool = True
     #: the kinds of forward ("trace", "dry run") that run unfolded: a fold of theirs broke

@@ -69,7 +69,7 @@ from torch import nn
 from tpkit.compat import DisableTorchFunction, tree_flatten, tree_map, unset_fake_temporarily
 from tpkit.plan.spec import Plan
 from tpkit.trace.shadow import ShadowValues, tensors_in
-from tpkit.trace.watched import FoldBroken, Guards, Watched, holds
+from tpkit.trace.watched import FoldBroken, Guards, Watched, holds, math_watched
 
 __all__ = [
     "Describe",
@@ -85,6 +85,7 @@ __all__ = [
 #: integer attributes that number a layer (`find_twins`): different in every layer by design
 INDEX_ATTRS = re.compile(
     r"^(layer|block|cycle)_?(idx|id|index|number|num|no|offset)$|^(idx|index)$"
+    r"|^[a-z]\w*_(idx|index)$"  # a layer's own count of something (Beam's residual_add_idx)
 )
 #: a module's own bookkeeping, never compared (hooks, its registries, training mode)
 _INTERNAL = frozenset(
@@ -604,6 +605,10 @@ class _Fold:
             self.guards.begin(name)
             try:
                 output = forward(*args, **kwargs)
+            except TypeError as exc:  # torch's or a C function's: a watched index handed on
+                if "Watched" in str(exc):
+                    raise FoldBroken(f"{name} hands a watched index on: {exc}") from exc
+                raise
             finally:
                 guards = self.guards.end()
             if [t._version for t in inputs] != versions or any(_shallow(v) != s for v, s in held):
@@ -699,7 +704,8 @@ def folded(
                 fold.indices.setdefault(name, {})[key] = value
                 token = _token(twins.base.get(kind, kind), (rel, attr))
                 put(sub, attr, Watched(attr, value, token, name, fold.guards, key=key))
-        yield
+        with math_watched():
+            yield
         fold.check()
     finally:
         for obj, attr, value, had in reversed(saved):

@@ -66,6 +66,23 @@ _ROUTING = MappingProxyType(
 )
 
 
+#: routing ops that, over a mask, find a position (Kolibri-1.1's first visible key of each
+#: query: ``visible.int().argmax(-1)``): computed on its value where it has one
+_POSITIONS = frozenset({"argmax", "argmin"})
+
+
+def _known_positions(t: torch.Tensor, shadow: ShadowValues) -> bool:
+    """Whether ``t`` is a mask (bool or integer) with a value: what ``argmax`` finds in it is
+    a position, not a routing choice, and made-up round-robin positions would only make the
+    model's per-position loops run once per made-up position (21 groups of one query each for
+    Kolibri-1.1's indexers instead of 3). Float scores keep their round-robin routing."""
+    if t.is_floating_point() or t.is_complex() or not shadow._shadowed(t):
+        return False
+    with unset_fake_temporarily():
+        value = shadow.shadow[t]
+        return bool(((value == 0) | (value == 1)).all())
+
+
 class GivenValues:
     """The values of one forward's integer inputs, by the fake tensor the forward gets in
     each one's place (`keep`): token ids, an image grid, an audio's feature mask. Code that
@@ -297,6 +314,11 @@ class ShadowValues(TorchFunctionMode):
             # too big to compute for real, so the fake op gets the scalar's value instead
             return func(*scalars[0], **scalars[1])
         if name in _ROUTING and isinstance(args[0] if args else None, torch.Tensor):
+            if name in _POSITIONS and _known_positions(args[0], self):  # as computed, below
+                ok, real, _ = self._real(func, args, kwargs)
+                if ok:
+                    self._attach(out, real)
+                    return out
             self._route(name, out, args, kwargs)
         elif not _tensors((args, kwargs)) and _tensors(out):
             self._made(name, func, out, args, kwargs)

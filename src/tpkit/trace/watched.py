@@ -8,7 +8,12 @@ stands for it while the layer runs:
   with the running layer's own value and recorded on its call as a *guard*: the expression of
   the indices it tested and the outcome;
 - arithmetic (``idx + 1``, ``2 * idx``) gives another `Watched`: an expression of the indices,
-  its value the running layer's;
+  its value the running layer's; so does a function of `math` (Beam's residual scale
+  ``math.sqrt(residual_add_idx)``: `math_watched` hands a `Watched` argument on to `Watched`);
+- arithmetic with a float tensor (``hidden_states * scale``) gives that tensor computed with the
+  running layer's value: float values steer no shape and no path of a fold's forward (a fold
+  compares float tensors by shape and dtype only), so this is what a layer alike but for its
+  weights does already;
 - any other use (an index into a list, a float, a hash, a string, an attribute, a torch call)
   raises `FoldBroken` naming the index: from then on it tells layers apart (compared, not
   watched), as every use did before guards.
@@ -16,17 +21,21 @@ stands for it while the layer runs:
 A twin stands on a recorded call only where each of its guards, evaluated with the twin's own
 indices, gives the recorded outcome (`holds`). The forward saw nothing of the index but those
 outcomes, so with the same outcomes it takes the same path for the twin as it did for the
-layer that ran: exact. Pure: no process group, no torch.
+layer that ran: exact. Pure: no process group.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["FoldBroken", "Guards", "Watched", "holds"]
+import torch
+
+__all__ = ["FoldBroken", "Guards", "Watched", "holds", "math_watched"]
 
 
 class FoldBroken(BaseException):
@@ -68,9 +77,54 @@ _UNARY: Mapping[str, Callable[[Any], Any]] = MappingProxyType(
         "truth": bool,
     }
 )
+#: functions of `math` a watched index may be handed (`math_watched`): the originals
+_MATH: Mapping[str, Callable[..., Any]] = MappingProxyType(
+    {
+        name: getattr(math, name)
+        for name in (
+            *("sqrt", "exp", "log", "log2", "log10", "pow", "floor", "ceil", "trunc"),
+            *("isqrt", "sin", "cos", "tan", "tanh", "atan", "fabs"),
+        )
+    }
+)
 #: plain values a watched index may meet in arithmetic and in comparisons
 _NUMBERS = (int, float)
 _COMPARABLE = (int, float, str, type(None))
+
+
+#: arithmetic a watched index may take part in with a float tensor (`Watched._derive`)
+_FLOAT_OPS = frozenset({"add", "sub", "mul", "truediv"})
+
+
+@contextlib.contextmanager
+def math_watched() -> Iterator[None]:
+    """Inside the block, each function of `_MATH` handed a `Watched` gives a `Watched` (an
+    expression of the indices, its value the running layer's) instead of reading the value
+    (which ``float()`` would: a break); anything else as `math` does. Put back on exit; a
+    block inside another (or beside it, in another thread) changes nothing, and once the
+    outer one has put `math` back a watched argument is read, which breaks the fold: safe."""
+    if getattr(math.sqrt, "_tpkit_watching", False):
+        yield
+        return
+    saved = {name: getattr(math, name) for name in _MATH}
+
+    def watching(name: str) -> Callable[..., Any]:
+        plain = _MATH[name]
+
+        def call(*args: Any) -> Any:
+            first = next((a for a in args if isinstance(a, Watched)), None)
+            return plain(*args) if first is None else first._math(name, args)
+
+        call._tpkit_watching = True  # type: ignore[attr-defined]
+        return call
+
+    try:
+        for name in _MATH:
+            setattr(math, name, watching(name))
+        yield
+    finally:
+        for name, plain in saved.items():
+            setattr(math, name, plain)
 
 
 class Guards:
@@ -111,6 +165,8 @@ def _evaluate(expr: Expr, env: Mapping[Any, int]) -> Any:
         return expr[1]
     if head in _UNARY:
         return _UNARY[head](_evaluate(expr[1], env))
+    if head == "math":
+        return _MATH[expr[1]](*(_evaluate(e, env) for e in expr[2:]))
     return _BINARY[head](_evaluate(expr[1], env), _evaluate(expr[2], env))
 
 
@@ -155,13 +211,31 @@ class Watched:
             self._used()
         return ("const", other), other
 
-    def _derive(self, op: str, other: Any, reflected: bool = False) -> Watched:
+    def _derive(self, op: str, other: Any, reflected: bool = False) -> Any:
+        if isinstance(other, torch.Tensor) and op in _FLOAT_OPS:
+            self._mine()
+            if not (other.is_floating_point() or other.is_complex()):
+                self._used()  # integer values steer shapes and paths: the index tells apart
+            pair = (other, self._value) if reflected else (self._value, other)
+            return _BINARY[op](*pair)  # float values only: see the module docstring
         expr, theirs = self._operand(other, _NUMBERS)
         if reflected:
             value, new = _BINARY[op](theirs, self._value), (op, expr, self._expr)
         else:
             value, new = _BINARY[op](self._value, theirs), (op, self._expr, expr)
         return Watched(self._name, value, self._token, self._owner, self._guards, new)
+
+    def _math(self, name: str, args: tuple) -> Watched:
+        """``math.<name>(*args)`` with this index among ``args`` (`math_watched`)."""
+        exprs, values = [], []
+        for a in args:
+            expr, value = self._operand(a, _NUMBERS)
+            exprs.append(expr)
+            values.append(value)
+        value = _MATH[name](*values)
+        return Watched(
+            self._name, value, self._token, self._owner, self._guards, ("math", name, *exprs)
+        )
 
     def _compare(self, op: str, other: Any) -> bool:
         expr, theirs = self._operand(other, _COMPARABLE)

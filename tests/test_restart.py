@@ -154,8 +154,10 @@ def test_an_incomplete_trainer_checkpoint_is_never_the_last(tmp_path):
     import transformers.trainer
     from transformers import trainer_utils
 
-    from tpkit.integrations.trainer import patch_trainer, unpatch_trainer
+    from tpkit.integrations.trainer import is_patched, patch_trainer, unpatch_trainer
 
+    was_patched = is_patched()  # an earlier tensor_parallel in this worker patches it for us
+    unpatch_trainer()
     whole = {"model.safetensors": "w", "trainer_state.json": "{}", "tpkit_dcp/.metadata": "m"}
     _checkpoint(tmp_path / "checkpoint-3", whole)  # plain Trainer's or an older tpkit's: unmarked
     _checkpoint(tmp_path / "checkpoint-6", whole, marked=True)
@@ -173,7 +175,8 @@ def test_an_incomplete_trainer_checkpoint_is_never_the_last(tmp_path):
             assert module.get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-6")
         assert trainer_utils.get_last_checkpoint(str(tmp_path / "none")) is None
     finally:
-        unpatch_trainer()
+        if not was_patched:
+            unpatch_trainer()
 
 
 def test_a_spent_restart_budget_is_one_clear_error(tmp_path):

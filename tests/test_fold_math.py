@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tpkit.plan import Plan, derive_plan
+from tests.test_fold_guards import _plans, _runs
 from tpkit.trace.analysis import Analysis, plan_key
 from tpkit.trace.watched import FoldBroken, Guards, Watched, holds, math_watched
 
@@ -56,23 +56,6 @@ class _Stack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
-
-
-def _runs(model: nn.Module) -> list[int]:
-    """The indices of the layers whose own forward ran, in order."""
-    calls: list[int] = []
-    for i, layer in enumerate(model.layers):
-        layer.up.register_forward_pre_hook(lambda *_, i=i: calls.append(i))
-    return calls
-
-
-def _plans(model: nn.Module) -> tuple[Analysis, Plan, Plan]:
-    example = (torch.randn(2, 3, 8),)
-    folded = Analysis(model, example)
-    plan = derive_plan(model, "auto", 2, analysis=folded)
-    unfolded = Analysis(model, example)
-    unfolded.fold = False
-    return folded, plan, derive_plan(model, "auto", 2, analysis=unfolded)
 
 
 @pytest.mark.parametrize(("use", "runs"), [("", [0]), ("test", [0, 4])])

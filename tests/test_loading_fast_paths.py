@@ -1,5 +1,5 @@
 """What makes `from_pretrained` fast changes no number: runs of the file mapped copy-on-write,
-shards in huge pages, the meta build's fills skipped, the files prefetched while the model is
+shards in their own populated (or huge-page) mappings, the meta build's fills skipped, the files prefetched while the model is
 split."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import hashlib
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import transformers as tf
 from safetensors.torch import save_file
@@ -20,9 +21,12 @@ from tpkit.parallel import shard_memory
 from tpkit.parallel.shard_memory import empty_shard
 
 
-def test_a_huge_page_shard_is_an_ordinary_tensor():
+@pytest.mark.parametrize("huge", ["0", "1"])
+def test_a_mapped_shard_is_an_ordinary_tensor(monkeypatch, huge):
+    monkeypatch.setenv("TPKIT_HUGE_PAGES", huge)  # populated ordinary pages, or huge pages
     t = empty_shard((1024, 1024), torch.float32, torch.device("cpu"))  # 4 MiB: the mapped path
     assert t.shape == (1024, 1024) and t.dtype == torch.float32 and t.is_contiguous()
+    assert t.untyped_storage().nbytes() == 4 << 20  # its own mapping, not the allocator's
     t.fill_(2.0)
     t[3, 5] = 7.0
     assert float(t.sum()) == 2.0 * 1024 * 1024 + 5.0
@@ -103,8 +107,8 @@ def test_prefetch_never_fails(tmp_path):
     prefetch([tmp_path / "missing"])  # gone: nothing, no error
 
 
-# ---- on ranks: the huge-page path for every shard, tp and dp x tp (FSDP2 after the load) --------
-def load_in_huge_pages(path: str, tp_size: int) -> dict:
+# ---- on ranks: the mapped path for every shard, tp and dp x tp (FSDP2 after the load) ----------
+def load_in_mapped_shards(path: str, tp_size: int, huge: str) -> dict:
     import torch.distributed as dist
 
     import tpkit
@@ -114,14 +118,17 @@ def load_in_huge_pages(path: str, tp_size: int) -> dict:
     dist.barrier()
     file = os.path.join(path, "model.safetensors")
     digest = hashlib.sha256(Path(file).read_bytes()).hexdigest()
-    saved, shard_memory.HUGE_MIN_BYTES = (
-        shard_memory.HUGE_MIN_BYTES,
-        1,
-    )  # every shard read in huge pages
+    saved = shard_memory.MAPPED_MIN_BYTES, os.environ.get("TPKIT_HUGE_PAGES")
+    shard_memory.MAPPED_MIN_BYTES = 1  # every shard read into its own mapping
+    os.environ["TPKIT_HUGE_PAGES"] = huge
     try:
         model = tpkit.from_pretrained(path, tp_size=tp_size)
     finally:
-        shard_memory.HUGE_MIN_BYTES = saved
+        shard_memory.MAPPED_MIN_BYTES = saved[0]
+        if saved[1] is None:
+            del os.environ["TPKIT_HUGE_PAGES"]
+        else:
+            os.environ["TPKIT_HUGE_PAGES"] = saved[1]
     size = os.path.getsize(file)
     local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
     mapped = sum(t.untyped_storage().nbytes() == size for t in local)
@@ -139,8 +146,9 @@ def load_in_huge_pages(path: str, tp_size: int) -> dict:
     return {"diff": diff, "loss": out.loss.item(), "after": after, "mapped": mapped, "same": same}
 
 
-def test_huge_page_shards_load_and_train(ranks2, tmp_path):
-    for r in ranks2.run(load_in_huge_pages, str(tmp_path / "m"), 2):
+@pytest.mark.parametrize("huge", ["0", "1"])
+def test_mapped_shards_load_and_train(ranks2, tmp_path, huge):
+    for r in ranks2.run(load_in_mapped_shards, str(tmp_path / "m"), 2, huge):
         assert r["diff"] <= 1e-5 and r["after"] < r["loss"], r
         # column-split weights, vocabulary-split embeddings and norms are views of the file;
         # the step wrote to them and the file is as it was (copy-on-write)
@@ -148,5 +156,5 @@ def test_huge_page_shards_load_and_train(ranks2, tmp_path):
 
 
 def test_huge_page_shards_under_fsdp(ranks4, tmp_path):
-    for r in ranks4.run(load_in_huge_pages, str(tmp_path / "m"), 2):
+    for r in ranks4.run(load_in_mapped_shards, str(tmp_path / "m"), 2, "1"):
         assert r["diff"] <= 1e-5 and r["after"] < r["loss"], r

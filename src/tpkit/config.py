@@ -178,6 +178,12 @@ def shm() -> bool:
     return _flag("TPKIT_CPU_SHM_ALLREDUCE", os.environ.get("TPKIT_CPU_SHM_ALLREDUCE"), True)
 
 
+def huge_pages() -> bool:
+    """TPKIT_HUGE_PAGES: new CPU shards in transparent huge pages (default off;
+    `tpkit.parallel.shard_memory` says why)."""
+    return _flag("TPKIT_HUGE_PAGES", os.environ.get("TPKIT_HUGE_PAGES"), False)
+
+
 def plan_cache() -> Path | None:
     """TPKIT_PLAN_CACHE: the folder derived plans are stored in and read from
     (`tpkit.io.plans`); unset: ``$XDG_CACHE_HOME/tpkit/plans``, else ``~/.cache/tpkit/plans``;

@@ -10,9 +10,9 @@ Three things make it fast. A slice that is one run of the file's bytes (whole te
 the first dimension: column-parallel weights, vocabulary-split embeddings, replicated norms) wanted
 on the CPU in its stored dtype is not read at all but mapped copy-on-write
 (`CheckpointIndex.mapped`): its pages come from the page cache at the first forward, shared by
-the ranks of a host, as transformers' own loads do. The other slices are read into shards in
-transparent huge pages (`tpkit.parallel.shard_memory.empty_shard`: 512 times fewer page
-faults). And `prefetch` asks the kernel, when the index is opened, to read the files into the
+the ranks of a host, as transformers' own loads do. The other slices are read into shards
+whose pages the kernel faults in at once (`tpkit.parallel.shard_memory.empty_shard`; huge pages
+opt-in). And `prefetch` asks the kernel, when the index is opened, to read the files into the
 page cache in the background (``POSIX_FADV_WILLNEED``), so that a cold checkpoint is read from
 disk while the model is built, planned and split, not after.
 """

@@ -125,7 +125,7 @@ def _own_shard(t: torch.Tensor, layout: ParamLayout, mesh: DeviceMesh) -> DTenso
     shape = list(t.shape)
     if layout.sharded:
         shape[layout.dim] = sum(p.shape[layout.dim] for p in parts)
-    local = empty_shard(tuple(shape), t.dtype, t.device)  # in huge pages: 512x fewer faults
+    local = empty_shard(tuple(shape), t.dtype, t.device)  # its pages faulted in at once
     if len(parts) > 1:
         torch.cat(parts, layout.dim, out=local)
     else:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tests.tiny import build
+from tests.tiny_family import build_family
 from tpkit.plan import Plan
 from tpkit.sources import infer as inferring
 from tpkit.trace.analysis import Analysis, plan_key
@@ -60,6 +61,22 @@ def test_a_blockless_unmixed_reading_with_no_writer_is_skipped(monkeypatch):
     assert _same(plan, expected)
     info = analysis.trace()
     assert not info.fed_floats and info.returns == {"lm_head"}
+
+
+def test_an_unmixed_reading_whose_blocks_never_run_is_skipped(monkeypatch):
+    """Inkling-2's VLM: unmixed, its blocks are the vision tower's layers, which the trace (fed
+    the text alone) never runs: no module is a stream boundary, so that reading finds no
+    pair. Only the mixed reading runs, and the plan is what both readings give."""
+    model = build_family("inkling2", "Inkling2ForConditionalGeneration", device="meta")
+    unmixed = blocks(model, mixed=False)
+    assert unmixed and blocks(model) != unmixed
+    expected = _both(Analysis(model))
+    ran = _readings(monkeypatch)
+    analysis = Analysis(model)
+    plan = inferring.infer(analysis)
+    assert ran == [True]
+    assert _same(plan, expected)
+    assert not any(name in analysis.trace().module_inputs for name, _ in unmixed)
 
 
 def test_a_blockless_model_returning_its_stream_is_read_both_ways(monkeypatch):

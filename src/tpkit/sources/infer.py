@@ -558,7 +558,9 @@ def _unmixed_finds_no_pair(analysis: Analysis) -> bool:
     column/row pair, read off the mixed reading's trace: then it cannot split more than the
     mixed reading, and is not run (a whole trace of the model, unfolded: no blocks, no twins).
 
-    It has no blocks (the only layer list mixes types: Inkling-2's sliding and full layers),
+    Where it has blocks and the forward runs none (Inkling-2's vision tower, fed the text
+    alone), no module is a stream boundary: no linear writes a stream. Where it has none
+    (the only layer list mixes types: Inkling-2's sliding and full layers),
     so its one stream boundary is the model itself. Fed no float tensor, nothing is the
     stream on the way in, and no tag ever holds `STREAM` inside: the only linears it marks as
     writing the stream are those in the tags of what the model returns in its first output's
@@ -574,11 +576,17 @@ def _unmixed_finds_no_pair(analysis: Analysis) -> bool:
     reading has no blocks, that reading split fewer weights: Inkling-2, Inkling-2-Loop,
     Zamba, Jamba, OLMo-Hybrid, Mllama's text model)."""
     model = analysis.model
-    if blocks(model, mixed=False):
-        return False
     # the trace the mixed reading read: fake, or real where the fake one failed
     info = analysis.traced() or analysis.traced(real=True)
-    if info is None or info.fed_floats or STREAM in info.returns:
+    if info is None:
+        return False
+    unmixed = blocks(model, mixed=False)
+    if unmixed:
+        # blocks the forward never enters (a VLM's vision tower, fed the text alone: no
+        # trace records their inputs) are no boundary, and with blocks the model is none
+        # either: no tag is ever `STREAM`, no linear writes a stream, no pair
+        return not any(name in info.module_inputs for name, _ in unmixed)
+    if info.fed_floats or STREAM in info.returns:
         return False
     draft = Draft(info)
     _vocabulary(model, draft)

@@ -69,7 +69,7 @@ from tpkit.sources.ssm import ssm_groups
 from tpkit.trace.analysis import Analysis
 from tpkit.trace.fake import REAL_TRACE_MAX_PARAMS
 from tpkit.trace.inputs import input_embeddings, output_embeddings
-from tpkit.trace.trace import STREAM, Node, Trace, has_mixed_blocks
+from tpkit.trace.trace import STREAM, Node, Trace, blocks, has_mixed_blocks
 
 __all__ = ["Draft", "generic_name", "infer", "infer_plan"]
 
@@ -523,7 +523,8 @@ def infer_plan(model: nn.Module, example_inputs: tuple | dict | None = None) -> 
     inputs: ``input_ids`` of shape [3, 7] for transformers models, else a float tensor shaped for
     the first linear. Raises ValueError when the model cannot be traced on meta. A hybrid whose
     layer list mixes types is read both ways (`tpkit.trace.trace.blocks`' ``mixed``); the plan
-    that splits more of its weights is kept.
+    that splits more of its weights is kept (the unmixed reading is skipped where it has no
+    blocks and can find no pair).
     """
     return infer(Analysis(model, example_inputs))
 
@@ -545,11 +546,51 @@ def infer(analysis: Analysis) -> Plan:
 def _infer(analysis: Analysis) -> Plan:
     model = analysis.model
     plan = _infer_once(analysis, mixed=True)
-    if has_mixed_blocks(model):
+    if has_mixed_blocks(model) and not _unmixed_finds_no_pair(analysis):
         other = _infer_once(analysis, mixed=False)
         if _sharded(model, other) > _sharded(model, plan):
             plan = other
     return plan
+
+
+def _unmixed_finds_no_pair(analysis: Analysis) -> bool:
+    """Whether the unmixed reading of a hybrid (`blocks` with ``mixed=False``) can find no
+    column/row pair, read off the mixed reading's trace: then it cannot split more than the
+    mixed reading, and is not run (a whole trace of the model, unfolded: no blocks, no twins).
+
+    Where it has blocks and the forward runs none (Inkling-2's vision tower, fed the text
+    alone), no module is a stream boundary: no linear writes a stream. Where it has none
+    (the only layer list mixes types: Inkling-2's sliding and full layers),
+    so its one stream boundary is the model itself. Fed no float tensor, nothing is the
+    stream on the way in, and no tag ever holds `STREAM` inside: the only linears it marks as
+    writing the stream are those in the tags of what the model returns in its first output's
+    shape (`Trace.returns`). Tags differ between readings only where they crossed a block
+    boundary, which makes them `STREAM` in the mixed trace; so where the mixed trace's
+    ``returns`` holds no `STREAM`, the unmixed reading's writers are among its linears. When they are all
+    kept out of pairing (the vocabulary head), no linear it sees is row-parallel: no pair, no
+    gathered pair, no tail, no per-head or channel split beside one; the splits it is run for
+    (Zamba2's shared transformer read inside its hybrid layers) cannot come from it. Its
+    other passes (vocabulary, experts, Mamba mixers, attention modules, tables, bags,
+    convolutions) read the modules, not the stream: the mixed reading runs them alike, on
+    every module its pairs left (measured: on every hybrid of the sweeps whose unmixed
+    reading has no blocks, that reading split fewer weights: Inkling-2, Inkling-2-Loop,
+    Zamba, Jamba, OLMo-Hybrid, Mllama's text model)."""
+    model = analysis.model
+    # the trace the mixed reading read: fake, or real where the fake one failed
+    info = analysis.traced() or analysis.traced(real=True)
+    if info is None:
+        return False
+    unmixed = blocks(model, mixed=False)
+    if unmixed:
+        # blocks the forward never enters (a VLM's vision tower, fed the text alone: no
+        # trace records their inputs) are no boundary, and with blocks the model is none
+        # either: no tag is ever `STREAM`, no linear writes a stream, no pair
+        return not any(name in info.module_inputs for name, _ in unmixed)
+    if info.fed_floats or STREAM in info.returns:
+        return False
+    draft = Draft(info)
+    _vocabulary(model, draft)
+    return info.returns <= draft.exclude
 
 
 def _sharded(model: nn.Module, plan: Plan) -> int:

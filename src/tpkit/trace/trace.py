@@ -857,7 +857,13 @@ class Trace:
     - ``module_inputs``: module -> its float inputs as [(key, shape, tags)], in call order;
     - ``input_params``: module -> input key -> the bare parameters that input carries;
     - ``functional_mha``: module -> the child linears it hands torch's attention function;
-    - ``batch``: the batch size the forward ran with."""
+    - ``batch``: the batch size the forward ran with;
+    - ``fed_floats``: whether the model itself was handed a float tensor (a stream to read in);
+    - ``returns``: the tags of what the model returns in its first output's shape (the
+      linears, and `STREAM`, whose values reach it with no other linear in between).
+
+    The last two say what a reading with no blocks would see at the model's own boundary,
+    its only one (`tpkit.sources.infer` skips that reading where it can find no pair)."""
 
     nodes: dict[str, Node]
     blocks: list[str]
@@ -865,6 +871,8 @@ class Trace:
     input_params: dict[str, dict[str, frozenset[str]]]
     functional_mha: dict[str, dict[str, Any]]
     batch: int
+    fed_floats: bool = False
+    returns: frozenset[str] = frozenset()
 
 
 def trace(
@@ -978,6 +986,7 @@ class _TraceHooks:
         }
         self.blocks = blocks(model, mixed)
         self.block_ids = {id(m) for _, m in self.blocks}
+        self.fed_floats, self.returns = False, frozenset()  # the model's boundary (`Trace`)
         self.module_inputs: dict[str, list[tuple[str, tuple, frozenset]]] = {}
         # module -> input key -> the bare parameters whose values that input carries
         self.input_params: dict[str, dict[str, frozenset[str]]] = {}
@@ -1029,6 +1038,8 @@ class _TraceHooks:
             input_params=self.input_params,
             functional_mha=self.tracer.functional_mha,
             batch=_batch(example, recipe),
+            fed_floats=self.fed_floats,
+            returns=self.returns,
         )
 
     def _describe(self, shadow: ShadowValues | None) -> Describe:
@@ -1063,6 +1074,7 @@ class _TraceHooks:
         tracer, nodes, name = self.tracer, self.nodes, self.names[id(mod)]
         tracer.where.append(name)
         if mod is self.model:  # parameters are (fake) tensors of the trace by now
+            self.fed_floats = any(t.is_floating_point() for t in _tensors((args, kwargs)))
             own = [*mod.parameters(), *mod.buffers(), *_tensors((args, kwargs))]
             tracer.state = {id(t) for t in own}
             tracer.weights = {}
@@ -1136,6 +1148,10 @@ class _TraceHooks:
             tracer.where.pop()
         if mod is self.model:
             tracer.dead_nodes(_tensors(output))
+            # what a reading with no blocks marks as written into the stream here (`Trace`)
+            outs = [t for t in _tensors(output) if t.is_floating_point()]
+            shaped = [tracer.tag(t) for t in outs if tuple(t.shape) == tuple(outs[0].shape)]
+            self.returns = frozenset().union(*shaped)
         if tracer.pending and tracer.pending[-1][0] == name:
             _, _, _, tags = tracer.pending.pop()
             if name not in self.nodes:  # not a functional layer: a module with parameters

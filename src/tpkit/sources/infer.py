@@ -560,8 +560,8 @@ def _unmixed_finds_no_pair(analysis: Analysis) -> bool:
 
     Where it has blocks and the forward runs none (Inkling-2's vision tower, fed the text
     alone), no module is a stream boundary: no linear writes a stream. Where it has none
-    (the only layer list mixes types: Inkling-2's sliding and full layers),
-    so its one stream boundary is the model itself. Fed no float tensor, nothing is the
+    (the only layer list mixes types: Inkling-2's sliding and full layers), its one stream
+    boundary is the model itself. Fed no float tensor, nothing is the
     stream on the way in, and no tag ever holds `STREAM` inside: the only linears it marks as
     writing the stream are those in the tags of what the model returns in its first output's
     shape (`Trace.returns`). Tags differ between readings only where they crossed a block

@@ -8,11 +8,12 @@ one system call: 2.4 -> 2.9 GB/s for a first write on this project's 2-core VM (
 
 Transparent huge pages (512 times fewer faults) are opt-in, ``TPKIT_HUGE_PAGES=1``
 (`tpkit.config.huge_pages`). They were the default, and are faster for the first few hundred
-MB; beyond that each 2 MiB fault on a virtual machine (here: Firecracker) takes fresh guest
-memory the host has not backed yet, and faults fell to 0.45 GB/s, four times slower than
-ordinary pages: ``tensor_parallel`` of a 1.1B Llama at tp=2 took 6.6 s instead of 2.7 s. On
-bare metal the kernel may stall on compaction for them instead (which is why databases turn
-them off); measure before turning them on.
+MB; beyond that, on this project's virtual machine (Firecracker), faults fell to 0.45 GB/s,
+four times slower than ordinary pages (no compaction stalls counted: most likely each 2 MiB
+fault takes fresh guest memory the host has not backed yet). ``tensor_parallel`` of a 1.1B
+Llama at tp=2 took 6.6 s with them instead of 2.7 s. On bare metal the kernel may stall on
+compaction for them instead (which is why databases turn them off); measure before turning
+them on.
 """
 
 from __future__ import annotations

@@ -43,6 +43,16 @@ def _same(a: Plan, b: Plan) -> bool:
     return plan_key(a) == plan_key(b) and a.notes == b.notes
 
 
+def _inferred(monkeypatch, model: nn.Module) -> tuple[Analysis, list[bool]]:
+    """Inference of ``model`` on a fresh analysis, checked to give the plan both readings give:
+    that analysis and the readings it ran."""
+    expected = _both(Analysis(model))
+    ran = _readings(monkeypatch)
+    analysis = Analysis(model)
+    assert _same(inferring.infer(analysis), expected)
+    return analysis, ran
+
+
 def _inkling2(class_name: str = "Inkling2ForCausalLM") -> nn.Module:
     return build("inkling2_text", class_name, device="meta")
 
@@ -53,12 +63,8 @@ def test_a_blockless_unmixed_reading_with_no_writer_is_skipped(monkeypatch):
     reading runs, and the plan is what both readings give."""
     model = _inkling2()
     assert blocks(model) and not blocks(model, mixed=False)
-    expected = _both(Analysis(model))
-    ran = _readings(monkeypatch)
-    analysis = Analysis(model)
-    plan = inferring.infer(analysis)
+    analysis, ran = _inferred(monkeypatch, model)
     assert ran == [True]
-    assert _same(plan, expected)
     info = analysis.trace()
     assert not info.fed_floats and info.returns == {"lm_head"}
 
@@ -70,12 +76,8 @@ def test_an_unmixed_reading_whose_blocks_never_run_is_skipped(monkeypatch):
     model = build_family("inkling2", "Inkling2ForConditionalGeneration", device="meta")
     unmixed = blocks(model, mixed=False)
     assert unmixed and blocks(model) != unmixed
-    expected = _both(Analysis(model))
-    ran = _readings(monkeypatch)
-    analysis = Analysis(model)
-    plan = inferring.infer(analysis)
+    analysis, ran = _inferred(monkeypatch, model)
     assert ran == [True]
-    assert _same(plan, expected)
     assert not any(name in analysis.trace().module_inputs for name, _ in unmixed)
 
 
@@ -85,13 +87,9 @@ def test_a_blockless_model_returning_its_stream_is_read_both_ways(monkeypatch):
     what both readings give."""
     model = _inkling2("Inkling2TextModel")
     assert not blocks(model, mixed=False)
-    expected = _both(Analysis(model))
-    ran = _readings(monkeypatch)
-    analysis = Analysis(model)
-    plan = inferring.infer(analysis)
+    analysis, ran = _inferred(monkeypatch, model)
     assert ran == [True, False]
     assert STREAM in analysis.trace().returns
-    assert _same(plan, expected)
 
 
 def test_a_blockless_model_fed_floats_is_read_both_ways(monkeypatch):
@@ -113,8 +111,5 @@ def test_an_unmixed_reading_with_blocks_still_runs(monkeypatch, model_type, clas
     and the plan is what both readings give."""
     model = build(model_type, class_name, device="meta")
     assert blocks(model, mixed=False)
-    expected = _both(Analysis(model))
-    ran = _readings(monkeypatch)
-    plan = inferring.infer(Analysis(model))
+    _, ran = _inferred(monkeypatch, model)
     assert ran == [True, False]
-    assert _same(plan, expected)

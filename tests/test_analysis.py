@@ -194,6 +194,27 @@ def test_layers_alike_but_for_a_partial_made_per_layer_fold():
     assert "3" not in find_twins(layers).rep and len(find_twins(layers).rep) == 4
 
 
+def test_a_fake_mode_keeps_the_stack_it_was_made_on_and_reads_its_lines_on_demand():
+    """`tpkit.compat.fake_mode`: torch's fake mode records where it was made, as ever, without
+    reading every source file on the stack when it is made (the first analysis in a process
+    paid for that); a line is read when asked for, and torch's module is put back as it was."""
+    import importlib
+    import traceback
+
+    from tpkit.compat import fake_mode
+
+    fake_tensor = importlib.import_module("torch._subclasses.fake_tensor")
+
+    mode = fake_mode()
+    here = traceback.extract_stack()
+    assert fake_tensor.traceback is traceback
+    stack = mode._stack_trace
+    assert [f.name for f in stack[-3:]] == [here[-1].name, "fake_mode", "__init__"]
+    assert [(f.filename, f.name) for f in stack[:-3]] == [(f.filename, f.name) for f in here[:-1]]
+    assert stack[-1]._line is None  # not read yet
+    assert "extract_stack()" in stack[-1].line and "extract_stack()" in mode.stack
+
+
 def test_a_layer_that_reads_its_index_is_its_own_kind():
     """A layer whose forward reads the value of ``layer_idx`` (indexes a table with it) breaks
     the fold the first time it does: from then on the index tells layers apart, every layer

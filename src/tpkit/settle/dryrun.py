@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tpkit.compat import FakeTensorMode
+from tpkit.compat import fake_mode
 from tpkit.plan.catalogue import style_spec
 from tpkit.plan.fixups import apply_fixups
 from tpkit.plan.layout import (
@@ -202,7 +202,7 @@ def _dry_run_once(
     try:  # every temporary change is made inside, so the finally undoes all of them
         undo = apply_fixups(model, plan, tp, rank)
         hooks = _width_hooks(model, plan, shapes, tp, rank)
-        fake = None if real else FakeTensorMode(allow_non_fake_inputs=True)
+        fake = None if real else fake_mode()
         given = GivenValues()
         args, kwargs = fake_inputs(model, example, fake, real, analysis.recipe, given)
         hooks += _where(model, running)

@@ -73,7 +73,7 @@ from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 from torch.overrides import TorchFunctionMode
 
-from tpkit.compat import FakeTensorMode
+from tpkit.compat import fake_mode
 from tpkit.plan.layout import chunk_sizes
 from tpkit.trace.analysis import Analysis
 from tpkit.trace.fake import fake_inputs, meta_state, quiet_fake_tensors
@@ -478,7 +478,7 @@ class _ConvTrace(TorchFunctionMode):
         """One fake forward; ``values``: with `ShadowValues` (code that reads a value);
         ``twins``: the layers folded (`tpkit.trace.fold`), those `_conv_free` leaves."""
         model, hooks = self.model, []
-        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        fake = fake_mode()
         given = GivenValues()
         with quiet_fake_tensors():  # before the hooks: an audio-LLM's inputs run its tower
             args, kwargs = fake_inputs(model, example, fake, False, recipe, given)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpkit.compat import FakeTensorMode
+from tpkit.compat import fake_mode
 from tpkit.plan.layout import in_width, kind_of
 from tpkit.trace.kept_state import kept_attributes
 from tpkit.trace.shadow import GivenValues, ShadowValues
@@ -455,7 +455,7 @@ def _audio_tokens(
         if tower is None:
             return None
         run, takes = tower, _params(tower)
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = fake_mode()
     values = GivenValues()
     given = {
         k: values.keep(fake.from_tensor(v.to("meta")), v) for k, v in masks.items() if k in takes
@@ -640,7 +640,7 @@ def _embedded_width(model: nn.Module, shapes: tuple[tuple[int, ...], ...]) -> in
     try:
         for shape in shapes:
             try:
-                with FakeTensorMode(allow_non_fake_inputs=True):
+                with fake_mode():
                     out = embed(torch.zeros(shape, dtype=torch.long, device=device))
             except Exception:  # noqa: BLE001, S112 - an embedding may refuse all but its own
                 continue

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tpkit.compat import FakeTensorMode
+from tpkit.compat import fake_mode
 from tpkit.plan.layout import kind_of, out_width
 from tpkit.trace.fake import (
     example_inputs,
@@ -1006,7 +1006,7 @@ class _TraceHooks:
         model = self.model
         # the inputs before the hooks: making an audio-LLM's runs its audio tower once
         # (`tpkit.trace.inputs`), which the trace must not record (nor keep its tensors alive)
-        fake = None if real else FakeTensorMode(allow_non_fake_inputs=True)
+        fake = None if real else fake_mode()
         given = GivenValues()
         with quiet_fake_tensors():
             args, kwargs = fake_inputs(model, example, fake, real, recipe, given)

@@ -194,6 +194,37 @@ def test_layers_alike_but_for_a_partial_made_per_layer_fold():
     assert "3" not in find_twins(layers).rep and len(find_twins(layers).rep) == 4
 
 
+def test_the_trace_records_the_reshapes_the_dry_runs_reference_would(monkeypatch):
+    """The dry run compares each reshape of a split run with the unsplit model's same one
+    (`tpkit.settle.dryrun`). A plain fake trace runs that unsplit forward already: it records
+    the reshapes, the dry run reads them instead of running the reference again, and they
+    are what the reference run records (folded or not)."""
+    from tpkit.settle import dryrun
+
+    runs: list[bool] = []  # each dry-run forward: whether it was a reference run
+    once = dryrun._dry_run_once
+    monkeypatch.setattr(
+        dryrun,
+        "_dry_run_once",
+        lambda *a, **k: runs.append(k.get("record") is not None) or once(*a, **k),
+    )
+    for fold in (True, False):
+        model = _llama()  # its attention views its projections as heads
+        analysis = Analysis(model)
+        analysis.fold = fold
+        trace = analysis.trace()
+        assert any(where.endswith("self_attn") for where in trace.reshapes)
+        twins = analysis.twins()
+        assert analysis.references == {(False, tuple(twins.rep.items())): trace.reshapes}
+        plan = derive_plan(model, "infer", 2)  # its own analysis
+        runs.clear()
+        assert dry_run(analysis, plan, 2) is None
+        assert runs and not any(runs)  # split runs only: no reference run
+        record: dict = {}
+        error = once(analysis, Plan(), 1, real=False, record=record, twins=twins)
+        assert error is None and record == trace.reshapes
+
+
 def test_a_fake_mode_keeps_the_stack_it_was_made_on_and_reads_its_lines_on_demand():
     """`tpkit.compat.fake_mode`: torch's fake mode records where it was made, as ever, without
     reading every source file on the stack when it is made (the first analysis in a process
@@ -213,6 +244,29 @@ def test_a_fake_mode_keeps_the_stack_it_was_made_on_and_reads_its_lines_on_deman
     assert [(f.filename, f.name) for f in stack[:-3]] == [(f.filename, f.name) for f in here[:-1]]
     assert stack[-1]._line is None  # not read yet
     assert "extract_stack()" in stack[-1].line and "extract_stack()" in mode.stack
+
+
+def test_a_fold_that_ran_a_kind_twice_leaves_the_reference_to_the_dry_run():
+    """Where a trace's fold ran a kind of layer more than once (a call its twin's differs
+    from, as the trace compares calls), a dry run's fold, which compares less, could stand
+    where the trace ran: the trace keeps no reshapes, the dry run runs its own reference."""
+    model = _Stack()
+    example = (torch.randn(2, 3, 8),)
+    analysis = Analysis(model, example)
+    original = model.forward
+
+    def forward(x):  # the third layer handed a tensor of another shape: called otherwise
+        for i, layer in enumerate(model.layers):
+            x = layer(x if i != 2 else x[:1])
+        return model.head(x)
+
+    model.forward = forward
+    try:
+        trace = analysis.trace()
+        assert analysis.tally["run"] >= 2
+        assert trace.reshapes is None and not analysis.references
+    finally:
+        model.forward = original
 
 
 def test_a_layer_that_reads_its_index_is_its_own_kind():

@@ -17,6 +17,8 @@ error, wrong numbers). So every fake dry run also compares its reshapes with tho
 unsplit model's fake forward (`_cut_inside`): a shard's view may only have fewer of the outermost
 blocks a split last dim (a column layer's features) is viewed as, never blocks of another size;
 else it fails like a reshape that does not fit, and settling gathers or keeps that group whole.
+The unsplit forward is run once per analysis, and not at all where the trace ran it already
+(`tpkit.trace.trace.Trace.reshapes`: a plain fake trace, folded on the same calls).
 """
 
 from __future__ import annotations
@@ -56,12 +58,11 @@ from tpkit.trace.fake import (
 )
 from tpkit.trace.fold import Twins, folded, known_values, plan_twins
 from tpkit.trace.shadow import GivenValues, ShadowValues, needs_values
+from tpkit.trace.trace import RESHAPES
 
 __all__ = ["dry_run"]
 
 _NOTHING_LEARNED = "<nothing learned>"
-#: the calls whose output shape says how a feature dim is cut into blocks
-_RESHAPES = frozenset({"view", "reshape", "unflatten", "flatten"})
 
 
 def dry_run(analysis: Analysis, plan: Plan, tp: int) -> str | None:
@@ -249,7 +250,7 @@ class _Reshapes(TorchFunctionMode):
         result = func(*args, **(kwargs or {}))
         name = getattr(func, "__name__", "")
         tensors = args and isinstance(args[0], torch.Tensor) and isinstance(result, torch.Tensor)
-        if name in _RESHAPES and tensors:
+        if name in RESHAPES and tensors:
             where = self.running[-1] if self.running else ""
             self.out.setdefault(where, []).append((tuple(args[0].shape), tuple(result.shape)))
         return result

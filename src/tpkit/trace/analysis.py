@@ -60,7 +60,7 @@ class Analysis:
     #: (plan content, tp) -> the dry run's answer (`tpkit.settle.dryrun.dry_run`)
     answers: dict[tuple[PlanKey, int], str | None] = field(default_factory=dict, repr=False)
     #: (shadow values or not, the twins folded) -> the unsplit model's reshapes
-    #: (`tpkit.settle.dryrun`)
+    #: (`tpkit.settle.dryrun`); a plain fake trace fills its own in (`Trace.reshapes`)
     references: dict[tuple, Any] = field(default_factory=dict, repr=False)
     #: a plain fake dry run of this model met a data-dependent branch: the next ones start
     #: with shadow values (`tpkit.settle.dryrun`)
@@ -90,7 +90,10 @@ class Analysis:
 
             def run(twins: Twins) -> Trace:
                 model, example, recipe = self.model, self.example, self.recipe
-                return trace(model, example, real, mixed=mixed, recipe=recipe, twins=twins)
+                found = trace(model, example, real, mixed=mixed, recipe=recipe, twins=twins)
+                if found.reshapes is not None:  # the dry run's unsplit reference, run already
+                    self.references.setdefault((False, tuple(twins.rep.items())), found.reshapes)
+                return found
 
             try:
                 self._traces[key] = run(Twins()) if real else self.folding(run, mixed, "trace")

@@ -627,6 +627,13 @@ class _Fold:
 
         return forward_folded
 
+    def one_call_per_kind(self) -> bool:
+        """Whether each kind of folded layer ran one call for real, every other call of it
+        standing on that one: then any fold of the same twins that compares less of each call
+        (no ``describe``) stands on the same calls and runs the same forward
+        (`tpkit.trace.trace.Trace.reshapes`)."""
+        return all(len(calls) == 1 for calls in self.calls.values())
+
     def check(self) -> None:
         """After the forward: every call of a layer stood on calls of one layer: itself, or
         another whose real calls it stood on every one of. A layer runs again for real only
@@ -676,15 +683,16 @@ def folded(
     twins: Twins,
     on_twin: Callable[[str, str], None] | None = None,
     describe: Describe | None = None,
-) -> Iterator[None]:
+) -> Iterator[_Fold | None]:
     """Inside the block, each layer of a kind with twins stands on an earlier call of its kind
     that was given alike (see the module docstring), else runs and is recorded; ``describe``
     adds to what is compared of each tensor given (the trace's tags, a shadow run's integer
     values); ``on_twin(twin, layer)`` is told each time a twin stands on ``layer``'s call (the
     trace copies what that run recorded). Raises `FoldBroken` where the fold cannot stand for
-    the unfolded forward; everything is put back on exit."""
+    the unfolded forward; everything is put back on exit. Yields the fold's calls (None where
+    there are no twins: nothing folds)."""
     if not twins:
-        yield
+        yield None
         return
     modules = dict(model.named_modules())
     fold = _Fold(twins, describe, on_twin)
@@ -705,7 +713,7 @@ def folded(
                 token = _token(twins.base.get(kind, kind), (rel, attr))
                 put(sub, attr, Watched(attr, value, token, name, fold.guards, key=key))
         with math_watched():
-            yield
+            yield fold
         fold.check()
     finally:
         for obj, attr, value, had in reversed(saved):

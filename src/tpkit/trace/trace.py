@@ -169,6 +169,8 @@ _LIKE = frozenset({"type_as", "expand_as", "view_as", "reshape_as"})
 
 # ops that join tensors along a dim (`_Tracer._join`)
 _JOINS = frozenset({"cat", "concat", "concatenate", "stack", "hstack"})
+#: the calls whose output shape says how a feature dim is cut into blocks (`Trace.reshapes`)
+RESHAPES = frozenset({"view", "reshape", "unflatten", "flatten"})
 
 # ops that cut a tensor along a dim -> position of that dim among their arguments
 _DIM_ARG = MappingProxyType(
@@ -205,6 +207,8 @@ class _Tracer(TorchFunctionMode):
         self.first_input: dict[str, torch.Tensor] = {}  # module -> the first tensor it was given
         self.head_tables: set[str] = set()  # embeddings broadcast over a linear's heads
         self.where: list[str] = []  # the modules whose forward is running, innermost last
+        # each view / reshape as (input shape, output shape), per innermost running module
+        self.reshapes: dict[str, list[tuple[tuple, tuple]]] = {}
         # module -> {"q", "k", "v", "out": linear, "heads": n}: its forward calls torch's
         # multi_head_attention_forward on its child linears' weights (WavLM's attention)
         self.functional_mha: dict[str, dict[str, Any]] = {}
@@ -256,6 +260,10 @@ class _Tracer(TorchFunctionMode):
         out = func(*args, **kwargs)
         inputs = _tensors((args, kwargs))
         name = getattr(func, "__name__", "")
+        shaped = args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor)
+        if name in RESHAPES and shaped:  # what the dry run compares (`Trace.reshapes`)
+            where = self.where[-1] if self.where else ""
+            self.reshapes.setdefault(where, []).append((tuple(args[0].shape), tuple(out.shape)))
         # a call that returns no tensor read metadata only (LongT5 asks its bias table's
         # ``weight.device``), not the values
         reads_values = bool(_tensors(out))
@@ -863,7 +871,13 @@ class Trace:
       linears, and `STREAM`, whose values reach it with no other linear in between).
 
     The last two say what a reading with no blocks would see at the model's own boundary,
-    its only one (`tpkit.sources.infer` skips that reading where it can find no pair)."""
+    its only one (`tpkit.sources.infer` skips that reading where it can find no pair).
+
+    ``reshapes``: each view / reshape the forward ran, as (input shape, output shape), per
+    innermost running module, in call order: what the dry run's unsplit reference run would
+    record (`tpkit.settle.dryrun`), kept only where that run is this one again (a plain fake
+    run whose folded layers each ran one call of their kind, the others standing on it), else
+    None."""
 
     nodes: dict[str, Node]
     blocks: list[str]
@@ -873,6 +887,7 @@ class Trace:
     batch: int
     fed_floats: bool = False
     returns: frozenset[str] = frozenset()
+    reshapes: dict[str, list[tuple[tuple, tuple]]] | None = None
 
 
 def trace(
@@ -1010,7 +1025,7 @@ class _TraceHooks:
         given = GivenValues()
         with quiet_fake_tensors():
             args, kwargs = fake_inputs(model, example, fake, real, recipe, given)
-        hooks = []
+        hooks, reshapes = [], None
         for mod in model.modules():
             hooks.append(mod.register_forward_pre_hook(self.pre, with_kwargs=True))
             hooks.append(mod.register_forward_hook(self.post, with_kwargs=True))
@@ -1023,8 +1038,20 @@ class _TraceHooks:
                     state, experts = meta_state(model, fake), fake_friendly_experts(model)
                     shadow = ShadowValues(fake, given) if values else None
                     twins = folded(model, self.twins, self.records.stand_in, self._describe(shadow))
-                    with twins, state, experts, torch.no_grad(), fake, self.tracer.under(shadow):
+                    with (
+                        twins as fold,
+                        state,
+                        experts,
+                        torch.no_grad(),
+                        fake,
+                        self.tracer.under(shadow),
+                    ):
                         model(*args, **kwargs)
+                    # the dry run's unsplit reference would run just this (no shadow values; a
+                    # fold it makes with fewer questions stands on the same calls only where
+                    # each folded kind ran one call here: `Trace.reshapes`)
+                    alike = shadow is None and (fold is None or fold.one_call_per_kind())
+                    reshapes = self.tracer.reshapes if alike else None
                     self.records.finish()
                     partial = [node.partial_params for node in self.nodes.values()]
                     self.records.resolve(partial, self.input_params)
@@ -1040,6 +1067,7 @@ class _TraceHooks:
             batch=_batch(example, recipe),
             fed_floats=self.fed_floats,
             returns=self.returns,
+            reshapes=reshapes,
         )
 
     def _describe(self, shadow: ShadowValues | None) -> Describe:

@@ -194,6 +194,31 @@ def test_layers_alike_but_for_a_partial_made_per_layer_fold():
     assert "3" not in find_twins(layers).rep and len(find_twins(layers).rep) == 4
 
 
+def test_layers_holding_their_own_copies_of_one_config_fold():
+    """A heterogeneous transformers model hands each layer its own copy of the config
+    (``config.per_layer_config[i]``): copies that say the same leave layers alike (the trace
+    runs one, the plan is the unfolded one); a copy with another value (a layer's override)
+    makes that layer its own kind."""
+    import copy
+
+    from tpkit.trace.fold import find_twins
+
+    model = _Stack()
+    config = transformers.LlamaConfig(hidden_size=8, num_attention_heads=2)
+    for layer in model.layers:
+        layer.config = copy.copy(config)  # what transformers' per-layer view returns
+    layers = list(model.layers.named_children())
+    assert len(find_twins(layers).rep) == 5
+    example = (torch.randn(2, 3, 8),)
+    analysis, calls = Analysis(model, example), _layer_calls(model)
+    analysis.trace()
+    assert calls == [0] and analysis.tally == {"run": 1, "stood": 5}
+    _, plan, unfolded = _plans(model, example)
+    assert plan_key(plan) == plan_key(unfolded) and plan.notes == unfolded.notes
+    model.layers[3].config.rms_norm_eps = 1e-3
+    assert "3" not in find_twins(layers).rep and len(find_twins(layers).rep) == 4
+
+
 def test_the_trace_records_the_reshapes_the_dry_runs_reference_would(monkeypatch):
     """The dry run compares each reshape of a split run with the unsplit model's same one
     (`tpkit.settle.dryrun`). A plain fake trace runs that unsplit forward already: it records

@@ -58,7 +58,7 @@ from tpkit.trace.fake import (
 )
 from tpkit.trace.fold import Twins, folded, known_values, plan_twins
 from tpkit.trace.shadow import GivenValues, ShadowValues, needs_values
-from tpkit.trace.trace import RESHAPES
+from tpkit.trace.trace import record_reshape
 
 __all__ = ["dry_run"]
 
@@ -248,11 +248,8 @@ class _Reshapes(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
-        name = getattr(func, "__name__", "")
-        tensors = args and isinstance(args[0], torch.Tensor) and isinstance(result, torch.Tensor)
-        if name in RESHAPES and tensors:
-            where = self.running[-1] if self.running else ""
-            self.out.setdefault(where, []).append((tuple(args[0].shape), tuple(result.shape)))
+        where = self.running[-1] if self.running else ""
+        record_reshape(self.out, where, getattr(func, "__name__", ""), args, result)
         return result
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "blocks",
     "generic",
     "has_mixed_blocks",
+    "record_reshape",
     "repeated_blocks",
     "trace",
 ]
@@ -170,7 +171,17 @@ _LIKE = frozenset({"type_as", "expand_as", "view_as", "reshape_as"})
 # ops that join tensors along a dim (`_Tracer._join`)
 _JOINS = frozenset({"cat", "concat", "concatenate", "stack", "hstack"})
 #: the calls whose output shape says how a feature dim is cut into blocks (`Trace.reshapes`)
-RESHAPES = frozenset({"view", "reshape", "unflatten", "flatten"})
+_RESHAPES = frozenset({"view", "reshape", "unflatten", "flatten"})
+
+
+def record_reshape(out: dict[str, list], where: str, name: str, args: tuple, result: Any) -> None:
+    """Add a call to ``out`` (module -> [(input shape, output shape)]) if it is a reshape of a
+    tensor: what the dry run compares. One function for the trace and the dry run's reference
+    run, so that the trace's record stands for the reference's (`Trace.reshapes`)."""
+    tensors = args and isinstance(args[0], torch.Tensor) and isinstance(result, torch.Tensor)
+    if name in _RESHAPES and tensors:
+        out.setdefault(where, []).append((tuple(args[0].shape), tuple(result.shape)))
+
 
 # ops that cut a tensor along a dim -> position of that dim among their arguments
 _DIM_ARG = MappingProxyType(
@@ -260,10 +271,7 @@ class _Tracer(TorchFunctionMode):
         out = func(*args, **kwargs)
         inputs = _tensors((args, kwargs))
         name = getattr(func, "__name__", "")
-        shaped = args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor)
-        if name in RESHAPES and shaped:  # what the dry run compares (`Trace.reshapes`)
-            where = self.where[-1] if self.where else ""
-            self.reshapes.setdefault(where, []).append((tuple(args[0].shape), tuple(out.shape)))
+        record_reshape(self.reshapes, self.where[-1] if self.where else "", name, args, out)
         # a call that returns no tensor read metadata only (LongT5 asks its bias table's
         # ``weight.device``), not the values
         reads_values = bool(_tensors(out))

@@ -226,13 +226,8 @@ def test_the_trace_records_the_reshapes_the_dry_runs_reference_would(monkeypatch
     are what the reference run records (folded or not)."""
     from tpkit.settle import dryrun
 
-    runs: list[bool] = []  # each dry-run forward: whether it was a reference run
     once = dryrun._dry_run_once
-    monkeypatch.setattr(
-        dryrun,
-        "_dry_run_once",
-        lambda *a, **k: runs.append(k.get("record") is not None) or once(*a, **k),
-    )
+    runs = _reference_runs(monkeypatch)
     for fold in (True, False):
         model = _llama()  # its attention views its projections as heads
         analysis = Analysis(model)
@@ -271,13 +266,53 @@ def test_a_fake_mode_keeps_the_stack_it_was_made_on_and_reads_its_lines_on_deman
     assert "extract_stack()" in stack[-1].line and "extract_stack()" in mode.stack
 
 
-def test_a_fold_that_ran_a_kind_twice_leaves_the_reference_to_the_dry_run():
-    """Where a trace's fold ran a kind of layer more than once (a call its twin's differs
-    from, as the trace compares calls), a dry run's fold, which compares less, could stand
-    where the trace ran: the trace keeps no reshapes, the dry run runs its own reference."""
+def _reference_runs(monkeypatch) -> list[bool]:
+    """Each dry-run forward from now on: whether it was an unsplit reference run."""
+    from tpkit.settle import dryrun
+
+    runs: list[bool] = []
+    once = dryrun._dry_run_once
+    monkeypatch.setattr(
+        dryrun,
+        "_dry_run_once",
+        lambda *a, **k: runs.append(k.get("record") is not None) or once(*a, **k),
+    )
+    return runs
+
+
+def _fresh_reference(analysis: Analysis, values: bool) -> dict:
+    """The dry run's unsplit reference run, made afresh with the analysis's twins."""
+    from tpkit.settle import dryrun
+
+    record: dict = {}
+    twins = analysis.twins()
+    error = dryrun._dry_run_once(
+        analysis, Plan(), 1, real=False, values=values, record=record, twins=twins
+    )
+    assert error is None
+    return record
+
+
+def test_the_trace_leaves_out_the_calls_a_dry_runs_fold_would_stand(monkeypatch):
+    """Tiny GPT-2's second layer is handed other tags than its first: the trace runs both,
+    a dry run's fold (shapes only) stands the second on the first. The trace's record leaves
+    out what that second call recorded, and is then the reference the dry run would make.
+    A layer handed another shape runs in both folds, and its reshapes stay."""
+    runs = _reference_runs(monkeypatch)
+    model = build("gpt2", "GPT2LMHeadModel", device="meta")
+    analysis = Analysis(model)
+    trace = analysis.trace()
+    assert analysis.tally == {"run": 2}  # both layers ran in the trace
+    assert any(w.startswith("transformer.h.0.") for w in trace.reshapes)
+    assert not any(w.startswith("transformer.h.1.") for w in trace.reshapes)
+    assert trace.reshapes == _fresh_reference(analysis, values=False)
+    plan = derive_plan(model, "infer", 2)  # its own analysis
+    runs.clear()
+    assert dry_run(analysis, plan, 2) is None
+    assert runs and not any(runs)  # split runs only (rank 0's, the last's): no reference
+
     model = _Stack()
-    example = (torch.randn(2, 3, 8),)
-    analysis = Analysis(model, example)
+    analysis = Analysis(model, (torch.randn(2, 3, 8),))
     original = model.forward
 
     def forward(x):  # the third layer handed a tensor of another shape: called otherwise
@@ -288,10 +323,101 @@ def test_a_fold_that_ran_a_kind_twice_leaves_the_reference_to_the_dry_run():
     model.forward = forward
     try:
         trace = analysis.trace()
-        assert analysis.tally["run"] >= 2
-        assert trace.reshapes is None and not analysis.references
+        assert analysis.tally["run"] == 2
+        assert trace.reshapes == _fresh_reference(analysis, values=False)
     finally:
         model.forward = original
+
+
+_FILLED: set = set()  # the cache `_Caching` fills on its first forward in a process
+
+
+class _Caching(_Stack):
+    """A stack whose first forward in the process fills a cache, with one reshape more than
+    any later forward records (DINOv3's patch grid, under ``functools.lru_cache``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape not in _FILLED:
+            _FILLED.add(x.shape)
+            x = x.reshape(-1, x.shape[-1])
+        return super().forward(x.view(-1, 3, x.shape[-1]))
+
+
+def test_a_dry_run_that_records_other_reshapes_than_the_trace_runs_its_own_reference(
+    monkeypatch,
+):
+    """The trace is the model's first forward: where a split run records another number of
+    reshapes in a module than the trace did, the trace's record is not taken for its
+    reference; the reference is run, and the trace's record dropped."""
+    _FILLED.clear()
+    runs = _reference_runs(monkeypatch)
+    model = _Caching()
+    analysis = Analysis(model, (torch.randn(2, 3, 8),))
+    trace = analysis.trace()
+    assert len(trace.reshapes[""]) == 2 and analysis.borrowed  # one more than later runs
+    plan = derive_plan(model, "infer", 2, analysis=Analysis(model, (torch.randn(2, 3, 8),)))
+    runs.clear()
+    assert dry_run(analysis, plan, 2) is None
+    assert runs == [False, True]  # the split run, then the reference run it compares with
+    assert not analysis.borrowed and len(next(iter(analysis.references.values()))[""]) == 1
+
+
+class _Routed(nn.Module):
+    """A stack whose layers read a value (how many rows to route), as a MoE's code does:
+    a plain fake forward stops there; one with shadow values runs."""
+
+    def __init__(self, n: int = 4, width: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(32, width)
+        self.layers = nn.ModuleList(_RoutedBlock(width) for _ in range(n))
+        self.head = nn.Linear(width, 32)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class _RoutedBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = int((x.sum(-1) == x.sum(-1)).sum())  # a value: data-dependent on fake tensors
+        h = torch.relu(self.up(x)).view(rows, 4, -1)  # heads of the up projection
+        return x + self.down(h.view(x.shape[:-1] + (-1,)))
+
+
+def test_a_trace_with_shadow_values_stands_for_the_dry_runs_reference_and_first_try(
+    monkeypatch,
+):
+    """A model whose code reads a value traces with shadow values (`tpkit.trace.shadow`).
+    Its dry runs then start with values (no plain try that learns nothing), and the trace's
+    record is their reference: equal to the reference run with values, which never runs."""
+    from tpkit.settle import dryrun
+
+    tries: list[bool] = []  # each dry-run forward: whether it had values
+    once = dryrun._dry_run_once
+    monkeypatch.setattr(
+        dryrun,
+        "_dry_run_once",
+        lambda *a, **k: (
+            tries.append((k.get("values"), k.get("record") is not None)) or once(*a, **k)
+        ),
+    )
+    model = _Routed()
+    analysis = Analysis(model, (torch.randint(0, 32, (2, 3)),))
+    trace = analysis.trace()
+    assert trace.values and analysis.needs_values
+    assert any(w.endswith("layers.0") for w in trace.reshapes)
+    assert analysis.references == {(True, tuple(analysis.twins().rep.items())): trace.reshapes}
+    plan = derive_plan(model, "infer", 2)  # its own analysis
+    tries.clear()
+    assert dry_run(analysis, plan, 2) is None
+    assert tries == [(True, False)]  # with values at once, and no reference run
+    assert trace.reshapes == _fresh_reference(analysis, values=True)
 
 
 def test_a_layer_that_reads_its_index_is_its_own_kind():
@@ -683,3 +809,61 @@ def test_arithmetic_on_an_index_is_watched_in_turn(use: str):
         assert calls == [0] and not analysis.broke
     _, plan, unfolded = _plans(model, example)
     assert plan_key(plan) == plan_key(unfolded) and plan.notes == unfolded.notes
+
+
+def test_metadata_reads_pass_the_analysis_modes_untouched():
+    """Torch hands every ``x.shape`` / ``x.dtype`` / ``x.size()`` to each active function
+    mode: the analysis's modes hand them straight on (`tpkit.trace.shadow.metadata_only`),
+    but never an attribute or method that returns a tensor (``x.T``, a view), which the
+    tracer follows and the dry run's reshape record counts."""
+    from torch.overrides import TorchFunctionMode
+
+    from tpkit.trace.shadow import metadata_only
+
+    seen: list = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.zeros(2, 3)
+    with Record():
+        _ = (x.shape, x.dtype, x.device, x.requires_grad, x.ndim, x.size(), x.dim(), len(x))
+        _ = (x.is_floating_point(), x.numel(), x.stride())
+        meta = len(seen)
+        _ = (x.T, x.mT, x.data, x.view(3, 2), x.float(), x + 1)
+    assert meta == 11 and all(metadata_only(f) for f in seen[:meta])
+    assert len(seen) > meta and not any(metadata_only(f) for f in seen[meta:])
+
+
+class _OwnLinear(nn.Linear):
+    """A linear with its own forward: it may read its weight's height."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (self.weight.shape[0] / self.out_features)
+
+
+def test_a_gathered_vocabulary_head_split_unevenly_needs_no_last_rank_dry_run(monkeypatch):
+    """A dry run of a plan whose shards are smaller on the last rank runs that rank's shapes
+    too. Not for a plain ``nn.Linear`` whose output is gathered (a vocabulary head of a size tp
+    does not divide): its forward takes any height and hands on the gathered width, so the
+    last rank's run is rank 0's. A linear with its own forward still gets its own run."""
+    from tpkit.settle import dryrun
+
+    ranks: list[int] = []
+    once = dryrun._dry_run_once
+    monkeypatch.setattr(
+        dryrun,
+        "_dry_run_once",
+        lambda *a, **k: (k.get("record") is None and ranks.append(k["rank"])) or once(*a, **k),
+    )  # the split runs' ranks (not the unsplit reference run's)
+    plan = Plan.from_dict({"layers.*.up": "colwise", "layers.*.down": "rowwise"})
+    plan.set("head", "colwise_gather_output")
+    for head, expected in ((nn.Linear, [0]), (_OwnLinear, [0, 3])):
+        model = _Stack()
+        model.head = head(8, 10)  # 10 rows at tp=4: 3, 3, 3, 1
+        analysis = Analysis(model, (torch.randn(2, 3, 8),))
+        ranks.clear()
+        assert dry_run(analysis, plan, 4) is None
+        assert ranks == expected

@@ -60,10 +60,13 @@ class Analysis:
     #: (plan content, tp) -> the dry run's answer (`tpkit.settle.dryrun.dry_run`)
     answers: dict[tuple[PlanKey, int], str | None] = field(default_factory=dict, repr=False)
     #: (shadow values or not, the twins folded) -> the unsplit model's reshapes
-    #: (`tpkit.settle.dryrun`); a plain fake trace fills its own in (`Trace.reshapes`)
+    #: (`tpkit.settle.dryrun`); a fake trace fills its own in (`Trace.reshapes`)
     references: dict[tuple, Any] = field(default_factory=dict, repr=False)
-    #: a plain fake dry run of this model met a data-dependent branch: the next ones start
-    #: with shadow values (`tpkit.settle.dryrun`)
+    #: the keys of ``references`` a trace filled in: a dry run whose reshapes differ from one
+    #: in number, in any module, runs the reference itself (`tpkit.settle.dryrun`)
+    borrowed: set[tuple] = field(default_factory=set, repr=False)
+    #: a plain fake forward of this model (its trace, a dry run) met a data-dependent
+    #: branch: the next dry runs start with shadow values (`tpkit.settle.dryrun`)
     needs_values: bool = False
     #: whether fake forwards fold identical layers (`folding`)
     fold: bool = True
@@ -92,7 +95,13 @@ class Analysis:
                 model, example, recipe = self.model, self.example, self.recipe
                 found = trace(model, example, real, mixed=mixed, recipe=recipe, twins=twins)
                 if found.reshapes is not None:  # the dry run's unsplit reference, run already
-                    self.references.setdefault((False, tuple(twins.rep.items())), found.reshapes)
+                    key = (found.values, tuple(twins.rep.items()))
+                    if key not in self.references:
+                        self.references[key] = found.reshapes
+                        self.borrowed.add(key)
+                # its plain fake run met a data-dependent branch: so will every dry run's
+                # (`tpkit.settle.dryrun`), which can start with the values
+                self.needs_values |= found.values
                 return found
 
             try:

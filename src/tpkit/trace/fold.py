@@ -58,6 +58,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -353,6 +354,8 @@ class _Call:
     writes: tuple = ()
     #: what its forward asked of its indices, and the answers (`tpkit.trace.watched`)
     guards: tuple = ()
+    #: its signature as a fold comparing less compares it (`_Coarser`)
+    coarse: tuple | None = None
 
 
 #: what a fold compares of each tensor a layer is given, besides its shape and dtype: the
@@ -547,15 +550,96 @@ def _attributes(module: nn.Module) -> list[tuple]:
     ]
 
 
+def _inconsistent(
+    used: dict[str, list[_Call]], calls: dict[str, list[_Call]], kind: dict[str, str]
+) -> str | None:
+    """Why a fold's stands cannot stand for the unfolded forward (`_Fold.check`), or None."""
+    for name, stood in used.items():
+        layers = {c.layer for c in stood}
+        if len(layers) > 1:
+            return f"{name} stands on the calls of {len(layers)} layers"
+        (layer,) = layers
+        ran = {id(c) for c in calls[kind[layer]] if c.layer == layer}
+        if layer != name and {id(c) for c in stood} != ran:
+            return f"{name} stands on some of the calls {layer} ran, not all"
+    return None
+
+
+class _Coarser:
+    """The fold a forward that compares less of each call would make (a dry run's beside the
+    trace's: shapes, and a shadow run's integer values, not the tags), followed alongside a
+    fold's calls without running anything. It stands wherever the fold stands (maybe on an
+    earlier call) and may stand where the fold runs (a call whose tags alone differ: tiny
+    GPT-2's second layer, NLLB-MoE's first after the embedding): those calls' tokens are
+    ``stood``, and what they recorded left out is what that fold's forward records
+    (`tpkit.trace.trace.Trace.reshapes`). ``valid`` turns False where it cannot be followed:
+    it would run a call the fold stood (nothing of that call is known), it would break where
+    the fold does not, or it would stand on a call that wrote other attributes."""
+
+    def __init__(self, describe: Describe, kind: dict[str, str]) -> None:
+        self.describe, self.kind = describe, kind
+        self.calls: dict[str, list[_Call]] = {}  # kind -> the calls it runs, in order
+        self.latest: dict[str, _Call] = {}
+        self.used: dict[str, list[_Call]] = {}
+        self.stood: set[int] = set()
+        self.valid = True
+
+    def choice(self, name: str, signature: tuple, module: nn.Module, indices: dict) -> Any:
+        """The call it would stand ``name``'s call on (its ``signature`` as it compares it),
+        asked as `_Fold.forward` asks it; None: it would run it."""
+        alike = (
+            c
+            for c in self.calls.get(self.kind[name], ())
+            if c is self.latest[c.layer]
+            and c.coarse == signature
+            and holds(c.guards, indices)
+            and _as_before(module, c.writes)
+        )
+        return next(alike, None)
+
+    def stands(self, name: str, rough: _Call | None, call: _Call) -> None:
+        """The fold stood ``name``'s call on ``call``; this one would on ``rough``."""
+        if rough is None or rough.writes != call.writes:
+            self.valid = False
+        else:
+            self.used.setdefault(name, []).append(rough)
+
+    def ran(self, name: str, rough: _Call | None, call: _Call, token: int) -> None:
+        """The fold ran ``call`` (``token``); this one would stand it on ``rough`` or run it."""
+        used = self.used.setdefault(name, [])
+        if rough is None:
+            if any(c.layer != name for c in used):  # it would break here
+                self.valid = False
+            self.calls.setdefault(self.kind[name], []).append(call)
+            self.latest[name] = call
+            used.append(call)
+        elif rough.writes != call.writes:
+            self.valid = False
+        else:
+            used.append(rough)
+            self.stood.add(token)
+
+    def finish(self) -> None:
+        """After the forward: invalid where its stands would break (`_Fold.check`)."""
+        self.valid = self.valid and _inconsistent(self.used, self.calls, self.kind) is None
+
+
 class _Fold:
     """The calls of one folded forward: each layer of a kind with twins runs for real on its
     first call unless an earlier call of its kind was given alike and answers its guards alike
     (then its stub stands on that call); a later call of a layer (a model that runs its layers
     in cycles: HRM) must stand on one."""
 
-    def __init__(self, twins: Twins, describe: Describe | None, on_twin) -> None:
+    def __init__(
+        self, twins: Twins, describe: Describe | None, on_twin, coarse: Describe | None = None
+    ) -> None:
         self.kind = {**{r: r for r in twins.rep.values()}, **twins.rep}
         self.describe, self.on_twin = describe, on_twin
+        #: the fold a forward comparing less would make, followed alongside (`_Coarser`)
+        self.coarser = _Coarser(coarse, self.kind) if coarse is not None else None
+        #: the tokens of the calls running now, outermost first (`_Coarser.stood`)
+        self.running: list[int] = []
+        self._tokens = itertools.count()
         self.calls: dict[str, list[_Call]] = {}  # kind -> its layers' real calls, in order
         self.latest: dict[str, _Call] = {}  # layer -> its last real call: the one stood on
         self.used: dict[str, list[_Call]] = {}  # layer -> the call each of its calls was
@@ -612,8 +696,13 @@ class _Fold:
                 and _as_before(module, c.writes)
             )
             call = next(alike, None)
+            coarser = self.coarser if self.coarser is not None and self.coarser.valid else None
+            coarse = _signature_of(args, kwargs, coarser.describe, name) if coarser else None
+            rough = coarser.choice(name, coarse, module, indices) if coarser else None
             used = self.used.setdefault(name, [])
             if call is not None:
+                if coarser:
+                    coarser.stands(name, rough, call)
                 used.append(call)
                 self.tally["stood"] = self.tally.get("stood", 0) + 1
                 for rel, k, _, value in call.writes:  # what its own forward would have written
@@ -625,6 +714,8 @@ class _Fold:
             versions = [t._version for t in inputs]
             held, attrs, values = _held(args, kwargs), _attributes(module), _values(module)
             self.guards.begin(name)
+            token = next(self._tokens)
+            self.running.append(token)
             try:
                 output = forward(*args, **kwargs)
             except TypeError as exc:  # torch's or a C function's: a watched index handed on
@@ -633,6 +724,7 @@ class _Fold:
                 raise
             finally:
                 guards = self.guards.end()
+                self.running.pop()
             if [t._version for t in inputs] != versions or any(_shallow(v) != s for v, s in held):
                 raise FoldBroken(f"{name} changes what it is given")
             writes = _written(module, attrs, values)
@@ -640,7 +732,9 @@ class _Fold:
                 raise FoldBroken(f"{name} changes its own attributes")
             if any(isinstance(v, Watched) for v in tree_flatten(output)[0]):
                 raise FoldBroken(f"{name} returns its index")
-            call = _Call(name, signature, inputs, output, writes, guards)
+            call = _Call(name, signature, inputs, output, writes, guards, coarse)
+            if coarser:
+                coarser.ran(name, rough, call, token)
             kind.append(call)
             used.append(call)
             self.latest[name] = call
@@ -649,13 +743,6 @@ class _Fold:
 
         return forward_folded
 
-    def one_call_per_kind(self) -> bool:
-        """Whether each kind of folded layer ran one call for real, every other call of it
-        standing on that one: then any fold of the same twins that compares less of each call
-        (no ``describe``) stands on the same calls and runs the same forward
-        (`tpkit.trace.trace.Trace.reshapes`)."""
-        return all(len(calls) == 1 for calls in self.calls.values())
-
     def check(self) -> None:
         """After the forward: every call of a layer stood on calls of one layer: itself, or
         another whose real calls it stood on every one of. A layer runs again for real only
@@ -663,14 +750,11 @@ class _Fold:
         layers messages), so that layer's records add up its real calls as an unfolded run's
         add up all of them, and what a trace copies from them is what each of this layer's
         calls would have recorded."""
-        for name, calls in self.used.items():
-            layers = {c.layer for c in calls}
-            if len(layers) > 1:
-                raise FoldBroken(f"{name} stands on the calls of {len(layers)} layers")
-            (layer,) = layers
-            ran = {id(c) for c in self.calls[self.kind[layer]] if c.layer == layer}
-            if layer != name and {id(c) for c in calls} != ran:
-                raise FoldBroken(f"{name} stands on some of the calls {layer} ran, not all")
+        if self.coarser is not None:
+            self.coarser.finish()
+        why = _inconsistent(self.used, self.calls, self.kind)
+        if why:
+            raise FoldBroken(why)
 
     def _stand_in(self, name: str, call: _Call, args: tuple, kwargs: dict) -> Any:
         """``name``'s output, as ``call``'s layer gave it: an input handed back is this call's
@@ -705,19 +789,22 @@ def folded(
     twins: Twins,
     on_twin: Callable[[str, str], None] | None = None,
     describe: Describe | None = None,
+    coarse: Describe | None = None,
 ) -> Iterator[_Fold | None]:
     """Inside the block, each layer of a kind with twins stands on an earlier call of its kind
     that was given alike (see the module docstring), else runs and is recorded; ``describe``
     adds to what is compared of each tensor given (the trace's tags, a shadow run's integer
     values); ``on_twin(twin, layer)`` is told each time a twin stands on ``layer``'s call (the
-    trace copies what that run recorded). Raises `FoldBroken` where the fold cannot stand for
-    the unfolded forward; everything is put back on exit. Yields the fold's calls (None where
-    there are no twins: nothing folds)."""
+    trace copies what that run recorded). ``coarse``: what another fold describes, one that
+    compares less (a dry run's, beside the trace's), followed alongside: the fold's
+    ``coarser`` (`_Coarser`) says which of the calls it ran that one would stand. Raises
+    `FoldBroken` where the fold cannot stand for the unfolded forward; everything is put back
+    on exit. Yields the fold's calls (None where there are no twins: nothing folds)."""
     if not twins:
         yield None
         return
     modules = dict(model.named_modules())
-    fold = _Fold(twins, describe, on_twin)
+    fold = _Fold(twins, describe, on_twin, coarse)
     saved: list[tuple[Any, str, Any, bool]] = []
 
     def put(obj: Any, attr: str, value: Any) -> None:

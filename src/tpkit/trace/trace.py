@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -44,8 +44,17 @@ from tpkit.trace.fake import (
 from tpkit.trace.fold import Describe, Relative, Twins, folded, known_values
 from tpkit.trace.inputs import InputRecipe, text_only, unflattened_patches
 from tpkit.trace.reductions import reduced_dims
-from tpkit.trace.shadow import GivenValues, ShadowValues, needs_values, tensors_in
+from tpkit.trace.shadow import (
+    GivenValues,
+    ShadowValues,
+    metadata_only,
+    needs_values,
+    tensors_in,
+)
 from tpkit.trace.twins import TwinRecords
+
+if TYPE_CHECKING:
+    from tpkit.trace.fold import _Fold
 
 __all__ = [
     "STREAM",
@@ -174,13 +183,15 @@ _JOINS = frozenset({"cat", "concat", "concatenate", "stack", "hstack"})
 _RESHAPES = frozenset({"view", "reshape", "unflatten", "flatten"})
 
 
-def record_reshape(out: dict[str, list], where: str, name: str, args: tuple, result: Any) -> None:
+def record_reshape(out: dict[str, list], where: str, name: str, args: tuple, result: Any) -> bool:
     """Add a call to ``out`` (module -> [(input shape, output shape)]) if it is a reshape of a
     tensor: what the dry run compares. One function for the trace and the dry run's reference
     run, so that the trace's record stands for the reference's (`Trace.reshapes`)."""
     tensors = args and isinstance(args[0], torch.Tensor) and isinstance(result, torch.Tensor)
     if name in _RESHAPES and tensors:
         out.setdefault(where, []).append((tuple(args[0].shape), tuple(result.shape)))
+        return True
+    return False
 
 
 # ops that cut a tensor along a dim -> position of that dim among their arguments
@@ -220,6 +231,9 @@ class _Tracer(TorchFunctionMode):
         self.where: list[str] = []  # the modules whose forward is running, innermost last
         # each view / reshape as (input shape, output shape), per innermost running module
         self.reshapes: dict[str, list[tuple[tuple, tuple]]] = {}
+        # per reshape recorded, the tokens of the fold's calls running (`in_fold`)
+        self.reshape_calls: dict[str, list[tuple[int, ...]]] = {}
+        self.fold_calls: list[int] = []
         # module -> {"q", "k", "v", "out": linear, "heads": n}: its forward calls torch's
         # multi_head_attention_forward on its child linears' weights (WavLM's attention)
         self.functional_mha: dict[str, dict[str, Any]] = {}
@@ -247,6 +261,31 @@ class _Tracer(TorchFunctionMode):
         self.pending: list[tuple[str, nn.Module, list, frozenset[str]]] = []
 
     @contextlib.contextmanager
+    def in_fold(self, fold: _Fold | None):
+        """Each reshape recorded inside the block is told which of ``fold``'s calls were
+        running (`coarse_reshapes`)."""
+        self.fold_calls = fold.running if fold is not None else []
+        try:
+            yield
+        finally:
+            self.fold_calls = []
+
+    def coarse_reshapes(self, fold: _Fold | None) -> dict[str, list[tuple[tuple, tuple]]]:
+        """The reshapes recorded (`Trace.reshapes`), less those of the calls a dry run's
+        fold would stand where ``fold`` ran them (`tpkit.trace.fold._Coarser`): what the dry
+        run's unsplit reference run records."""
+        stood = fold.coarser.stood if fold is not None else set()
+        if not stood:
+            return self.reshapes
+        out: dict[str, list[tuple[tuple, tuple]]] = {}
+        for where, calls in self.reshapes.items():
+            running = self.reshape_calls[where]
+            kept = [c for c, tokens in zip(calls, running, strict=True) if stood.isdisjoint(tokens)]
+            if kept:
+                out[where] = kept
+        return out
+
+    @contextlib.contextmanager
     def under(self, shadow: ShadowValues | None):
         """``shadow`` (when there is one), then this tracer, as modes: the tracer sees calls
         first and the shadow run computes their values inside."""
@@ -268,10 +307,14 @@ class _Tracer(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if metadata_only(func):  # nothing to tag, no value escapes (`_record_made_from`)
+            return func(*args, **kwargs)
         out = func(*args, **kwargs)
         inputs = _tensors((args, kwargs))
         name = getattr(func, "__name__", "")
-        record_reshape(self.reshapes, self.where[-1] if self.where else "", name, args, out)
+        where = self.where[-1] if self.where else ""
+        if record_reshape(self.reshapes, where, name, args, out):
+            self.reshape_calls.setdefault(where, []).append(tuple(self.fold_calls))
         # a call that returns no tensor read metadata only (LongT5 asks its bias table's
         # ``weight.device``), not the values
         reads_values = bool(_tensors(out))
@@ -883,9 +926,15 @@ class Trace:
 
     ``reshapes``: each view / reshape the forward ran, as (input shape, output shape), per
     innermost running module, in call order: what the dry run's unsplit reference run would
-    record (`tpkit.settle.dryrun`), kept only where that run is this one again (a plain fake
-    run whose folded layers each ran one call of their kind, the others standing on it), else
-    None."""
+    record (`tpkit.settle.dryrun`). The dry run's fold compares less of each layer's call
+    (shapes, and a shadow run's integer values, not the tags), so it may stand calls this
+    fold ran (tiny GPT-2's second layer): followed alongside (`tpkit.trace.fold.folded`'s
+    ``coarse``), what those calls recorded is left out. None where that fold cannot be
+    followed, or where a shadow run came near its budget (`ShadowValues.far_from_budget`:
+    the dry run's values might then differ).
+
+    ``values``: the forward ran with shadow values (`tpkit.trace.shadow`): its plain fake run
+    met a data-dependent branch, as every dry run's will."""
 
     nodes: dict[str, Node]
     blocks: list[str]
@@ -896,6 +945,12 @@ class Trace:
     fed_floats: bool = False
     returns: frozenset[str] = frozenset()
     reshapes: dict[str, list[tuple[tuple, tuple]]] | None = None
+    values: bool = False
+
+
+def _nothing(t: torch.Tensor, layer: str) -> None:
+    """What a plain dry run's fold compares of a tensor besides its shape: nothing."""
+    return None
 
 
 def trace(
@@ -1045,9 +1100,13 @@ class _TraceHooks:
                 else:
                     state, experts = meta_state(model, fake), fake_friendly_experts(model)
                     shadow = ShadowValues(fake, given) if values else None
-                    twins = folded(model, self.twins, self.records.stand_in, self._describe(shadow))
+                    # what a dry run's fold compares (`Trace.reshapes`)
+                    coarse = known_values(shadow) if shadow is not None else _nothing
+                    describe = self._describe(shadow)
+                    twins = folded(model, self.twins, self.records.stand_in, describe, coarse)
                     with (
                         twins as fold,
+                        self.tracer.in_fold(fold),
                         state,
                         experts,
                         torch.no_grad(),
@@ -1055,11 +1114,10 @@ class _TraceHooks:
                         self.tracer.under(shadow),
                     ):
                         model(*args, **kwargs)
-                    # the dry run's unsplit reference would run just this (no shadow values; a
-                    # fold it makes with fewer questions stands on the same calls only where
-                    # each folded kind ran one call here: `Trace.reshapes`)
-                    alike = shadow is None and (fold is None or fold.one_call_per_kind())
-                    reshapes = self.tracer.reshapes if alike else None
+                    # the dry run's unsplit reference run, where this run can stand for it
+                    same_values = shadow is None or shadow.far_from_budget()
+                    if same_values and (fold is None or fold.coarser.valid):
+                        reshapes = self.tracer.coarse_reshapes(fold)
                     self.records.finish()
                     partial = [node.partial_params for node in self.nodes.values()]
                     self.records.resolve(partial, self.input_params)
@@ -1076,6 +1134,7 @@ class _TraceHooks:
             fed_floats=self.fed_floats,
             returns=self.returns,
             reshapes=reshapes,
+            values=values,
         )
 
     def _describe(self, shadow: ShadowValues | None) -> Describe:

@@ -7,6 +7,7 @@ their source and arguments, fix-ups, notes and groups (or the error, when deriva
 
     python -m benchmarks.plan_snapshot --out /tmp/before.jsonl           # ~30 min on 2 cores
     python -m benchmarks.plan_snapshot --out /tmp/after.jsonl --jobs 2
+    python -m benchmarks.plan_snapshot --out /tmp/quick.jsonl --tp 2 3  # half the time
     python -m benchmarks.plan_snapshot --compare /tmp/before.jsonl /tmp/after.jsonl
 
 ``--compare`` prints each (architecture, mode, tp) whose plan differs and exits 1 if any does.
@@ -15,6 +16,7 @@ their source and arguments, fix-ups, notes and groups (or the error, when deriva
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -62,7 +64,7 @@ def rows() -> list[tuple[str, str, str]]:
     return out
 
 
-def snapshot(row: tuple[str, str, str]) -> list[dict]:
+def snapshot(row: tuple[str, str, str], tps: tuple[int, ...] = SIZES) -> list[dict]:
     """Every (mode, tp) plan of one architecture's tiny model."""
     import torch
 
@@ -81,7 +83,7 @@ def snapshot(row: tuple[str, str, str]) -> list[dict]:
     except Exception as exc:  # noqa: BLE001 - a row whose tiny model does not build
         return [{"arch": f"{model_type}/{class_name}", "build": _why(exc)}]
     for mode in MODES:
-        for tp in SIZES:
+        for tp in tps:
             rec: dict = {"arch": f"{model_type}/{class_name}", "mode": mode, "tp": tp}
             start = time.perf_counter()
             try:
@@ -97,7 +99,7 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
 
-def run(out: Path, jobs: int, only: list[str] | None) -> None:
+def run(out: Path, jobs: int, only: list[str] | None, tps: tuple[int, ...] = SIZES) -> None:
     todo = [r for r in rows() if not only or r[0] in only or r[1] in only]
     done = set()
     if out.exists():
@@ -106,7 +108,8 @@ def run(out: Path, jobs: int, only: list[str] | None) -> None:
     todo = [r for r in todo if f"{r[0]}/{r[1]}" not in done]
     ctx = mp.get_context("spawn")
     with ctx.Pool(jobs, maxtasksperchild=8) as pool, out.open("a") as f:
-        for i, recs in enumerate(pool.imap_unordered(snapshot, todo), 1):
+        one = functools.partial(snapshot, tps=tps)
+        for i, recs in enumerate(pool.imap_unordered(one, todo), 1):
             for rec in recs:
                 f.write(json.dumps(rec, sort_keys=True) + "\n")
             f.flush()
@@ -147,10 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--compare", nargs=2, type=Path)
+    ap.add_argument("--tp", nargs="*", type=int, default=list(SIZES), help="the sizes derived")
     args = ap.parse_args(argv)
     if args.compare:
         return compare(*args.compare)
-    run(args.out, args.jobs, args.only)
+    run(args.out, args.jobs, args.only, tuple(args.tp))
     return 0
 
 

@@ -17,6 +17,10 @@ with this tree's tests and benchmarks.
     python -m benchmarks.planning                              # every row, hours on 2 cores
     python -m benchmarks.planning --only llama glm_moe_dsa     # model types or class names
     python -m benchmarks.planning --src /tmp/base/src --out /tmp/plan-base --plans /tmp/b.jsonl
+    python -m benchmarks.planning --only kolibri1_1 zamba2 --ab /tmp/base/src --repeats 3
+
+``--ab`` times a base tree and this one on the same rows, interleaved, and writes
+``planning_ab.md`` beside ``planning.md``.
 
 Writes ``planning.json`` (every row) and ``planning.md`` (the ten slowest, then every row) to
 ``--out`` (default ``benchmarks/results``).
@@ -227,6 +231,68 @@ def markdown(meta: dict, slow: list[dict]) -> str:
     return text + "\n## Every row\n\n" + head + "".join(line(r) for r in slow)
 
 
+def run_ab(args: argparse.Namespace) -> list[dict]:
+    """``--ab BASE_SRC``: each row planned by the base tree and by this one, interleaved
+    (base, now, base, now ...: a shared machine's slow minutes fall on both), the fastest of
+    ``--repeats`` runs of each kept; the plans of both trees go to ``--plans`` (``.base`` and
+    this tree's) for `benchmarks.plan_snapshot` ``--compare``. Writes ``planning_ab.json`` and
+    ``planning_ab.md`` to ``--out``."""
+    out: list[dict] = []
+    trees = {"base": args.ab, "now": args.src}
+    plans = {"base": None, "now": None}
+    if args.plans:
+        plans = {"base": args.plans.with_suffix(".base.jsonl"), "now": args.plans}
+    for i, row in enumerate(rows(args.only, args.families), 1):
+        runs: dict[str, list[dict]] = {"base": [], "now": []}
+        for rep in range(args.repeats):
+            for tree, src in trees.items():
+                runs[tree].append(measure(row, args.tp, src, plans[tree] if not rep else None,
+                                          args.timeout))  # fmt: skip
+        best = {t: min(r, key=lambda x: x["wall"]) for t, r in runs.items()}
+        for t, r in runs.items():
+            best[t]["runs"] = [x["wall"] for x in r]
+        out.append({"architecture": row[0], "class": row[1], **best})
+        print(f"{i} {row[1]}: base {best['base']['wall']:.1f} s, now {best['now']['wall']:.1f} s",
+              file=sys.stderr, flush=True)  # fmt: skip
+    meta = {
+        "what": f"tpkit plan --tp {args.tp} (benchmarks.planning --ab), base tree and this one",
+        "base": str(args.ab),
+        "now": str(args.src),
+        "tp": args.tp,
+        "repeats": args.repeats,
+        "interleaved": True,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
+        "goal": {"wall_s": GOAL_SECONDS, "peak_rss_bytes": GOAL_BYTES},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = {"meta": meta, "rows": out}
+    (args.out / "planning_ab.json").write_text(json.dumps(data, indent=1) + "\n")
+    (args.out / "planning_ab.md").write_text(markdown_ab(meta, out))
+    return out
+
+
+def markdown_ab(meta: dict, rows_: list[dict]) -> str:
+    head = (
+        "| architecture | class | base wall s | now wall s | now ÷ base | base derive s "
+        "| now derive s | now <= 10 s |\n|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in sorted(rows_, key=lambda r: -r["base"]["wall"]):
+        b, n = r["base"], r["now"]
+        ok = "yes" if n["wall"] <= GOAL_SECONDS and n.get("status") == "ok" else "**no**"
+        lines.append(
+            f"| {r['architecture']} | {r['class']} | {b['wall']:.1f} | {n['wall']:.1f} | "
+            f"{n['wall'] / b['wall']:.2f}x | {b.get('derive', '')} | {n.get('derive', '')} "
+            f"| {ok} |\n"
+        )
+    return (
+        f"# Planning, base tree and this one: `tpkit plan --tp {meta['tp']}`\n\n"
+        f"Each row in a fresh process per run, the two trees interleaved, the fastest of "
+        f"{meta['repeats']} runs each ({meta['machine']}; wall time includes the imports). "
+        f"Base: `{meta['base']}`.\n\n" + head + "".join(lines)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", nargs=2, metavar=("MODEL_TYPE", "CLASS"), help=argparse.SUPPRESS)
@@ -239,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=600, help="seconds per row")
     ap.add_argument("--resume", action="store_true", help="keep the rows --out has, run the rest")
     ap.add_argument("--repeats", type=int, default=1, help="runs per row, the fastest kept")
+    ap.add_argument("--ab", type=Path, help="a base tree's src: time both, interleaved")
     args = ap.parse_args(argv)
     if args.child:
         plans = str(args.plans) if args.plans else None
@@ -248,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out), flush=True)
         gc.freeze()  # as `tpkit plan` ends (tpkit.trace.gc_quiet.freeze_before_exit)
         return 0
-    run(args)
+    run_ab(args) if args.ab else run(args)
     return 0
 
 

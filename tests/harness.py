@@ -141,6 +141,14 @@ class RankGroup:
             raise RankError("\n".join(parts))
         return [done[r] for r in range(self.world)]
 
+    def threads(self) -> int:
+        """The most threads any of its rank processes runs (0 where that cannot be read)."""
+        counts = [0]
+        for p in self.procs:
+            with contextlib.suppress(OSError):
+                counts.append(len(os.listdir(f"/proc/{p.pid}/task")))
+        return max(counts)
+
     def close(self) -> None:
         for q in getattr(self, "tasks", []):
             with contextlib.suppress(Exception):  # the queue may already be broken

@@ -14,6 +14,10 @@ their vision towers stayed whole (tower share split, tiny family models on meta,
   before it keeps to the text, and its rotary's code-default sections are scaled to the tiny
   head (`tests.tiny_family._fit_rotary_sections`).
 
+UnlimitedOCR's towers (SAM and CLIP encoders) were left whole too: its trace with shadow values
+failed (a real tensor met a fake one in an ``&``) and kept to the text. Since metadata reads
+(``x.shape``) pass the shadow values untouched (`tpkit.trace.shadow.metadata_only`), it runs.
+
 Parity: tp=2 against the unsharded tiny model, first output and every gradient within 1e-5,
 the tower's linears asserted split (`tests.test_families.family_parity`).
 """
@@ -28,6 +32,7 @@ GLM4V = ("glm4v", "Glm4vForConditionalGeneration", "image-text-to-text")
 QWEN3_VL = ("qwen3_vl", "Qwen3VLForConditionalGeneration", "image-text-to-text")
 VIDEO_LLAMA_3 = ("video_llama_3", "VideoLlama3ForConditionalGeneration", "image-text-to-text")
 PADDLE = ("paddleocr_vl", "PaddleOCRVLForConditionalGeneration", "image-text-to-text")
+UNLIMITED_OCR = ("unlimited_ocr", "UnlimitedOcrForConditionalGeneration", "image-text-to-text")
 
 
 def _traced_tower(arch: tuple[str, str, str]) -> dict:
@@ -84,10 +89,11 @@ def test_merge_sizes_and_unflattened_patches_are_made_up():
 TOWER_PARTS = {
     "qwen3_vl": ("blocks.0.attn.qkv", "blocks.1.mlp.linear_fc2", "deepstack_merger_list.0."),
     "video_llama_3": ("layers.0.self_attn.q_proj", "layers.1.mlp.fc2", "projector.readout.0"),
+    "unlimited_ocr": ("sam_encoder.layers.0.mlp.lin1", "vision_encoder.encoder.layers.0.mlp.fc1"),
 }
 
 
-@pytest.mark.parametrize("arch", [QWEN3_VL, VIDEO_LLAMA_3], ids=lambda a: a[0])
+@pytest.mark.parametrize("arch", [QWEN3_VL, VIDEO_LLAMA_3, UNLIMITED_OCR], ids=lambda a: a[0])
 def test_grid_vlm_tower_split_tp2(ranks2, arch):
     r = _check(ranks2.run(family_parity, *arch))
     for part in TOWER_PARTS[arch[0]]:

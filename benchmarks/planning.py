@@ -256,7 +256,7 @@ def run_ab(args: argparse.Namespace) -> list[dict]:
               file=sys.stderr, flush=True)  # fmt: skip
     meta = {
         "what": f"tpkit plan --tp {args.tp} (benchmarks.planning --ab), base tree and this one",
-        "base": str(args.ab),
+        "base": args.base_label or str(args.ab),
         "now": str(args.src),
         "tp": args.tp,
         "repeats": args.repeats,
@@ -282,7 +282,7 @@ def markdown_ab(meta: dict, rows_: list[dict]) -> str:
         ok = "yes" if n["wall"] <= GOAL_SECONDS and n.get("status") == "ok" else "**no**"
         lines.append(
             f"| {r['architecture']} | {r['class']} | {b['wall']:.1f} | {n['wall']:.1f} | "
-            f"{n['wall'] / b['wall']:.2f}x | {b.get('derive', '')} | {n.get('derive', '')} "
+            f"{n['wall'] / b['wall']:.2f}x | {b.get('derive', 0):.2f} | {n.get('derive', 0):.2f} "
             f"| {ok} |\n"
         )
     return (
@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true", help="keep the rows --out has, run the rest")
     ap.add_argument("--repeats", type=int, default=1, help="runs per row, the fastest kept")
     ap.add_argument("--ab", type=Path, help="a base tree's src: time both, interleaved")
+    ap.add_argument("--base-label", help="what the base tree is (a commit), for the tables")
     args = ap.parse_args(argv)
     if args.child:
         plans = str(args.plans) if args.plans else None

@@ -47,9 +47,11 @@ def test_nested_blocks_unfreeze_once_and_a_users_freeze_is_left_alone():
     gc.freeze()  # the user's own (a fork server's, say)
     try:
         mine = gc.get_freeze_count()
-        with gc_quiet.frozen_heap():
-            pass
-        assert gc.get_freeze_count() == mine
+        with gc_quiet.frozen_heap():  # its own generator object would be frozen by a freeze
+            assert gc.get_freeze_count() <= mine  # nothing frozen on top of the user's
+        # and not unfrozen (0); not compared exactly: another thread (pytest-xdist's) may free
+        # a few of the objects the user froze meanwhile (seen once: 2 of 1,052,892)
+        assert mine - 64 < gc.get_freeze_count() <= mine
     finally:
         gc.unfreeze()
 

@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,9 +52,6 @@ from tpkit.trace.shadow import (
     tensors_in,
 )
 from tpkit.trace.twins import TwinRecords
-
-if TYPE_CHECKING:
-    from tpkit.trace.fold import _Fold
 
 __all__ = [
     "STREAM",
@@ -261,20 +258,19 @@ class _Tracer(TorchFunctionMode):
         self.pending: list[tuple[str, nn.Module, list, frozenset[str]]] = []
 
     @contextlib.contextmanager
-    def in_fold(self, fold: _Fold | None):
-        """Each reshape recorded inside the block is told which of ``fold``'s calls were
-        running (`coarse_reshapes`)."""
-        self.fold_calls = fold.running if fold is not None else []
+    def in_fold(self, running: list[int]):
+        """Each reshape recorded inside the block is told which of a fold's calls were running
+        (``running``: the fold's tokens of them, kept up to date by the fold; `coarse_reshapes`)."""
+        self.fold_calls = running
         try:
             yield
         finally:
             self.fold_calls = []
 
-    def coarse_reshapes(self, fold: _Fold | None) -> dict[str, list[tuple[tuple, tuple]]]:
-        """The reshapes recorded (`Trace.reshapes`), less those of the calls a dry run's
-        fold would stand where ``fold`` ran them (`tpkit.trace.fold._Coarser`): what the dry
-        run's unsplit reference run records."""
-        stood = fold.coarser.stood if fold is not None else set()
+    def coarse_reshapes(self, stood: set[int]) -> dict[str, list[tuple[tuple, tuple]]]:
+        """The reshapes recorded (`Trace.reshapes`), less those of the calls (their tokens,
+        ``stood``) a dry run's fold would stand where the trace's fold ran them
+        (`tpkit.trace.fold`'s ``coarse``): what the dry run's unsplit reference run records."""
         if not stood:
             return self.reshapes
         out: dict[str, list[tuple[tuple, tuple]]] = {}
@@ -1106,7 +1102,7 @@ class _TraceHooks:
                     twins = folded(model, self.twins, self.records.stand_in, describe, coarse)
                     with (
                         twins as fold,
-                        self.tracer.in_fold(fold),
+                        self.tracer.in_fold(fold.running if fold is not None else []),
                         state,
                         experts,
                         torch.no_grad(),
@@ -1117,7 +1113,8 @@ class _TraceHooks:
                     # the dry run's unsplit reference run, where this run can stand for it
                     same_values = shadow is None or shadow.far_from_budget()
                     if same_values and (fold is None or fold.coarser.valid):
-                        reshapes = self.tracer.coarse_reshapes(fold)
+                        stood = fold.coarser.stood if fold is not None else set()
+                        reshapes = self.tracer.coarse_reshapes(stood)
                     self.records.finish()
                     partial = [node.partial_params for node in self.nodes.values()]
                     self.records.resolve(partial, self.input_params)

@@ -550,6 +550,25 @@ def _attributes(module: nn.Module) -> list[tuple]:
     ]
 
 
+def _alike(
+    calls: list[_Call], latest: dict, field: str, signature: tuple, module: nn.Module, indices
+) -> _Call | None:
+    """The first of ``calls`` a call given ``signature`` (as ``field`` holds it) stands on:
+    its layer's latest real call, given alike, its guards holding, the attributes as they
+    were; None where there is none (the call runs)."""
+    return next(
+        (
+            c
+            for c in calls
+            if c is latest[c.layer]
+            and getattr(c, field) == signature
+            and holds(c.guards, indices)
+            and _as_before(module, c.writes)
+        ),
+        None,
+    )
+
+
 def _inconsistent(
     used: dict[str, list[_Call]], calls: dict[str, list[_Call]], kind: dict[str, str]
 ) -> str | None:
@@ -570,7 +589,7 @@ class _Coarser:
     trace's: shapes, and a shadow run's integer values, not the tags), followed alongside a
     fold's calls without running anything. It stands wherever the fold stands (maybe on an
     earlier call) and may stand where the fold runs (a call whose tags alone differ: tiny
-    GPT-2's second layer, NLLB-MoE's first after the embedding): those calls' tokens are
+    GPT-2's second layer; NLLB-MoE's, which run two calls of each kind): those calls' tokens are
     ``stood``, and what they recorded left out is what that fold's forward records
     (`tpkit.trace.trace.Trace.reshapes`). ``valid`` turns False where it cannot be followed:
     it would run a call the fold stood (nothing of that call is known), it would break where
@@ -587,15 +606,8 @@ class _Coarser:
     def choice(self, name: str, signature: tuple, module: nn.Module, indices: dict) -> Any:
         """The call it would stand ``name``'s call on (its ``signature`` as it compares it),
         asked as `_Fold.forward` asks it; None: it would run it."""
-        alike = (
-            c
-            for c in self.calls.get(self.kind[name], ())
-            if c is self.latest[c.layer]
-            and c.coarse == signature
-            and holds(c.guards, indices)
-            and _as_before(module, c.writes)
-        )
-        return next(alike, None)
+        calls = self.calls.get(self.kind[name], [])
+        return _alike(calls, self.latest, "coarse", signature, module, indices)
 
     def stands(self, name: str, rough: _Call | None, call: _Call) -> None:
         """The fold stood ``name``'s call on ``call``; this one would on ``rough``."""
@@ -687,15 +699,7 @@ class _Fold:
             args, kwargs, indices = self._watch_indices(name, forward, args, kwargs)
             signature = _signature_of(args, kwargs, self.describe, name)
             kind = self.calls.setdefault(self.kind[name], [])
-            alike = (
-                c
-                for c in kind
-                if c is self.latest[c.layer]
-                and c.signature == signature
-                and holds(c.guards, indices)
-                and _as_before(module, c.writes)
-            )
-            call = next(alike, None)
+            call = _alike(kind, self.latest, "signature", signature, module, indices)
             coarser = self.coarser if self.coarser is not None and self.coarser.valid else None
             coarse = _signature_of(args, kwargs, coarser.describe, name) if coarser else None
             rough = coarser.choice(name, coarse, module, indices) if coarser else None

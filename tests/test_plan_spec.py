@@ -229,3 +229,28 @@ def test_style_for_answers_follow_every_change_of_the_entries():
     assert merged.style_for("a.b") == ("colwise", "a.*")
     assert plan.style_for("a.b") == ("rowwise", "a.b")
     assert plan.copy().style_for("x.y") is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    patterns=st.lists(
+        st.lists(
+            st.sampled_from(("0", "1", "a", "b", "weight", "bias", "*")), min_size=1, max_size=4
+        ),
+        max_size=12,
+    )
+)
+def test_unmatched_is_what_matching_every_name_says(patterns):
+    """`Plan.unmatched` only matches a pattern against names of its length ending as it ends,
+    and a pattern without ``*`` by lookup: the same answer as every name tried, a module shared
+    under two names (its parameters named under both) and ``*`` anywhere included."""
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(
+        nn.Sequential(shared, nn.ReLU()), nn.ModuleDict({"a": shared, "b": nn.Linear(2, 3)})
+    )
+    plan = Plan({".".join(p): "colwise" for p in patterns})
+    names = [n for n, _ in model.named_modules() if n]
+    names += [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    expected = [p for p in plan if not any(matches(p, n) for n in names)]
+    assert plan.unmatched(model) == expected
+    assert "1.a.weight" in names  # the shared weight under its second name

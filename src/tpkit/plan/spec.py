@@ -332,10 +332,33 @@ class Plan(Mapping[str, str]):
         return targets
 
     def unmatched(self, model: nn.Module) -> list[str]:
-        """Patterns that name no module and no parameter of ``model``."""
-        names = [n for n, _ in model.named_modules() if n]
-        names += [n for n, _ in model.named_parameters(remove_duplicate=False)]
-        return [p for p in self._styles if not any(matches(p, n) for n in names)]
+        """Patterns that name no module and no parameter of ``model``.
+
+        A pattern can only match names of as many components ending in its last one (any, for
+        ``*``), so names are grouped by that first: NLLB-MoE's plan of 500 entries against its
+        12,000 names was 6 million regex matches, a quarter of ``tpkit plan``'s checks."""
+        names = {n for n, _ in _named_modules(model) if n}
+        names.update(n for n, _ in model.named_parameters(remove_duplicate=False))
+        by_end: dict[tuple[int, str], list[str]] = {}
+        by_count: dict[int, list[str]] = {}
+        for n in names:
+            parts = n.split(".")
+            by_end.setdefault((len(parts), parts[-1]), []).append(n)
+            by_count.setdefault(len(parts), []).append(n)
+        out = []
+        for p in self._styles:
+            if p in names:
+                continue
+            parts = p.split(".")
+            alike = (
+                by_count.get(len(parts), [])
+                if parts[-1] == "*"
+                else by_end.get((len(parts), parts[-1]), [])
+            )
+            if "*" in parts and any(matches(p, n) for n in alike):
+                continue
+            out.append(p)
+        return out
 
     # -- serialisation -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, str]:

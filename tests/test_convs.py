@@ -490,3 +490,42 @@ def test_random_graphs_pair_something():
     if not _SEEN["examples"]:
         pytest.skip("run with test_random_graphs")
     assert _SEEN["pairs"] > 0, _SEEN
+
+
+_PLAN_OF_MOBILEVIT = """
+import json
+from tests.tiny import NotText, build
+from tests.tiny_family import build_family
+from tpkit.plan import derive_plan
+try:
+    model = build("mobilevit", "MobileViTModel")
+except NotText:
+    model = build_family("mobilevit", "MobileViTModel")
+plan = derive_plan(model, "infer", 2)
+print(json.dumps([list(plan.to_dict().items()), [g.modules for g in plan.groups]]))
+"""
+
+
+def test_plans_do_not_follow_the_hash_seed():
+    """The same model gets the same plan in every process: MobileViT's convolutions break in
+    pairs, and the order of its plan's groups followed the set they were broken from (seeds 1
+    and 2 gave two orders)."""
+    import os
+    import subprocess
+    import sys
+
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PLAN_OF_MOBILEVIT],
+            env={**os.environ, "PYTHONHASHSEED": seed, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in ("1", "2")
+    ]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    plans = [out.strip().splitlines()[-1] for out, _ in outs]
+    assert "conv_colwise_gather" in plans[0]  # the broken pairs are in it
+    assert plans[0] == plans[1]

@@ -510,7 +510,9 @@ class _ConvTrace(TorchFunctionMode):
         for name, count in self.calls.items():
             if count > 1:  # one module, two roles or two inputs: nothing here can tell
                 role, col, _ = self.plans.get(name, ("", "", 0))
-                for c in {col, name} & (self.sources | self.rows.keys()):
+                # sorted: a set's order follows the hash seed, and the broken (so the
+                # plan's groups) keep this order
+                for c in sorted({col, name} & (self.sources | self.rows.keys())):
                     self._break(c, f"{name} runs more than once")
         for col in self.packed & self.direct.keys():  # one layout cannot serve both readers
             self._break(col, f"{self.direct[col]} reads its channels before the GLU halves them")
@@ -629,7 +631,7 @@ class _ConvTrace(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         cols = {self.tag[id(t)][0] for t in tagged}
         if len(cols) > 1:
-            for c in cols:
+            for c in sorted(cols):  # as `run`'s breaks: not in the hash seed's order
                 self._break(c, f"{name}() mixes it with another convolution's channels")
             return out
         col, dim, stage = self.tag[id(tagged[0])]

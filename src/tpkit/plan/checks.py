@@ -167,6 +167,8 @@ def _device_map_problems(model: nn.Module) -> list[str]:
 
 
 def _pattern_problems(model: nn.Module, plan: Plan) -> list[str]:
+    if not any(plan.source(p) == Source.USER for p in plan):
+        return []  # only a user's pattern can name nothing: derived ones come from the model
     user = [p for p in plan.unmatched(model) if plan.source(p) == Source.USER]
     return [
         f"plan pattern {p!r} (style {plan[p]!r}) matches no module or parameter of "

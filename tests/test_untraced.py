@@ -152,3 +152,49 @@ def test_a_table_no_trace_saw_stays_whole(ranks2):
         assert r["table"] is None or r["table"][0] == "replicate", r["table"]
         assert "model.vision_tower" in r["towers"], r["towers"]
         assert any(n.startswith("model.vision_tower.layers.") for n in r["sharded"]), r["sharded"]
+
+
+#: two hybrid layers: the second's shared block is tied to the first's, weight for weight, and
+#: each calls one of the block's two adapters
+ZAMBA2_TIED = {
+    "num_hidden_layers": 4,
+    "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"],
+    "hybrid_layer_ids": [1, 3],
+}
+
+
+def test_an_uncalled_layer_tied_to_a_called_one_follows_it():
+    """The per-layer fallback splits a layer the trace never ran, unless a layer it ran holds
+    its weights: that layer's entry lays them out. Zamba2 ties every hybrid layer's shared block
+    to the first's, and each layer calls one adapter of its block: at full size and tp=8 the
+    fallback gathered the adapters a layer leaves uncalled, whose weights another layer computes
+    with whole. Its dry run failed, the hybrid layers' linear and the blocks' down_proj were left
+    whole with them, and validation dry-ran the plan again."""
+    import transformers
+
+    from tests.tiny import full_config
+    from tpkit.plan import derive_plan, validate
+    from tpkit.trace.analysis import Analysis
+
+    with torch.device("meta"):
+        model = transformers.Zamba2ForCausalLM(full_config("zamba2", "Zamba2ForCausalLM"))
+    analysis = Analysis(model)
+    plan = derive_plan(model, "auto", 8, analysis=analysis)
+    assert [a for a in analysis.answers.values() if a is not None] == []  # no failing try
+    assert not [p for p in plan if "adapter_list" in p]  # the called adapters' entries hold
+    assert plan.style_for("model.layers.6.linear")[0] == "rowwise"
+    down = "model.layers.12.shared_transformer.feed_forward.down_proj"
+    assert plan.style_for(down)[0] == "colwise"
+    asked = len(analysis.answers)
+    validate(model, plan, 8, analysis=analysis)
+    assert len(analysis.answers) == asked  # the plan derivation ran: nothing asked again
+
+
+def test_tied_blocks_with_uncalled_adapters_match_unsharded(ranks2):
+    """The same tie on a tiny Zamba2 with two hybrid layers, split at tp=2: outputs and every
+    gradient as the unsharded model's."""
+    from tests.parity import assert_parity, tiny_parity
+
+    results = ranks2.run(tiny_parity, "zamba2", "Zamba2ForCausalLM", ZAMBA2_TIED, timeout=300)
+    assert_parity(results, TOL)
+    assert all(r["share"] > 0.4 for r in results), results

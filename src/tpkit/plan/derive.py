@@ -155,12 +155,34 @@ def _untraced(analysis: Analysis, plan: Plan, tp: int | None) -> Plan:
     called = set(traced.module_inputs)
     plan = complete_towers(model, plan, called, lambda sub: derive_plan(sub, "auto", tp))
     convs = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    ran = called | _tied_to_ran(model, called)
     layers = (n for n, m in model.named_modules() if kind_of(m) or isinstance(m, convs))
-    if all(n in called or plan.style_for(n) for n in layers):
+    if all(n in ran or plan.style_for(n) for n in layers):
         return plan  # every layer ran (or is named): nothing for the fallback to add
     why = "the model's trace never ran it"
     fallback = fallback_plan(model, why, tp, _read_outside(analysis), analysis=analysis)
-    return complete_untraced_layers(model, plan, called, fallback)
+    return complete_untraced_layers(model, plan, ran, fallback)
+
+
+def _tied_to_ran(model: nn.Module, called: set[str]) -> set[str]:
+    """Modules the trace never ran holding a parameter that a module it ran holds too: their
+    weights are computed with there, so that module's entry lays them out (and
+    `complete_tied_layers` gives its twins the same split). Zamba2 ties every hybrid layer's
+    shared block to the first one's, and each layer calls one adapter of its block: the
+    fallback gathered the adapters each layer leaves uncalled, split the weights the first
+    layer computes with whole, and the dry run failed (0.8 s), then validation ran again."""
+    held = {
+        id(p)
+        for name, m in model.named_modules()
+        if name in called
+        for p in m._parameters.values()
+        if p is not None
+    }
+    return {
+        name
+        for name, m in model.named_modules()
+        if name not in called and any(id(p) in held for p in m._parameters.values())
+    }
 
 
 def _completed_inferred(analysis: Analysis) -> Plan | None:

@@ -77,7 +77,8 @@ def complete_untraced_layers(
     the layer on its own with a whole input and a gathered output (role "whole":
     ``colwise_gather_output``, ``conv_colwise_gather``; a new plan). Tables (``nn.Embedding``,
     ``nn.EmbeddingBag``) are never added, whatever the fallback gives them: no trace saw how
-    their weight is read."""
+    their weight is read. ``called`` holds, with the layers the trace ran, those holding a
+    weight one of them holds (`tpkit.plan.derive`): that one's entry lays the weight out."""
     plan = plan.copy()
     modules = dict(model.named_modules())
     for name in fallback:

@@ -167,10 +167,10 @@ def _untraced(analysis: Analysis, plan: Plan, tp: int | None) -> Plan:
 def _tied_to_ran(model: nn.Module, called: set[str]) -> set[str]:
     """Modules the trace never ran holding a parameter that a module it ran holds too: their
     weights are computed with there, so that module's entry lays them out (and
-    `complete_tied_layers` gives its twins the same split). Zamba2 ties every hybrid layer's
-    shared block to the first one's, and each layer calls one adapter of its block: the
-    fallback gathered the adapters each layer leaves uncalled, split the weights the first
-    layer computes with whole, and the dry run failed (0.8 s), then validation ran again."""
+    `complete_tied_layers` gives its twins the same split). Zamba2 ties each hybrid layer's
+    shared block to an earlier layer's, and each layer calls one adapter of its block: the
+    fallback gathered the adapters each layer leaves uncalled, split weights an earlier layer
+    computes with whole, and the dry run failed (0.8 s), then validation ran again."""
     held = {
         id(p)
         for name, m in model.named_modules()

@@ -160,3 +160,12 @@ __all__ = [
     "tree_map",
     "unset_fake_temporarily",
 ]
+
+
+def storage_holders(t) -> int:
+    """How many tensors (and storage objects) hold ``t``'s storage: 1 when ``t`` is its only
+    holder. torch counts them (``StorageImpl``'s use count) but names the binding privately."""
+    import torch
+
+    storage = t.untyped_storage()  # one more holder while it lives
+    return int(torch._C._storage_Use_Count(storage._cdata)) - 1

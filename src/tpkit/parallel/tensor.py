@@ -142,8 +142,8 @@ def apply_plan(
     for t in targets:
         if t.kind == "param":  # before the module styles, which keep DTensors as they are
             owner, _, pname = t.name.rpartition(".")
-            p = modules[owner]._parameters[pname]
-            layout = param_layout(t.style, pname, p.ndim, modules[owner])
+            ndim = modules[owner]._parameters[pname].ndim
+            layout = param_layout(t.style, pname, ndim, modules[owner])
             distribute_param(modules[owner], pname, layout, tp_mesh)
     styles: dict[str, TPStyle] = {}
     for t in targets:

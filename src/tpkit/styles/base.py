@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -32,9 +33,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
-from tpkit.compat import StridedShard, as_parameter
+from tpkit.compat import StridedShard, as_parameter, storage_holders
 from tpkit.parallel.comm import copy_to_tp
-from tpkit.parallel.shard_memory import empty_shard
+from tpkit.parallel.shard_memory import empty_shard, keep_in_place
 from tpkit.plan.catalogue import StyleSpec, bind, style_spec
 from tpkit.plan.layout import ParamLayout, chunk_ranges, param_layout
 
@@ -85,15 +86,15 @@ def distribute_param(
 
     ``src_data_rank=None`` (tpkit's default): each rank slices its shard from its own copy, with
     no communication; tpkit requires identical weights on every rank (same seed or checkpoint),
-    and on the meta device there is nothing to send anyway.
+    and on the meta device there is nothing to send anyway. Where the module was the weight's
+    only holder, a shard that is one contiguous run of it stays in its memory (`_split_here`).
     """
     param = module._parameters[name]
     if isinstance(param, DTensor):
         return param
     if src_data_rank is None and mesh.ndim == 1 and param.device.type != "meta":
-        new = as_parameter(_own_shard(param.detach(), layout, mesh), param.requires_grad)
-        module.register_parameter(name, new)
-        return new
+        del param  # a reference held here would keep the weight from being its module's alone
+        return _split_here(module, name, layout, mesh)
     dt = distribute_tensor(
         param.detach(), mesh, [placement_for(layout)], src_data_rank=src_data_rank
     )
@@ -111,11 +112,45 @@ def distribute_param(
     return new
 
 
-def _own_shard(t: torch.Tensor, layout: ParamLayout, mesh: DeviceMesh) -> DTensor:
+def _split_here(
+    module: nn.Module, name: str, layout: ParamLayout, mesh: DeviceMesh
+) -> nn.Parameter:
+    """`distribute_param` on a 1-D mesh, each rank cutting its shard from its own copy.
+
+    Is the module the weight's only holder? Then its shard may stay in the weight's memory, the
+    rest given back (`keep_in_place`). The parameter is let go of here, and seen to die or not:
+    a tie, an optimizer, a user's handle keep it alive, a state_dict's tensor its storage, and
+    then the shard is a copy and the weight is left as it was for them."""
+    param = module._parameters[name]
+    whole, requires_grad = param.detach(), param.requires_grad
+    try:
+        alive = weakref.ref(param)
+    except TypeError:  # a parameter class without weak references: not known to be alone
+        alive = (lambda p: lambda: p)(param)
+    module._parameters[name] = None
+    del param
+    alone = alive() is None and storage_holders(whole) == 1
+    try:
+        local = _own_shard(whole, layout, mesh, in_place=alone)
+    except BaseException:
+        old = alive()
+        module._parameters[name] = old if old is not None else nn.Parameter(whole, requires_grad)
+        raise
+    new = as_parameter(local, requires_grad)
+    module.register_parameter(name, new)
+    return new
+
+
+def _own_shard(
+    t: torch.Tensor, layout: ParamLayout, mesh: DeviceMesh, in_place: bool = False
+) -> DTensor:
     """``t`` laid out as ``layout`` over a 1-D ``mesh``, this rank's shard cut from its own copy
     into fresh memory, once. What ``distribute_tensor`` gives, without its cost: it makes every
     rank's chunk contiguous (a copy of the whole weight for a column split) before keeping one,
-    and a kept view would pin the whole weight (or the file transformers mapped it from)."""
+    and a kept view would pin the whole weight (or the file transformers mapped it from).
+
+    ``in_place`` (``t`` is its memory's only holder): a shard that is one contiguous run of
+    ``t`` stays where it is, the rest of ``t``'s pages given back (`keep_in_place`)."""
     parts = [t]
     if layout.sharded and mesh.size() > 1:
         ranges = chunk_ranges(
@@ -125,11 +160,16 @@ def _own_shard(t: torch.Tensor, layout: ParamLayout, mesh: DeviceMesh) -> DTenso
     shape = list(t.shape)
     if layout.sharded:
         shape[layout.dim] = sum(p.shape[layout.dim] for p in parts)
-    local = empty_shard(tuple(shape), t.dtype, t.device)  # its pages faulted in at once
-    if len(parts) > 1:
-        torch.cat(parts, layout.dim, out=local)
-    else:
-        local.copy_(parts[0])
+    local = None
+    if in_place and len(parts) == 1 and parts[0].is_contiguous():
+        start = (parts[0].data_ptr() - t.data_ptr()) // t.element_size()
+        local = keep_in_place(t, start, tuple(shape))
+    if local is None:
+        local = empty_shard(tuple(shape), t.dtype, t.device)  # its pages faulted in at once
+        if len(parts) > 1:
+            torch.cat(parts, layout.dim, out=local)
+        else:
+            local.copy_(parts[0])
     return DTensor.from_local(  # the global stride is the weight's, as distribute_tensor's
         local, mesh, [placement_for(layout)], run_check=False, shape=t.shape, stride=t.stride()
     )
@@ -252,10 +292,11 @@ class TPStyle(ParallelStyle):
         self.group = device_mesh.get_group()
         self.tp = device_mesh.size()
         self.rank = device_mesh.get_local_rank()
-        for pname, p in list(module._parameters.items()):
-            if p is not None:
-                layout = param_layout(self.layout_style, pname, p.ndim, module)
-                distribute_param(module, pname, layout, device_mesh, self.src_data_rank)
+        held = [n for n, p in module._parameters.items() if p is not None]
+        for pname in held:  # by name: a reference held here would keep each weight's memory
+            ndim = module._parameters[pname].ndim
+            layout = param_layout(self.layout_style, pname, ndim, module)
+            distribute_param(module, pname, layout, device_mesh, self.src_data_rank)
         # a replicated layer on a sequence chunk sees a partial gradient while SP is active
         self._sp_grads = self.spec.role == "replicate"
         self._setup(module)

@@ -139,7 +139,7 @@ class ExpertParallelStyle(TPStyle):
         self.placement = ExpertPlacement(self.num_experts, self.tp)
         self.local_count = self.placement.sizes[self.rank]
         self._holders: list[tuple[nn.Module, str, str]] = []
-        for name, _ in list(module.named_parameters()):
+        for name in [n for n, _ in module.named_parameters()]:  # names: no weight held here
             owner_name, _, pname = name.rpartition(".")
             owner = module.get_submodule(owner_name)
             layout = ParamLayout(0) if name in self.expert_params else REPLICATED

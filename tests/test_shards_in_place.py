@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tpkit.compat import storage_holders
-from tpkit.parallel.shard_memory import IN_PLACE_MIN_BYTES, keep_in_place
+from tpkit.parallel.shard_memory import IN_PLACE_MIN_BYTES, give_back, keep_in_place
 
 
 def rss() -> int:
@@ -124,3 +124,65 @@ def test_a_weight_held_only_by_its_module_keeps_its_shard_in_place(ranks2):
         assert inside["a.weight"] and inside["a.bias"] is False, r  # bias: 1 KiB, copied
         assert not inside["b.weight"], r  # a row split is strided: copied
         assert not inside["c.weight"] and not inside["d.weight"], r  # held elsewhere: copied
+
+
+def test_give_back_returns_the_pages_of_a_weight_copied_out():
+    whole = torch.ones(16 << 20)  # 64 MiB, every page touched
+    before = rss()
+    give_back(whole)
+    assert before - rss() > 60 << 20
+    assert float(whole[1 << 20]) == 0.0  # anonymous memory given back reads as zeros
+
+
+def split_a_loaded_checkpoint(path: str) -> dict:
+    """A model transformers loaded is a view of its checkpoint, mapped copy-on-write: shards kept
+    in place stay in that mapping, a training step writes them, and the file is as it was."""
+    import hashlib
+    import os
+
+    import torch.distributed as dist
+    import transformers as tf
+
+    import tpkit
+    from tests.models import batch, build
+
+    ref = build("llama")
+    if dist.get_rank() == 0:
+        ref.save_pretrained(path)
+    dist.barrier()
+    file = os.path.join(path, "model.safetensors")
+    with open(file, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    from tpkit.parallel import shard_memory
+
+    saved, shard_memory.IN_PLACE_MIN_BYTES = shard_memory.IN_PLACE_MIN_BYTES, 1  # tiny weights
+    try:
+        model = tpkit.tensor_parallel(tf.AutoModelForCausalLM.from_pretrained(path))
+    finally:
+        shard_memory.IN_PLACE_MIN_BYTES = saved
+    with open("/proc/self/maps") as f:
+        spans = [
+            tuple(int(v, 16) for v in line.split()[0].split("-"))
+            for line in f
+            if line.rstrip().endswith(file)
+        ]
+    mapped = sum(
+        any(lo <= p.to_local().data_ptr() < hi for lo, hi in spans) for p in model.parameters()
+    )
+    x = batch(ref.config.vocab_size)
+    out = model(input_ids=x, labels=x)
+    with torch.no_grad():
+        diff = (out.logits - ref(input_ids=x).logits).abs().max().item()
+    out.loss.backward()
+    torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+    after = model(input_ids=x, labels=x).loss.item()
+    dist.barrier()
+    with open(file, "rb") as f:
+        same = hashlib.sha256(f.read()).hexdigest() == digest
+    return {"diff": diff, "mapped": mapped, "loss": out.loss.item(), "after": after, "same": same}
+
+
+def test_shards_kept_in_a_loaded_checkpoint_train_and_leave_the_file_alone(ranks2, tmp_path):
+    for r in ranks2.run(split_a_loaded_checkpoint, str(tmp_path / "m")):
+        assert r["diff"] <= 1e-5 and r["after"] < r["loss"], r
+        assert r["mapped"] > 0 and r["same"], r

@@ -37,7 +37,7 @@ import torch
 
 from tpkit import config
 
-__all__ = ["IN_PLACE_MIN_BYTES", "MAPPED_MIN_BYTES", "empty_shard", "keep_in_place"]
+__all__ = ["IN_PLACE_MIN_BYTES", "MAPPED_MIN_BYTES", "empty_shard", "give_back", "keep_in_place"]
 
 #: CPU shards of at least this many bytes get their own populated mapping (huge pages if asked)
 MAPPED_MIN_BYTES = 4 << 20
@@ -104,11 +104,35 @@ def keep_in_place(whole: torch.Tensor, start: int, shape: tuple[int, ...]) -> to
         return None
     base = whole.data_ptr()
     lo, hi = base + start * size, base + (start + numel) * size
-    libc = ctypes.CDLL(None, use_errno=True)
-    for a, b in ((base, lo), (hi, base + whole.nbytes)):
-        a, b = -(-a // _PAGE) * _PAGE, b // _PAGE * _PAGE  # whole pages only
-        if b > a:  # refused (locked pages): still right, only not given back
-            libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), _MADV_DONTNEED)
+    _give_back(base, lo)
+    _give_back(hi, base + whole.nbytes)
     view = (ctypes.c_ubyte * (hi - lo)).from_address(lo)
     view.owner = whole  # the memory lives while the shard does
     return torch.frombuffer(view, dtype=torch.uint8).view(whole.dtype).view(shape)
+
+
+def give_back(whole: torch.Tensor) -> None:
+    """Give ``whole``'s pages back to the kernel once its shard has been copied out of it, where
+    the caller held it alone (`keep_in_place`'s terms): a no-op off Linux and for what is not a
+    contiguous CPU tensor.
+
+    Freeing the tensor does not always do it: a weight transformers loaded is a view of the
+    checkpoint's mapping, which stays mapped (and every page the copy read, resident) while any
+    other weight's shard kept in place lives there; a heap block keeps its pages too."""
+    if (
+        sys.platform == "linux"
+        and type(whole) is torch.Tensor
+        and whole.device.type == "cpu"
+        and whole.layout == torch.strided
+        and whole.is_contiguous()
+    ):
+        _give_back(whole.data_ptr(), whole.data_ptr() + whole.nbytes)
+
+
+def _give_back(lo: int, hi: int) -> None:
+    """``madvise(DONTNEED)`` the whole pages in ``[lo, hi)`` (none if there are none). Refused
+    (locked pages, say): still right, only not given back."""
+    a, b = -(-lo // _PAGE) * _PAGE, hi // _PAGE * _PAGE
+    if b > a:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), _MADV_DONTNEED)

@@ -35,7 +35,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from tpkit.compat import StridedShard, as_parameter, storage_holders
 from tpkit.parallel.comm import copy_to_tp
-from tpkit.parallel.shard_memory import empty_shard, keep_in_place
+from tpkit.parallel.shard_memory import empty_shard, give_back, keep_in_place
 from tpkit.plan.catalogue import StyleSpec, bind, style_spec
 from tpkit.plan.layout import ParamLayout, chunk_ranges, param_layout
 
@@ -150,7 +150,8 @@ def _own_shard(
     and a kept view would pin the whole weight (or the file transformers mapped it from).
 
     ``in_place`` (``t`` is its memory's only holder): a shard that is one contiguous run of
-    ``t`` stays where it is, the rest of ``t``'s pages given back (`keep_in_place`)."""
+    ``t`` stays where it is, the rest of ``t``'s pages given back (`keep_in_place`); any other
+    shard is copied and then all of ``t``'s pages are given back (`give_back`)."""
     parts = [t]
     if layout.sharded and mesh.size() > 1:
         ranges = chunk_ranges(
@@ -170,6 +171,8 @@ def _own_shard(
             torch.cat(parts, layout.dim, out=local)
         else:
             local.copy_(parts[0])
+        if in_place:
+            give_back(t)  # what the copy read stays resident otherwise (`give_back`)
     return DTensor.from_local(  # the global stride is the weight's, as distribute_tensor's
         local, mesh, [placement_for(layout)], run_check=False, shape=t.shape, stride=t.stride()
     )

@@ -16,7 +16,6 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any
@@ -28,19 +27,12 @@ class RankError(AssertionError):
     """A check raised on one or more ranks; carries each rank's traceback."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(
-    rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue, env: dict
+    rank: int, world: int, ports: mp.Queue, tasks: mp.Queue, results: mp.Queue, env: dict
 ) -> None:
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
             "RANK": str(rank),
             "WORLD_SIZE": str(world),
             "LOCAL_RANK": str(rank),
@@ -55,9 +47,19 @@ def _worker(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT)
-    )
+    # Rank 0's store listens on a port the kernel picks as it binds, and tells the others: a
+    # port picked free by the parent could be taken by another process in the seconds before
+    # rank 0 listened on it (EADDRINUSE, seen under two pytest workers).
+    timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, True, timeout, wait_for_workers=False)
+        for _ in range(world - 1):
+            ports.put(store.port)
+    else:
+        port = ports.get(timeout=DEFAULT_TIMEOUT)
+        store = dist.TCPStore("127.0.0.1", port, world, False, timeout)
+    os.environ["MASTER_PORT"] = str(store.port)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     while True:
         task = tasks.get()
         if task is None:
@@ -83,13 +85,13 @@ class RankGroup:
 
     def start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        ports = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(self.world)]
         self.results = ctx.Queue()
         self.procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world, port, self.tasks[r], self.results, self.env),
+                args=(r, self.world, ports, self.tasks[r], self.results, self.env),
                 daemon=True,
             )
             for r in range(self.world)

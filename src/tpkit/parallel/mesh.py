@@ -107,11 +107,13 @@ def init_distributed(
     backend: str | None = None,
     device_type: str | None = None,
     timeout_s: float | None = None,
+    init_method: str | None = None,
 ) -> DistEnv:
     """Initialise the default process group from torchrun's env if it is not up yet.
 
     Returns the environment. With world size 1 and no group, nothing is initialised: single-process
-    use needs no process group at all.
+    use needs no process group at all. ``init_method`` (e.g. ``file:///tmp/x/store``): where the
+    ranks meet instead of ``MASTER_ADDR:MASTER_PORT`` (rank and world size still from the env).
     """
     env = dist_env()
     if not env.is_distributed:
@@ -124,7 +126,10 @@ def init_distributed(
         torch.cuda.set_device(env.local_rank % max(torch.cuda.device_count(), 1))
     backend = backend or default_backend(device_type)
     seconds = timeout_s if timeout_s is not None else tpkit_timeout()
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=seconds))
+    meet = {}
+    if init_method is not None:
+        meet = {"init_method": init_method, "rank": env.rank, "world_size": env.world_size}
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=seconds), **meet)
     install_timeout_report()
     log.info("process group up: %s, %d ranks, timeout %g s", backend, env.world_size, seconds)
     return dist_env()

@@ -196,7 +196,10 @@ def main(argv: list[str] | None = None) -> None:
             torch.set_num_threads(threads)
         from tpkit.parallel.mesh import init_distributed
 
-        init_distributed()
+        # the ranks meet in a file of the pool's own folder: a TCP port picked free by the pool
+        # could be taken by another process before rank 0 listens on it (EADDRINUSE)
+        store = os.path.join(os.path.dirname(address), "store")
+        init_distributed(init_method=f"file://{store}")
         Worker(conn, rank).serve()
     except BaseException:  # noqa: BLE001 - printed for the caller, who names this rank
         traceback.print_exc()

@@ -74,14 +74,6 @@ def raise_worker_error(record: dict) -> None:
     raise exc from remote
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Pool:
     """``world`` worker processes joined by torch.distributed, each holding its shards of one
     model built from ``spec`` (see `tpkit.pool.worker.build`). ``env``: extra environment for
@@ -111,8 +103,6 @@ class Pool:
         env = {
             **os.environ,
             **self.env,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port()),
             "WORLD_SIZE": str(self.world),
             "LOCAL_WORLD_SIZE": str(self.world),
             "PYTHONUNBUFFERED": "1",

@@ -5,7 +5,7 @@ once (``MAP_POPULATE``).
 
 Kept in place, a shard costs no fresh page and no copy, and the split never holds more than
 the whole weights it started from: ``tensor_parallel(model, plan="infer")`` of a 1.1B Llama in
-memory at tp=2 took 3.2 s with every shard copied out, 0.7 s with the contiguous ones kept:
+memory at tp=2 took 3.2 s with every shard copied out, 0.9 s with the contiguous ones kept:
 the column-parallel layers', the vocabulary-split embeddings' and the weights kept whole
 (``benchmarks/ready.py``). A row-parallel layer's shard (its input dimension split) is a
 strided run and still copied: squeezing it together in place would write into memory whose

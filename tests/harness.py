@@ -85,13 +85,13 @@ class RankGroup:
 
     def start(self) -> None:
         ctx = mp.get_context("spawn")
-        ports = ctx.Queue()
+        self.ports = ctx.Queue()  # kept: a spawned rank unpickles it after start() returns
         self.tasks = [ctx.Queue() for _ in range(self.world)]
         self.results = ctx.Queue()
         self.procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world, ports, self.tasks[r], self.results, self.env),
+                args=(r, self.world, self.ports, self.tasks[r], self.results, self.env),
                 daemon=True,
             )
             for r in range(self.world)

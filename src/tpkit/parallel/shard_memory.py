@@ -77,10 +77,10 @@ def keep_in_place(whole: torch.Tensor, start: int, shape: tuple[int, ...]) -> to
     the kernel; None where that cannot be done here (not Linux, not a plain contiguous CPU
     tensor, smaller than `IN_PLACE_MIN_BYTES`).
 
-    A shard that is one contiguous run of its weight (a row split, or a weight kept whole)
-    needs neither fresh memory nor a copy: faulting in fresh pages and copying into them was
-    ~60 % of ``tensor_parallel``'s split of a 292M Llama, and the shard's peak memory becomes
-    the weight's. The tensor gets a storage of exactly its own bytes (so ``torch.save`` of it
+    A shard that is one contiguous run of its weight (its rows split, or a weight kept whole)
+    needs neither fresh memory nor a copy: faulting in fresh pages, copying into them and
+    freeing the weights was about half of ``tensor_parallel``'s split of a 292M Llama, and the
+    split never needs more memory than the weights it starts from. The tensor gets a storage of exactly its own bytes (so ``torch.save`` of it
     writes the shard, not the weight) that keeps ``whole``'s memory alive.
 
     A weight transformers loaded is a view of its checkpoint, mapped copy-on-write: its shard
@@ -104,11 +104,12 @@ def keep_in_place(whole: torch.Tensor, start: int, shape: tuple[int, ...]) -> to
         return None
     base = whole.data_ptr()
     lo, hi = base + start * size, base + (start + numel) * size
-    _give_back(base, lo)
-    _give_back(hi, base + whole.nbytes)
     view = (ctypes.c_ubyte * (hi - lo)).from_address(lo)
     view.owner = whole  # the memory lives while the shard does
-    return torch.frombuffer(view, dtype=torch.uint8).view(whole.dtype).view(shape)
+    kept = torch.frombuffer(view, dtype=torch.uint8).view(whole.dtype).view(shape)
+    _give_back(base, lo)  # last: nothing after it can fail and leave ``whole`` part zeros
+    _give_back(hi, base + whole.nbytes)
+    return kept
 
 
 def give_back(whole: torch.Tensor) -> None:

@@ -165,17 +165,19 @@ def _own_shard(
     if in_place and len(parts) == 1 and parts[0].is_contiguous():
         start = (parts[0].data_ptr() - t.data_ptr()) // t.element_size()
         local = keep_in_place(t, start, tuple(shape))
-    if local is None:
+    copied = local is None
+    if copied:
         local = empty_shard(tuple(shape), t.dtype, t.device)  # its pages faulted in at once
         if len(parts) > 1:
             torch.cat(parts, layout.dim, out=local)
         else:
             local.copy_(parts[0])
-        if in_place:
-            give_back(t)  # what the copy read stays resident otherwise (`give_back`)
-    return DTensor.from_local(  # the global stride is the weight's, as distribute_tensor's
+    dt = DTensor.from_local(  # the global stride is the weight's, as distribute_tensor's
         local, mesh, [placement_for(layout)], run_check=False, shape=t.shape, stride=t.stride()
     )
+    if copied and in_place:
+        give_back(t)  # last; what the copy read stays resident otherwise (`give_back`)
+    return dt
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

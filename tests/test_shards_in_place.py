@@ -55,13 +55,15 @@ def test_what_cannot_stay_in_place_says_so():
     assert keep_in_place(big, 0, (0, 1024)) is None
 
 
-def test_storage_holders_counts_tensors_on_the_memory():
+def test_storage_holders_counts_tensors_on_the_memory(monkeypatch):
     t = torch.empty(8)
     assert storage_holders(t) == 1
     view = t[2:]
     assert storage_holders(t) == 2
     del view
     assert storage_holders(t) == 1
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")  # a torch without the count
+    assert storage_holders(t) > 1  # never taken as held alone
 
 
 # ---- on ranks: which shards stay where they were, and nothing anyone else holds changes ------

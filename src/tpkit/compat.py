@@ -164,8 +164,12 @@ __all__ = [
 
 def storage_holders(t) -> int:
     """How many tensors (and storage objects) hold ``t``'s storage: 1 when ``t`` is its only
-    holder. torch counts them (``StorageImpl``'s use count) but names the binding privately."""
+    holder. torch counts them (``StorageImpl``'s use count) but names the binding privately;
+    a torch without it answers "more than one" (nothing is then taken as held alone)."""
     import torch
 
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return sys.maxsize
     storage = t.untyped_storage()  # one more holder while it lives
-    return int(torch._C._storage_Use_Count(storage._cdata)) - 1
+    return int(count(storage._cdata)) - 1

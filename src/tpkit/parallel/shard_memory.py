@@ -93,11 +93,7 @@ def keep_in_place(whole: torch.Tensor, start: int, shape: tuple[int, ...]) -> to
     numel = torch.Size(shape).numel()
     size = whole.element_size()
     if (
-        sys.platform != "linux"
-        or type(whole) is not torch.Tensor
-        or whole.device.type != "cpu"
-        or whole.layout != torch.strided
-        or not whole.is_contiguous()
+        not _plain_cpu(whole)
         or whole.nbytes < IN_PLACE_MIN_BYTES
         or not 0 <= start < start + numel <= whole.numel()
     ):
@@ -120,14 +116,20 @@ def give_back(whole: torch.Tensor) -> None:
     Freeing the tensor does not always do it: a weight transformers loaded is a view of the
     checkpoint's mapping, which stays mapped (and every page the copy read, resident) while any
     other weight's shard kept in place lives there; a heap block keeps its pages too."""
-    if (
-        sys.platform == "linux"
-        and type(whole) is torch.Tensor
-        and whole.device.type == "cpu"
-        and whole.layout == torch.strided
-        and whole.is_contiguous()
-    ):
+    if _plain_cpu(whole):
         _give_back(whole.data_ptr(), whole.data_ptr() + whole.nbytes)
+
+
+def _plain_cpu(t: torch.Tensor) -> bool:
+    """A plain contiguous CPU tensor on Linux: its bytes are one run at ``data_ptr()`` whose
+    pages ``madvise`` may give back."""
+    return (
+        sys.platform == "linux"
+        and type(t) is torch.Tensor
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.is_contiguous()
+    )
 
 
 def _give_back(lo: int, hi: int) -> None:
